@@ -1,0 +1,28 @@
+# The README's two commands, `make demo` and `make test`, do all the set-up: they build a
+# local virtual environment from nothing, with every package pinned in requirements-dev.txt.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-all bench clean
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -r requirements-dev.txt
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+# The main job: LAMB, 1-bit LAMB and 1-bit Adam pretraining a small BERT side by side.
+demo: $(STAMP)
+	$(BIN)/onebitlamb compare --preset demo --out runs/demo
+
+# The whole default test suite (the slow tests are covered by shorter ones; `make test-all` runs them too).
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -m ""
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,5 @@
+import sys
+
+from onebitlamb.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmark scripts. Each writes its own section of BENCHMARKS.md (see ``report``)."""

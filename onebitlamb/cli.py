@@ -1,0 +1,40 @@
+"""The `onebitlamb` command line: one sub-command per tool, each living next to the code it drives.
+
+Every sub-command module exposes ``add_arguments(parser)`` and ``run(args) -> int``; they are
+imported only when chosen, so ``onebitlamb --help`` stays fast and the optimizers never pull in
+the example's dependencies.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "pretrain": ("onebitlamb.train.pretrain", "pretrain a small BERT with one optimizer"),
+    "compare": ("onebitlamb.train.compare", "LAMB, 1-bit LAMB and 1-bit Adam side by side"),
+    "netsim": ("onebitlamb.netsim.cli", "training on emulated hosts behind a slow network"),
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="onebitlamb", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] not in COMMANDS:
+        args = parser.parse_args(argv)  # prints help or a clear error
+        parser.print_help()
+        return 2
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    cmd_parser = argparse.ArgumentParser(prog=f"onebitlamb {name}", description=COMMANDS[name][1])
+    module.add_arguments(cmd_parser)
+    return int(module.run(cmd_parser.parse_args(argv[1:])) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Sign bits packed 8 per byte, and their expansion back to ``scale * ±1``.
+
+Conventions (ALGORITHM.md): bit 1 means negative, bit 0 non-negative, so ``sign(0) = +1`` and
+``sign(-0.0) = +1`` (``-0.0 < 0`` is false). NaN compares false too, so a NaN packs as +1; the
+all-reduce does not hide it, since a NaN makes the buffer's scale NaN (see ``comm``). Bits are
+packed most significant first (numpy's ``bitorder="big"``), the same on CPU and CUDA.
+
+Two implementations with identical results:
+- CPU: ``torch.lt`` into a reusable bool buffer, then numpy's SIMD ``packbits``; expansion is a
+  table lookup (each byte selects a row of 8 precomputed floats), one read of the packed bytes and
+  one write of the output, which is as cheap as expansion can be.
+- any other device (CUDA): the same maths in plain torch ops, no custom kernels.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Row b holds the 8 signs encoded by byte b, most significant bit first: +1 for 0, -1 for 1.
+_SIGN_TABLE = torch.from_numpy(
+    1.0 - 2.0 * np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.float32)
+)
+_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+def packed_size(numel: int) -> int:
+    """Bytes needed for ``numel`` signs."""
+    return (numel + 7) // 8
+
+
+def _check_float(x: torch.Tensor, name: str) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+
+
+def pack_signs(
+    x: torch.Tensor, out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Pack the signs of ``x`` (flattened) into ``ceil(numel/8)`` uint8 bytes.
+
+    ``out`` (uint8, that size) and ``workspace`` (bool, ``numel``) may be given to avoid allocating.
+    A size that is not a multiple of 8 is padded with +1 signs (0 bits).
+    """
+    _check_float(x, "x")
+    flat = x.reshape(-1)
+    n = flat.numel()
+    nbytes = packed_size(n)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    elif out.dtype != torch.uint8 or out.numel() != nbytes or out.device != x.device:
+        raise ValueError(f"out must be a uint8 tensor of {nbytes} elements on {x.device}, "
+                         f"got {out.dtype} with {out.numel()} on {out.device}")
+    if workspace is None or workspace.numel() < n:
+        workspace = torch.empty(n, dtype=torch.bool, device=x.device)
+    negative = torch.lt(flat, 0, out=workspace[:n])
+    if x.device.type == "cpu":
+        out.copy_(torch.from_numpy(np.packbits(negative.numpy())))
+        return out
+    full = (n // 8) * 8
+    if full:
+        weighted = negative[:full].view(-1, 8).to(torch.uint8) * _BIT_WEIGHTS.to(x.device)
+        torch.sum(weighted, dim=1, dtype=torch.uint8, out=out[: full // 8])
+    if full < n:
+        tail = torch.zeros(8, dtype=torch.uint8, device=x.device)
+        tail[: n - full] = negative[full:].to(torch.uint8)
+        out[-1] = (tail * _BIT_WEIGHTS.to(x.device)).sum(dtype=torch.uint8)
+    return out
+
+
+def unpack_signs(
+    packed: torch.Tensor,
+    numel: int,
+    scale: float | torch.Tensor = 1.0,
+    dtype: torch.dtype = torch.float32,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Expand packed bits to ``scale * ±1`` (bit 0 -> +scale, bit 1 -> -scale), ``numel`` values.
+
+    ``scale`` may be a Python number or a 0-d tensor; the result has ``dtype`` (or ``out``'s).
+    """
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be uint8, got {packed.dtype}")
+    if packed.numel() != packed_size(numel):
+        raise ValueError(f"{numel} signs need {packed_size(numel)} packed bytes, got {packed.numel()}")
+    if out is None:
+        out = torch.empty(numel, dtype=dtype, device=packed.device)
+    else:
+        _check_float(out, "out")
+        if out.numel() != numel:
+            raise ValueError(f"out must have {numel} elements, got {out.numel()}")
+    _check_float(out, "out")
+    if numel == 0:
+        return out
+    if isinstance(scale, torch.Tensor):
+        scale = scale.item() if packed.device.type == "cpu" else scale.to(out.dtype)
+    table = (_SIGN_TABLE.to(packed.device) * scale).to(out.dtype)
+    full = numel // 8
+    if packed.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
+        # gather rows straight into the output: one read of the bytes, one write of the floats
+        np.take(table.numpy(), packed[:full].numpy(), axis=0, out=out[: full * 8].numpy().reshape(full, 8))
+    elif full:
+        torch.index_select(table, 0, packed[:full].long(), out=out[: full * 8].view(full, 8))
+    if full * 8 < numel:
+        out[full * 8:] = table[int(packed[-1])][: numel - full * 8]
+    return out
