@@ -8,6 +8,7 @@ describes the group.)
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -41,7 +42,11 @@ def _worker(fn, rank, world_size, init_method, timeout_s, threads, args, results
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        # serialised here: tensors put on the queue directly would be shared through file
+        # descriptors that vanish when this process exits before the parent reads them
+        payload = io.BytesIO()
+        torch.save(out, payload)
+        results.put((rank, True, payload.getvalue()))
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
         results.put((rank, False, traceback.format_exc()))
 
@@ -93,7 +98,9 @@ def spawn_local(
                                       f"{[p.exitcode for p in procs]}")
                 continue
             if ok:
-                outputs[rank] = value
+                import torch
+
+                outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 failures.append(f"rank {rank}:\n{value}")
                 # the other ranks are probably blocked in a collective with the dead one

@@ -6,9 +6,9 @@ all-reduce does not hide it, since a NaN makes the buffer's scale NaN (see ``com
 packed most significant first (numpy's ``bitorder="big"``), the same on CPU and CUDA.
 
 Two implementations with identical results:
-- CPU: ``torch.lt`` into a reusable bool buffer, then numpy's SIMD ``packbits``; expansion is a
-  table lookup (each byte selects a row of 8 precomputed floats), one read of the packed bytes and
-  one write of the output, which is as cheap as expansion can be.
+- CPU: numpy's SIMD comparison into a reusable bool buffer, then ``packbits``; expansion is a
+  table lookup (each byte selects a row of 8 precomputed signed scales): one read of the packed
+  bytes and one write of the output, about as cheap as expansion can be.
 - any other device (CUDA): the same maths in plain torch ops, no custom kernels.
 """
 from __future__ import annotations
@@ -24,6 +24,8 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SIGN_TABLE = torch.from_numpy(
     1.0 - 2.0 * np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.float32)
 )
+# Packed bytes expanded per slice on CPU (32768 bytes -> 256K values, an L2-sized index).
+_EXPAND_SLICE = 32768
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
 
@@ -56,7 +58,12 @@ def pack_signs(
                          f"got {out.dtype} with {out.numel()} on {out.device}")
     if workspace is None or workspace.numel() < n:
         workspace = torch.empty(n, dtype=torch.bool, device=x.device)
-    negative = torch.lt(flat, 0, out=workspace[:n])
+    negative = workspace[:n]
+    if x.device.type == "cpu" and x.dtype != torch.bfloat16:  # numpy has no bfloat16
+        np.less(flat.numpy(), 0, out=negative.numpy())
+        out.copy_(torch.from_numpy(np.packbits(negative.numpy())))
+        return out
+    torch.lt(flat, 0, out=negative)
     if x.device.type == "cpu":
         out.copy_(torch.from_numpy(np.packbits(negative.numpy())))
         return out
@@ -99,11 +106,16 @@ def unpack_signs(
         scale = scale.item() if packed.device.type == "cpu" else scale.to(out.dtype)
     table = (_SIGN_TABLE.to(packed.device) * scale).to(out.dtype)
     full = numel // 8
-    if packed.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
-        # gather rows straight into the output: one read of the bytes, one write of the floats
-        np.take(table.numpy(), packed[:full].numpy(), axis=0, out=out[: full * 8].numpy().reshape(full, 8))
-    elif full:
-        torch.index_select(table, 0, packed[:full].long(), out=out[: full * 8].view(full, 8))
+    rows = out[: full * 8].view(full, 8)
+    # Each byte selects a row of 8 signed scales. The byte indices are widened to int64 a slice
+    # at a time, so the index stays in cache and nothing buffer-sized is allocated.
+    step = _EXPAND_SLICE if packed.device.type == "cpu" else max(full, 1)
+    index = torch.empty(min(step, full), dtype=torch.long, device=packed.device)
+    for i in range(0, full, step):
+        j = min(i + step, full)
+        idx = index[: j - i]
+        idx.copy_(packed[i:j])
+        torch.index_select(table, 0, idx, out=rows[i:j])
     if full * 8 < numel:
         out[full * 8:] = table[int(packed[-1])][: numel - full * 8]
     return out

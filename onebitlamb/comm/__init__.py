@@ -1,0 +1,7 @@
+"""The compressed collective and the communication accounting. Never imports an optimizer."""
+from onebitlamb.comm.collectives import (allreduce_mean_, compressed_allreduce, padded_size,
+                                         world_size_of)
+from onebitlamb.comm.stats import GLOBAL_STATS, CommStats
+
+__all__ = ["CommStats", "GLOBAL_STATS", "allreduce_mean_", "compressed_allreduce", "padded_size",
+           "world_size_of"]

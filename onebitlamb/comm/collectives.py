@@ -1,0 +1,238 @@
+"""The library's collectives: a plain averaging all-reduce and the error-compensated 1-bit
+all-reduce of ALGORITHM.md, on any ``torch.distributed`` backend that has all-to-all and
+all-gather (gloo on CPU, NCCL on GPU).
+
+The 1-bit all-reduce, for ``n`` ranks each holding a buffer ``b_i`` of ``D`` elements (``D`` a
+multiple of ``8n`` so that each rank's chunk packs into whole bytes)::
+
+    worker  y_i = b_i + e_w            s_i = ||y_i|| / sqrt(D)     e_w = y_i - s_i sign(y_i)
+    (all-to-all: chunk j of every rank's packed signs goes to rank j; all-gather of s_i)
+    server  z_j = e_s + sum_i (s_i/n) sign(y_i)[chunk j]           (in rank order i = 0..n-1)
+            s'_j = ||z_j|| / sqrt(D/n)                             e_s = z_j - s'_j sign(z_j)
+    (all-gather of the packed sign(z_j) and of s'_j)
+    result  chunk j = s'_j sign(z_j), the same on every rank
+
+Error feedback: what a compression drops is kept in ``e_w`` / ``e_s`` and added to the next
+call's input, so the sum of what was sent tracks the sum of what should have been sent and the
+bias of the 1-bit code does not accumulate.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from onebitlamb.comm.stats import (GLOBAL_STATS, CommStats, all_gather_bytes, all_to_all_bytes,
+                                   allreduce_bytes)
+from onebitlamb.compression.packing import FLOAT_DTYPES, pack_signs, unpack_signs
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# Elements per slice of the CPU compressor: small enough that the passes over one slice stay in
+# a core's L2 cache, large enough that Python's per-slice overhead is a few percent.
+_CPU_SLICE = 65536
+_SIGN_BIT = np.uint32(0x80000000)
+
+
+def world_size_of(group: Optional[dist.ProcessGroup] = None) -> int:
+    """1 when torch.distributed is not initialised, else the group's size."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def padded_size(numel: int, world_size: int) -> int:
+    """``D``: the smallest multiple of ``8 * world_size`` that is ``>= numel``."""
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    unit = 8 * world_size
+    return -(-numel // unit) * unit
+
+
+def allreduce_mean_(buffer: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                    stats: Optional[CommStats] = None) -> torch.Tensor:
+    """Average ``buffer`` over the group in place with one all-reduce (a no-op on one rank)."""
+    n = world_size_of(group)
+    if n == 1 or buffer.numel() == 0:
+        return buffer
+    dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+    buffer.div_(n)
+    (stats or GLOBAL_STATS).record("all_reduce", allreduce_bytes(buffer.numel() * buffer.element_size(), n))
+    return buffer
+
+
+class _Workspace:
+    """Scratch tensors reused across calls, so a step allocates nothing buffer-sized."""
+
+    _cache: Dict[Tuple, Dict[str, torch.Tensor]] = {}
+
+    @classmethod
+    def get(cls, numel: int, n: int, device: torch.device) -> Dict[str, torch.Tensor]:
+        key = (numel, n, str(device))
+        ws = cls._cache.get(key)
+        if ws is None:
+            u8 = dict(dtype=torch.uint8, device=device)
+            ws = {
+                "send": torch.empty(numel // 8, **u8),
+                "recv": torch.empty(numel // 8, **u8),
+                "server_signs": torch.empty(numel // (8 * n), **u8),
+                "result_signs": torch.empty(numel // 8, **u8),
+                "chunk": torch.empty(numel // n, dtype=torch.float32, device=device),
+                "mask": torch.empty(numel, dtype=torch.bool, device=device),
+            }
+            if len(cls._cache) > 8:  # a handful of buffer layouts per process is the norm
+                cls._cache.clear()
+            cls._cache[key] = ws
+        return ws
+
+
+def _compress_cpu_(error: torch.Tensor, addend: Optional[torch.Tensor], packed: torch.Tensor) -> float:
+    """``error += addend``; pack sign(error) into ``packed``; ``error -= s * sign(error)``; return s.
+
+    float32 on CPU, sliced so each slice's four passes run from cache; the sum of squares is
+    accumulated in float64 across slices. The sign of the error update is taken from the same
+    boolean mask that is packed, so the error matches what was sent exactly, -0.0 included.
+    """
+    y_all = error.numpy()
+    b_all = addend.numpy() if addend is not None else None
+    out = packed.numpy()
+    numel = y_all.size
+    sum_sq = 0.0
+    for i in range(0, numel, _CPU_SLICE):
+        y = y_all[i:i + _CPU_SLICE]
+        if b_all is not None:
+            np.add(b_all[i:i + _CPU_SLICE], y, out=y)
+        sum_sq += float(np.dot(y, y))
+    scale = np.float32(math.sqrt(sum_sq / numel))
+    scale_bits = np.array([scale], dtype=np.float32).view(np.uint32)[0]
+    mask = np.empty(min(_CPU_SLICE, numel), dtype=bool)
+    signed_scale = np.empty(min(_CPU_SLICE, numel), dtype=np.uint32)
+    for i in range(0, numel, _CPU_SLICE):
+        y = y_all[i:i + _CPU_SLICE]
+        m = np.less(y, 0, out=mask[: y.size])
+        out[i // 8:(i + y.size) // 8] = np.packbits(m)
+        q = signed_scale[: y.size]
+        np.multiply(m.view(np.uint8), _SIGN_BIT, out=q)   # sign bit where negative
+        np.bitwise_or(q, scale_bits, out=q)               # ... on top of +scale: q = ±scale
+        np.subtract(y, q.view(np.float32), out=y)
+    return float(scale)
+
+
+def _compress_torch_(error: torch.Tensor, addend: Optional[torch.Tensor], packed: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """The same as ``_compress_cpu_`` in plain torch ops (CUDA, or dtypes numpy lacks); returns a
+    0-d float32 tensor on the device, so no host synchronisation is forced."""
+    if addend is not None:
+        error.add_(addend)
+    numel = error.numel()
+    scale = torch.linalg.vector_norm(error, dtype=torch.float32) / math.sqrt(numel)
+    pack_signs(error, out=packed, workspace=mask)
+    negative = mask[:numel]
+    s = scale.to(error.dtype)
+    error.sub_(torch.where(negative, -s, s))
+    return scale
+
+
+def _compress_(error, addend, packed, mask):
+    if error.device.type == "cpu" and error.dtype == torch.float32:
+        return torch.tensor([_compress_cpu_(error, addend, packed)], dtype=torch.float32)
+    return _compress_torch_(error, addend, packed, mask).reshape(1)
+
+
+def _check(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, n: int) -> None:
+    for name, t in (("buffer", buffer), ("worker_error", worker_error), ("server_error", server_error)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)}")
+    if worker_error.dtype != buffer.dtype or server_error.dtype != buffer.dtype:
+        raise TypeError(f"buffer, worker_error and server_error must share one dtype, got "
+                        f"{buffer.dtype}, {worker_error.dtype}, {server_error.dtype}")
+    if worker_error.device != buffer.device or server_error.device != buffer.device:
+        raise ValueError(f"buffer, worker_error and server_error must be on one device, got "
+                         f"{buffer.device}, {worker_error.device}, {server_error.device}")
+    D = buffer.numel()
+    if D != padded_size(D, n):
+        raise ValueError(f"buffer has {D} elements; with {n} ranks it must be a multiple of {8 * n} "
+                         f"(pad it to padded_size({D}, {n}) = {padded_size(D, n)})")
+    if worker_error.numel() != D:
+        raise ValueError(f"worker_error has {worker_error.numel()} elements, buffer has {D}")
+    if server_error.numel() != D // n:
+        raise ValueError(f"server_error has {server_error.numel()} elements; with {n} ranks and a "
+                         f"buffer of {D} it must have D/n = {D // n}")
+
+
+def compressed_allreduce(
+    buffer: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    stats: Optional[CommStats] = None,
+) -> torch.Tensor:
+    """Error-compensated 1-bit average of ``buffer`` over the group, written into ``buffer``.
+
+    Args:
+        buffer: 1-D, ``D = padded_size(d, n)`` elements (fp32, fp16 or bf16); overwritten with the
+            result, which is bit-identical on every rank.
+        worker_error: this rank's worker error, ``D`` elements, same dtype; updated in place.
+        server_error: this rank's server error for its chunk, ``D / n`` elements; updated in place.
+        group: the process group (default: the world).
+        stats: where the bytes sent are recorded (default: ``onebitlamb.comm.GLOBAL_STATS``).
+
+    Issues one ``all_to_all_single`` of ``D/8`` bytes and one ``all_gather`` of the scales, then
+    one ``all_gather`` of the server's ``D/(8n)`` bytes and one of its scale. With one rank (or no
+    initialised process group) no collective is called and the buffer is returned as is: there is
+    nothing to average and no reason to lose precision. All ranks must pass the same ``D``.
+
+    Raises ``FloatingPointError`` on every rank alike when any rank's buffer holds a NaN or an
+    infinity (its scale is then not finite), instead of averaging garbage into the model.
+    """
+    n = world_size_of(group)
+    _check(buffer, worker_error, server_error, n)
+    D = buffer.numel()
+    if n == 1 or D == 0:
+        return buffer
+    stats = stats or GLOBAL_STATS
+    ws = _Workspace.get(D, n, buffer.device)
+    chunk = D // n
+
+    # Worker: compress the error-compensated buffer; chunk j of the packed signs goes to rank j.
+    scale = _compress_(worker_error, buffer, ws["send"], ws["mask"]).to(buffer.device)
+    dist.all_to_all_single(ws["recv"], ws["send"], group=group)
+    stats.record("all_to_all", all_to_all_bytes(ws["send"].numel(), n))
+    worker_scales = torch.empty(n, dtype=torch.float32, device=buffer.device)
+    _all_gather_single(worker_scales, scale, group=group)
+    stats.record("all_gather", all_gather_bytes(scale.numel() * 4, n))
+    if not bool(torch.isfinite(worker_scales).all()):
+        bad = torch.nonzero(~torch.isfinite(worker_scales)).flatten().tolist()
+        raise FloatingPointError(f"compressed_allreduce: the buffer of rank(s) {bad} holds NaN or "
+                                 f"infinite values (scales {worker_scales.tolist()})")
+
+    # Server: average this rank's chunk of everyone's signs, add the server error, compress again.
+    received = ws["recv"].view(n, chunk // 8)
+    decoded = ws["chunk"] if buffer.dtype == torch.float32 else torch.empty(chunk, dtype=buffer.dtype,
+                                                                             device=buffer.device)
+    host_scales = worker_scales.tolist() if buffer.device.type == "cpu" else worker_scales
+    for i in range(n):
+        unpack_signs(received[i], chunk, host_scales[i] / n, out=decoded)
+        server_error.add_(decoded)
+    server_scale = _compress_(server_error, None, ws["server_signs"], ws["mask"]).to(buffer.device)
+
+    _all_gather_single(ws["result_signs"], ws["server_signs"], group=group)
+    stats.record("all_gather", all_gather_bytes(ws["server_signs"].numel(), n))
+    server_scales = torch.empty(n, dtype=torch.float32, device=buffer.device)
+    _all_gather_single(server_scales, server_scale, group=group)
+    stats.record("all_gather", all_gather_bytes(server_scale.numel() * 4, n))
+
+    result_signs = ws["result_signs"].view(n, chunk // 8)
+    host_server_scales = server_scales.tolist() if buffer.device.type == "cpu" else server_scales
+    for j in range(n):
+        unpack_signs(result_signs[j], chunk, host_server_scales[j], out=buffer[j * chunk:(j + 1) * chunk])
+    return buffer
