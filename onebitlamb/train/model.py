@@ -1,0 +1,46 @@
+"""The model the pretraining example trains: a small BERT for masked-language modelling.
+
+Built from a ``transformers.BertConfig`` with random weights (no hub download). The defaults are
+the demo's size: 4096-token vocabulary, 64-token sequences, 2 layers of width 128.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096
+    seq_len: int = 64
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 2
+    intermediate: int = 512
+    dropout: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_model(cfg: ModelConfig, seed: int):
+    """A ``BertForMaskedLM`` initialised from ``seed`` (same seed -> bit-identical weights)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        intermediate_size=cfg.intermediate,
+        hidden_dropout_prob=cfg.dropout,
+        attention_probs_dropout_prob=cfg.dropout,
+        max_position_embeddings=cfg.seq_len,
+        type_vocab_size=1,
+        pad_token_id=0,
+    )
+    # the eager kernel: identical numbers on every machine and no fused-kernel surprises on CPU
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return BertForMaskedLM(config)
