@@ -1,0 +1,184 @@
+"""pack_signs / unpack_signs against expectations computed here in plain Python.
+
+The expected bits are never produced by the code under test: a sign is ``v < 0`` on the Python
+float (so 0, -0.0 and NaN are +1, bit 0), and bytes are assembled most significant bit first by
+hand, which is numpy's ``bitorder="big"``.
+"""
+import math
+
+import pytest
+import torch
+
+from onebitlamb.compression.packing import pack_signs, packed_size, unpack_signs
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [0, 1, 7, 8, 9, 1001]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def reference_bytes(values):
+    """Pack ``v < 0`` bits MSB-first, 8 per byte, padding the last byte with 0 bits."""
+    out = []
+    for start in range(0, len(values), 8):
+        byte = 0
+        for k, v in enumerate(values[start:start + 8]):
+            if v < 0:
+                byte |= 1 << (7 - k)
+        out.append(byte)
+    return out
+
+
+def reference_signs(values):
+    return [-1.0 if v < 0 else 1.0 for v in values]
+
+
+def sample(numel, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=g)
+    if numel >= 4:  # always include the special values
+        x[0], x[1], x[2], x[3] = 0.0, -0.0, float("nan"), -1e-30
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", SIZES)
+def test_round_trip(numel, dtype, device):
+    x = sample(numel, dtype).to(device)
+    values = x.float().cpu().tolist()
+    packed = pack_signs(x)
+    assert packed.dtype == torch.uint8 and packed.device == x.device
+    assert packed.numel() == packed_size(numel) == math.ceil(numel / 8)
+    assert packed.cpu().tolist() == reference_bytes(values)
+    signs = unpack_signs(packed, numel, dtype=dtype)
+    assert signs.dtype == dtype and signs.shape == (numel,)
+    assert signs.float().cpu().tolist() == reference_signs(values)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bit_order_hand_computed(device):
+    # signs - + - + + - + +  ->  bits 1010 0100 = 0xA4; the 9th value (negative) starts byte 2 at
+    # its most significant bit: 1000 0000 = 0x80.
+    x = torch.tensor([-1.0, 2.0, -3.0, 0.0, 5.0, -6.0, 7.0, 8.0, -9.0], device=device)
+    assert pack_signs(x).cpu().tolist() == [0xA4, 0x80]
+    assert pack_signs(torch.tensor([1.0] * 7 + [-1.0], device=device)).cpu().tolist() == [0x01]
+    # and back: 0xA4 expands to - + - + + - + +
+    packed = torch.tensor([0xA4], dtype=torch.uint8, device=device)
+    assert unpack_signs(packed, 8).cpu().tolist() == [-1, 1, -1, 1, 1, -1, 1, 1]
+    # a partial last byte uses only its leading bits
+    packed = torch.tensor([0xFF, 0x40], dtype=torch.uint8, device=device)
+    assert unpack_signs(packed, 10).cpu().tolist() == [-1] * 8 + [1, -1]
+
+
+def negative_nan(dtype):
+    """A NaN with its sign bit set, built from its bits (negating a bfloat16 NaN keeps the sign)."""
+    if dtype == torch.float32:
+        return torch.tensor([-0x00400000], dtype=torch.int32).view(torch.float32)[0]  # 0xFFC00000
+    return torch.tensor([-0x0040 if dtype == torch.bfloat16 else -0x0200],
+                        dtype=torch.int16).view(dtype)[0]  # 0xFFC0 / 0xFE00
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_special_values_pack_as_documented(dtype):
+    tiny = torch.finfo(dtype).tiny
+    x = torch.tensor([0.0, -0.0, float("nan"), 0.0, float("inf"), -float("inf"), tiny, -tiny],
+                     dtype=dtype)
+    x[3] = negative_nan(dtype)
+    assert torch.signbit(x[1]) and torch.signbit(x[3]) and torch.isnan(x[3])
+    # 0, -0.0 and NaN of either sign are +1 (bit 0); -inf and the tiniest negative normal are -1.
+    assert pack_signs(x).tolist() == [0b00000101]
+    assert unpack_signs(pack_signs(x), 8).tolist() == [1, 1, 1, 1, 1, -1, 1, -1]
+
+
+def test_noncontiguous_and_multidimensional_input():
+    x = sample(64, torch.float32).view(8, 8).t()
+    assert pack_signs(x).tolist() == reference_bytes(x.reshape(-1).tolist())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_into_out_and_workspace(dtype):
+    x = sample(1001, dtype)
+    out = torch.full((packed_size(1001),), 0x5A, dtype=torch.uint8)
+    workspace = torch.ones(2000, dtype=torch.bool)  # larger than needed, stale contents
+    result = pack_signs(x, out=out, workspace=workspace)
+    assert result.data_ptr() == out.data_ptr()
+    assert out.tolist() == reference_bytes(x.float().tolist())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", [1, 9, 1001])
+def test_unpack_into_out(numel, dtype):
+    x = sample(numel, torch.float32, seed=1)
+    out = torch.full((numel,), 123.0, dtype=dtype)
+    result = unpack_signs(pack_signs(x), numel, scale=0.5, out=out)
+    assert result.data_ptr() == out.data_ptr() and result.dtype == dtype
+    assert out.float().tolist() == [0.5 * s for s in reference_signs(x.tolist())]
+
+
+def test_unpack_into_slice_of_larger_buffer():
+    x = sample(24, torch.float32, seed=2)
+    buffer = torch.full((40,), 7.0)
+    unpack_signs(pack_signs(x), 24, scale=2.0, out=buffer[8:32])
+    assert buffer[:8].tolist() == [7.0] * 8 and buffer[32:].tolist() == [7.0] * 8
+    assert buffer[8:32].tolist() == [2.0 * s for s in reference_signs(x.tolist())]
+
+
+@pytest.mark.parametrize("scale", [0.25, 3, 1e-20, 0.0])
+@pytest.mark.parametrize("as_tensor", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_float_and_zero_dim_tensor(scale, as_tensor, dtype):
+    x = sample(1001, torch.float32, seed=3)
+    s = torch.tensor(scale, dtype=torch.float32) if as_tensor else scale
+    got = unpack_signs(pack_signs(x), 1001, scale=s, dtype=dtype)
+    # the expected magnitude is the scale rounded once to the output dtype
+    magnitude = torch.tensor(float(scale), dtype=torch.float32).to(dtype).item()
+    assert got.float().tolist() == [magnitude * v for v in reference_signs(x.tolist())]
+
+
+def test_scale_tensor_of_other_dtype():
+    x = sample(16, torch.float32, seed=4)
+    got = unpack_signs(pack_signs(x), 16, scale=torch.tensor(0.5, dtype=torch.float64))
+    assert got.dtype == torch.float32
+    assert got.tolist() == [0.5 * s for s in reference_signs(x.tolist())]
+
+
+def test_empty():
+    assert pack_signs(torch.empty(0)).numel() == 0
+    assert unpack_signs(torch.empty(0, dtype=torch.uint8), 0).numel() == 0
+    assert unpack_signs(torch.empty(0, dtype=torch.uint8), 0, out=torch.empty(0)).numel() == 0
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.uint8, torch.bool])
+def test_pack_rejects_wrong_dtype(dtype):
+    with pytest.raises(TypeError, match=r"x must be float32, float16 or bfloat16.*" + str(dtype)):
+        pack_signs(torch.zeros(8, dtype=dtype))
+
+
+def test_pack_rejects_wrong_out():
+    x = torch.randn(9)
+    with pytest.raises(ValueError, match=r"uint8 tensor of 2 elements.*got torch.uint8 with 1"):
+        pack_signs(x, out=torch.empty(1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"uint8 tensor of 2 elements.*got torch.int8 with 2"):
+        pack_signs(x, out=torch.empty(2, dtype=torch.int8))
+
+
+def test_unpack_rejects_wrong_packed():
+    with pytest.raises(TypeError, match=r"packed must be uint8, got torch.int8"):
+        unpack_signs(torch.zeros(2, dtype=torch.int8), 9)
+    with pytest.raises(ValueError, match=r"9 signs need 2 packed bytes, got 1"):
+        unpack_signs(torch.zeros(1, dtype=torch.uint8), 9)
+    with pytest.raises(ValueError, match=r"8 signs need 1 packed bytes, got 2"):
+        unpack_signs(torch.zeros(2, dtype=torch.uint8), 8)
+
+
+def test_unpack_rejects_wrong_out_and_dtype():
+    packed = torch.zeros(2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"out must have 9 elements, got 8"):
+        unpack_signs(packed, 9, out=torch.empty(8))
+    with pytest.raises(TypeError, match=r"out must be float32, float16 or bfloat16, got torch.float64"):
+        unpack_signs(packed, 9, out=torch.empty(9, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"out must be float32, float16 or bfloat16, got torch.int32"):
+        unpack_signs(packed, 9, dtype=torch.int32)
