@@ -1,0 +1,105 @@
+"""The maths of LAMB, 1-bit LAMB and 1-bit Adam on flat buffers and per-layer vectors.
+
+Pure functions: no process groups, no optimizer state. ``staged.py`` decides which of them a
+step runs; the tests check them through the optimizers against a reference written separately
+from ALGORITHM.md. Per-layer quantities are float32 vectors with one entry per parameter tensor.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+
+def update_moments_(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta1: float, beta2: float) -> None:
+    """Adam's moments in place: ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``."""
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+
+
+def adam_direction(m: torch.Tensor, denominator: torch.Tensor, bias_correction1: float,
+                   out: torch.Tensor) -> torch.Tensor:
+    """``out = (m / bias_correction1) / denominator``: Adam's update before weight decay."""
+    torch.div(m, denominator, out=out)
+    if bias_correction1 != 1.0:
+        out.div_(bias_correction1)
+    return out
+
+
+def adam_denominator(v: torch.Tensor, bias_correction2: float, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """``out = sqrt(v / bias_correction2) + eps``."""
+    torch.div(v, bias_correction2, out=out) if bias_correction2 != 1.0 else out.copy_(v)
+    return out.sqrt_().add_(eps)
+
+
+def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Euclidean norm of each tensor, computed and returned in float32, as one vector."""
+    if not tensors:
+        return torch.zeros(0)
+    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors])
+
+
+def trust_ratios(param_norms: torch.Tensor, update_norms: torch.Tensor, min_coeff: float,
+                 max_coeff: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """LAMB's layer-wise ``c = clip(||x|| / ||u||, min_coeff, max_coeff)``.
+
+    Returns ``(c, defined)``: where either norm is 0 the ratio means nothing (a zero-initialised
+    bias, a layer with no gradient yet), so ``c = 1`` there and ``defined`` is False, which keeps
+    such steps out of the running average that becomes the frozen coefficient.
+    """
+    defined = (param_norms > 0) & (update_norms > 0)
+    ratio = (param_norms / torch.where(defined, update_norms, torch.ones_like(update_norms)))
+    ratio = ratio.clamp(min_coeff, max_coeff)
+    return torch.where(defined, ratio, torch.ones_like(ratio)), defined
+
+
+def update_coeff_ema_(ema: torch.Tensor, count: torch.Tensor, coeff: torch.Tensor, defined: torch.Tensor,
+                      coeff_beta: float) -> None:
+    """Moving average of the trust ratio over the steps where it was defined."""
+    blended = ema * coeff_beta + coeff * (1 - coeff_beta)
+    ema.copy_(torch.where(defined, blended, ema))
+    count.add_(defined.to(count.dtype))
+
+
+def corrected_coeff_ema(ema: torch.Tensor, count: torch.Tensor, coeff_beta: float) -> torch.Tensor:
+    """The average bias-corrected like Adam's moments (ALGORITHM.md [choice]); 1 with no update."""
+    correction = 1 - torch.pow(torch.tensor(coeff_beta, dtype=ema.dtype), count.to(ema.dtype))
+    return torch.where(count > 0, ema / torch.where(count > 0, correction, torch.ones_like(correction)),
+                       torch.ones_like(ema))
+
+
+def momentum_scales(momentum_norms: torch.Tensor, numels: torch.Tensor) -> torch.Tensor:
+    """``k_l = s_bar / s_l`` with ``s_l = ||m_l|| / sqrt(numel_l)``; 1 where ``s_l = 0``.
+
+    The compressor has one scale per buffer, so layers whose momentum differs by orders of
+    magnitude are first brought to a common RMS ``s_bar`` (the mean of the non-zero ``s_l``).
+    """
+    rms = momentum_norms / numels.to(momentum_norms.dtype).sqrt()
+    nonzero = rms > 0
+    if not bool(nonzero.any()):
+        return torch.ones_like(rms)
+    mean_rms = rms[nonzero].mean()
+    return torch.where(nonzero, mean_rms / torch.where(nonzero, rms, torch.ones_like(rms)), torch.ones_like(rms))
+
+
+def scaling_factors(max_denominator_ratio: torch.Tensor, plain_update_norms: torch.Tensor,
+                    update_norms: torch.Tensor, weight_decays: torch.Tensor, prev_factor: torch.Tensor,
+                    factor_min: float, factor_max: float, factor_threshold: float) -> torch.Tensor:
+    """1-bit LAMB's per-layer factor ("stabilized soft thresholds"), ALGORITHM.md stage 2 step 7.
+
+    ``max_denominator_ratio`` is ``max(den / (sqrt(v_fresh_hat) + eps))`` per layer: how much the
+    frozen variance overstates the live one. With weight decay only the part of the update that
+    comes from the momentum is rescaled (``rho``), and the factor may move at most
+    ``factor_threshold`` per step so that one noisy step cannot swing a layer's learning rate.
+    """
+    r = max_denominator_ratio
+    safe = torch.where(update_norms > 0, update_norms, torch.ones_like(update_norms))
+    rho = torch.where(update_norms > 0, torch.clamp(plain_update_norms / safe, max=1.0), torch.ones_like(r))
+    r = torch.where(weight_decays > 0, r * rho + (1 - rho), r)
+    r = r.clamp(factor_min, factor_max)
+    return torch.minimum(torch.maximum(r, (1 - factor_threshold) * prev_factor), (1 + factor_threshold) * prev_factor)
+
+
+def segment_max(flat: torch.Tensor, views_of: List[slice]) -> torch.Tensor:
+    """Maximum of each slice of ``flat`` (one per layer), as a float32 vector."""
+    return torch.stack([flat[s].max() for s in views_of]).to(torch.float32)

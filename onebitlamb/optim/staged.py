@@ -1,0 +1,360 @@
+"""The machinery LAMB, 1-bit LAMB and 1-bit Adam share: one fused buffer, two stages.
+
+Every trainable parameter (param-group order, then order within the group; empty ones and those
+with ``requires_grad=False`` left out) owns a slice of one flat float32 buffer per moment. That
+flat layout is what one all-reduce averages in warm-up and what one compressed all-reduce sends
+afterwards, and it is identical on every rank, whichever ranks happen to have ``None`` gradients.
+
+The whole optimizer state is that flat state (``self.state["flat"]``): moments, frozen values,
+factors, the step count and this rank's compression errors, so ``state_dict()`` continues a run
+bit-identically, and it stays float32 whatever the parameters' dtype. (``torch.optim``'s usual
+per-parameter state would be cast to a bf16 parameter's dtype on load.)
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from onebitlamb.comm import CommStats, allreduce_mean_, compressed_allreduce, padded_size, world_size_of
+from onebitlamb.optim import functional as F
+
+WARMUP, COMPRESSION = "warmup", "compression"
+
+# Hyper-parameters that may differ between param groups; the others are the optimizer's own.
+PER_GROUP = ("lr", "weight_decay")
+
+
+def _check_finite_nonneg(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number >= 0)")
+
+
+def validate_common(lr: float, betas, eps: float, weight_decay: float) -> None:
+    _check_finite_nonneg("learning rate", lr)
+    _check_finite_nonneg("weight_decay", weight_decay)
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"Invalid betas: {betas!r} (must be a pair (beta1, beta2))")
+    for i, b in enumerate(betas):
+        if not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta{i + 1}: {b!r} (must be in [0, 1))")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"Invalid eps: {eps!r} (must be > 0)")
+
+
+class StagedOptimizer(Optimizer):
+    """Base of the three optimizers. Subclasses set the update rule with two switches:
+
+    - ``_layerwise``: LAMB's trust ratio ``c`` (else ``c = 1``: Adam);
+    - ``_fresh_variance``: 1-bit LAMB's factor from a variance kept fresh after the freeze.
+
+    ``freeze_step=None`` means warm-up forever (plain LAMB or Adam, full communication).
+    """
+
+    _layerwise = True
+    _fresh_variance = True
+
+    def __init__(self, params: Iterable, defaults: Dict[str, Any], freeze_step: Optional[int],
+                 process_group: Optional[dist.ProcessGroup]) -> None:
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for key, value in group.items():
+                if key == "params":
+                    continue
+                if key in PER_GROUP:
+                    _check_finite_nonneg(f"{key} in a param group", value)
+                elif key in defaults and value != defaults[key]:
+                    raise ValueError(f"{key}={value!r} in a param group: only {', '.join(PER_GROUP)} may "
+                                     f"differ between groups")
+        self.freeze_step = freeze_step
+        self.process_group = process_group
+        self.comm_stats = CommStats()
+        self.last_step_bytes = 0
+        self._layout: Optional[Dict[str, Any]] = None
+        self._scratch: Dict[str, torch.Tensor] = {}
+        self._last_coeff: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ layout and state
+    def _trainable(self) -> List[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad and p.numel() > 0]
+
+    def _build_layout(self) -> Dict[str, Any]:
+        params, groups = [], []
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                if p.requires_grad and p.numel() > 0:
+                    params.append(p)
+                    groups.append(gi)
+        numels = [p.numel() for p in params]
+        offsets = [0]
+        for n in numels:
+            offsets.append(offsets[-1] + n)
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        return {
+            "params": params, "groups": groups, "numels": numels,
+            "slices": [slice(offsets[i], offsets[i + 1]) for i in range(len(params))],
+            "numel": offsets[-1],
+            "device": params[0].device if params else torch.device("cpu"),
+        }
+
+    @property
+    def _flat(self) -> Dict[str, Any]:
+        return self.state["flat"]
+
+    def _init_state(self) -> None:
+        lay = self._layout
+        d, L, dev = lay["numel"], len(lay["params"]), lay["device"]
+        f32 = dict(dtype=torch.float32, device=dev)
+        self.state["flat"] = {
+            "step": 0,
+            "world_size": world_size_of(self.process_group),
+            "layer_numels": list(lay["numels"]),
+            "exp_avg": torch.zeros(d, **f32),
+            "exp_avg_sq": torch.zeros(d, **f32),  # v; after the freeze, v_frozen (= v_hat then)
+            "coeff_ema": torch.zeros(L, **f32),
+            "coeff_ema_count": torch.zeros(L, **f32),
+        }
+
+    def _check_loaded_state(self) -> None:
+        flat = self._flat
+        lay = self._layout
+        if list(flat["layer_numels"]) != list(lay["numels"]):
+            raise ValueError(f"the optimizer state holds {len(flat['layer_numels'])} parameters of sizes "
+                             f"{flat['layer_numels'][:8]}..., the model has {len(lay['numels'])} of sizes "
+                             f"{lay['numels'][:8]}...: not the same model or param groups")
+        n = world_size_of(self.process_group)
+        if flat["world_size"] != n:
+            raise ValueError(f"the optimizer state was saved with world size {flat['world_size']} and is "
+                             f"loaded with world size {n}; its compression errors are per rank, so resume "
+                             f"on {flat['world_size']} ranks")
+        for key, value in flat.items():
+            if isinstance(value, torch.Tensor) and value.device != lay["device"]:
+                flat[key] = value.to(lay["device"])
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if "flat" in self.state:
+            # own copies: the caller's dict must not alias the live state
+            self.state["flat"] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                  for k, v in self.state["flat"].items()}
+        self._layout = None
+        self._scratch = {}
+
+    def _buffer(self, name: str, numel: int) -> torch.Tensor:
+        """A scratch float32 buffer reused across steps (not part of the state)."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() != numel:
+            buf = torch.zeros(numel, dtype=torch.float32, device=self._layout["device"])
+            self._scratch[name] = buf
+        return buf
+
+    # ------------------------------------------------------------------ observability
+    @property
+    def stage(self) -> str:
+        """The stage the next step runs: ``"warmup"`` until ``freeze_step`` steps are done (the
+        freeze happens at the end of step ``freeze_step``), then ``"compression"``."""
+        if self.freeze_step is None or "flat" not in self.state:
+            return WARMUP
+        return COMPRESSION if self._flat["step"] >= self.freeze_step else WARMUP
+
+    def layer_diagnostics(self) -> List[Dict[str, Optional[float]]]:
+        """Per trainable parameter (flat order): the coefficient applied at the last step
+        (``trust_ratio``), and after the freeze the frozen coefficient and the factor."""
+        if self._last_coeff is None:
+            return []
+        frozen = self._flat.get("frozen_coeff")
+        factor = self._flat.get("prev_factor")
+        compressed = self.stage == COMPRESSION
+        return [{
+            "trust_ratio": float(self._last_coeff[i]),
+            "frozen_coeff": float(frozen[i]) if compressed and frozen is not None else None,
+            "factor": float(factor[i]) if compressed and factor is not None and self._fresh_variance else None,
+        } for i in range(len(self._last_coeff))]
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._layout is None:
+            self._layout = self._build_layout()
+            if "flat" in self.state:
+                self._check_loaded_state()
+            else:
+                self._init_state()
+        if self._layout["numel"] == 0:
+            return loss
+        bytes_before = self.comm_stats.bytes_sent
+        grads = self._gather_grads()
+        flat = self._flat
+        compressing = self.stage == COMPRESSION  # decided by the steps completed so far
+        flat["step"] += 1
+        if not compressing:
+            self._warmup_step(grads)
+            if self.freeze_step is not None and flat["step"] == self.freeze_step:
+                self._freeze()
+        else:
+            self._compression_step(grads)
+        self.last_step_bytes = self.comm_stats.bytes_sent - bytes_before
+        return loss
+
+    def _gather_grads(self) -> torch.Tensor:
+        """This rank's gradients in the flat layout, float32; ``None`` counts as zero."""
+        lay = self._layout
+        g = self._buffer("grad", lay["numel"])
+        for p, s in zip(lay["params"], lay["slices"]):
+            if p.grad is None:
+                g[s].zero_()
+            elif p.grad.is_sparse:
+                raise ValueError(f"{type(self).__name__} does not support sparse gradients "
+                                 f"(parameter of shape {tuple(p.shape)}); use a dense embedding")
+            else:
+                g[s].copy_(p.grad.reshape(-1))
+        return g
+
+    def _hyper(self, key: str) -> torch.Tensor:
+        """A per-group hyper-parameter expanded to one value per layer."""
+        return self._per_layer([float(self.param_groups[gi][key]) for gi in self._layout["groups"]])
+
+    def _per_layer(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self._layout["device"])
+
+    def _bias_corrections(self) -> tuple[float, float]:
+        if not self.defaults["bias_correction"]:
+            return 1.0, 1.0
+        beta1, beta2 = self.defaults["betas"]
+        t = self._flat["step"]
+        return 1 - beta1 ** t, 1 - beta2 ** t
+
+    def _add_weight_decay_(self, update: torch.Tensor) -> None:
+        lay = self._layout
+        for p, s, gi in zip(lay["params"], lay["slices"], lay["groups"]):
+            wd = self.param_groups[gi]["weight_decay"]
+            if wd != 0:
+                update[s].add_(p.reshape(-1), alpha=wd)
+
+    def _apply_(self, update: torch.Tensor, coeff: torch.Tensor) -> None:
+        """``x -= lr * coeff * u`` per layer, with each group's learning rate."""
+        lay = self._layout
+        self._last_coeff = coeff.clone()
+        for p, s, gi, c in zip(lay["params"], lay["slices"], lay["groups"], coeff.tolist()):
+            step_size = self.param_groups[gi]["lr"] * c
+            u = update[s].view(p.shape)
+            if p.dtype == torch.float32:
+                p.add_(u, alpha=-step_size)
+            else:  # low-precision parameter: update in float32, round once
+                p.copy_(p.float().add_(u, alpha=-step_size))
+
+    def _update_norms(self, update: torch.Tensor) -> torch.Tensor:
+        return F.norms([update[s] for s in self._layout["slices"]])
+
+    def _param_norms(self) -> torch.Tensor:
+        return F.norms(self._layout["params"])
+
+    def _warmup_step(self, grads: torch.Tensor) -> None:
+        """Stage 1 (all of LAMB): average the gradients, Adam moments, layer-wise trust ratio."""
+        flat = self._flat
+        allreduce_mean_(grads, self.process_group, self.comm_stats)
+        beta1, beta2 = self.defaults["betas"]
+        F.update_moments_(flat["exp_avg"], flat["exp_avg_sq"], grads, beta1, beta2)
+        bc1, bc2 = self._bias_corrections()
+        update = self._buffer("update", self._layout["numel"])
+        den = F.adam_denominator(flat["exp_avg_sq"], bc2, self.defaults["eps"], out=update)
+        F.adam_direction(flat["exp_avg"], den, bc1, out=update)
+        self._add_weight_decay_(update)
+        if self._layerwise:
+            coeff, defined = F.trust_ratios(self._param_norms(), self._update_norms(update),
+                                            self.defaults["min_coeff"], self.defaults["max_coeff"])
+            if self.freeze_step is not None:
+                F.update_coeff_ema_(flat["coeff_ema"], flat["coeff_ema_count"], coeff, defined,
+                                    self.defaults["coeff_beta"])
+        else:
+            coeff = self._per_layer([1.0] * len(self._layout["params"]))
+        self._apply_(update, coeff)
+
+    def _freeze(self) -> None:
+        """End of the warm-up: freeze the variance (bias-corrected) and the trust ratio, and fix
+        the per-layer momentum scaling and the mask of never-updated elements."""
+        flat, lay = self._flat, self._layout
+        _, bc2 = self._bias_corrections()
+        v = flat["exp_avg_sq"]
+        flat["momentum_mask"] = v != 0
+        if self._fresh_variance:
+            flat["exp_avg_sq_fresh"] = v.clone()
+        v.div_(bc2)  # now v_frozen = v_hat
+        flat["frozen_coeff"] = (F.corrected_coeff_ema(flat["coeff_ema"], flat["coeff_ema_count"],
+                                                      self.defaults["coeff_beta"])
+                                if self._layerwise else self._per_layer([1.0] * len(lay["params"])))
+        flat["prev_factor"] = self._per_layer([1.0] * len(lay["params"]))
+        momentum_norms = F.norms([flat["exp_avg"][s] for s in lay["slices"]])
+        flat["momentum_scale"] = F.momentum_scales(momentum_norms, self._per_layer(lay["numels"]))
+        n = world_size_of(self.process_group)
+        if n > 1:
+            D = padded_size(lay["numel"], n)
+            flat["worker_error"] = torch.zeros(D, dtype=torch.float32, device=lay["device"])
+            flat["server_error"] = torch.zeros(D // n, dtype=torch.float32, device=lay["device"])
+
+    def _scale_vector(self) -> torch.Tensor:
+        """``k_l`` expanded to every element (derived from the state, cached)."""
+        k = self._flat["momentum_scale"]
+        cached = self._scratch.get("scale_vector")
+        if cached is None or self._scratch.get("scale_source") is not k:
+            numels = torch.tensor(self._layout["numels"], device=self._layout["device"])
+            cached = torch.repeat_interleave(k, numels)
+            self._scratch["scale_vector"], self._scratch["scale_source"] = cached, k
+        return cached
+
+    def _compression_step(self, grads: torch.Tensor) -> None:
+        """Stage 2: local momentum, one compressed all-reduce, frozen variance and trust ratio."""
+        flat, lay = self._flat, self._layout
+        beta1, beta2 = self.defaults["betas"]
+        eps = self.defaults["eps"]
+        d = lay["numel"]
+        m = flat["exp_avg"]
+        m_prev = self._buffer("momentum_prev", d)
+        m_prev.copy_(m)
+        m.mul_(beta1).add_(grads, alpha=1 - beta1)  # this rank's momentum, from its local gradient
+        n = world_size_of(self.process_group)
+        if n > 1:
+            k = self._scale_vector()
+            buf = self._buffer("comm", flat["worker_error"].numel())
+            torch.mul(m, k, out=buf[:d])
+            buf[d:].zero_()  # the padding: the previous result left values there
+            compressed_allreduce(buf, flat["worker_error"], flat["server_error"], self.process_group,
+                                 self.comm_stats)
+            torch.div(buf[:d], k, out=m)
+        m.mul_(flat["momentum_mask"])
+        bc1, bc2 = self._bias_corrections()
+        den = self._buffer("frozen_denominator", d)
+        if self._scratch.get("den_source") is not flat["exp_avg_sq"]:
+            torch.sqrt(flat["exp_avg_sq"], out=den).add_(eps)
+            self._scratch["den_source"] = flat["exp_avg_sq"]
+        update = self._buffer("update", d)
+        F.adam_direction(m, den, bc1, out=update)
+        coeff = flat["frozen_coeff"]
+        if self._fresh_variance:
+            v_fresh = flat["exp_avg_sq_fresh"]
+            g_hat = m_prev.mul_(-beta1).add_(m).div_(1 - beta1)  # reconstructed averaged gradient
+            v_fresh.mul_(beta2).addcmul_(g_hat, g_hat, value=1 - beta2)
+            ratio = self._buffer("ratio", d)
+            F.adam_denominator(v_fresh, bc2, eps, out=ratio)
+            torch.div(den, ratio, out=ratio)
+            max_ratio = F.segment_max(ratio, lay["slices"])
+            plain_norms = self._update_norms(update)
+            self._add_weight_decay_(update)
+            factor = F.scaling_factors(max_ratio, plain_norms, self._update_norms(update),
+                                       self._hyper("weight_decay"), flat["prev_factor"],
+                                       self.defaults["factor_min"], self.defaults["factor_max"],
+                                       self.defaults["factor_threshold"])
+            flat["prev_factor"] = factor
+            coeff = coeff * factor
+        else:
+            self._add_weight_decay_(update)
+        self._apply_(update, coeff)
