@@ -1,0 +1,598 @@
+"""Masked-language-model pretraining of a small BERT with LAMB, 1-bit LAMB or 1-bit Adam.
+
+    onebitlamb pretrain --optimizer onebitlamb --preset demo --out runs/onebitlamb
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m onebitlamb pretrain --optimizer onebitlamb ...
+
+Read top to bottom: configuration, launching, then one rank's run (data, model, optimizer,
+schedule, the loop with gradient accumulation, evaluation, diagnostics, checkpoints).
+
+Launching: without torchrun this process prepares the corpus, then starts ``--workers`` local
+processes joined by a gloo group on loopback. Under torchrun (``RANK``/``WORLD_SIZE`` set) every
+process is one rank and the group comes from the environment (nccl with CUDA, else gloo).
+
+The model is not wrapped in DDP: gradients of the micro-batches accumulate locally, with no
+communication, and ``optimizer.step()`` does all of it (averages the gradients in LAMB and in the
+warm-up stage, sends the 1-bit compressed momentum after the freeze). Gradient clipping, when on,
+therefore acts on each worker's *local* accumulated gradient right before ``step()``, identically
+for the three optimizers: in the warm-up stage before the gradients are averaged, in the
+compression stage before they enter the local momentum that is compressed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from onebitlamb.train import data
+from onebitlamb.train.data import atomic_save
+from onebitlamb.train.model import ModelConfig, build_model
+
+OPTIMIZERS = ("lamb", "onebitlamb", "onebitadam")
+
+# ----------------------------------------------------------------------------------------------
+# Configuration
+
+# Values every preset shares; a preset overrides some, command-line flags override both.
+DEFAULTS = dict(
+    optimizer="onebitlamb", seed=1234, corpus=None, heldout_fraction=0.05,
+    vocab_size=4096, seq_len=64, hidden=128, layers=2, heads=2, intermediate=512, dropout=0.0,
+    workers=4, micro_batch=16, global_batch=256, steps=512,
+    lr=None, lr_lamb=2e-2, lr_adam=1e-3, warmup_frac=0.1, freeze_frac=0.35,
+    weight_decay=0.01, clip=1.0, beta1=0.9, beta2=0.999, eps=1e-6, mask_prob=0.15,
+    eval_every=32, eval_samples=512, ckpt_every=64,
+)
+PRESETS = {
+    # for the tests: a few seconds on 2 workers
+    "tiny": dict(vocab_size=512, seq_len=32, hidden=32, layers=1, heads=2, intermediate=64,
+                 workers=2, micro_batch=4, global_batch=16, steps=8, eval_every=4, eval_samples=32,
+                 ckpt_every=2),
+    # `make demo`: ~10 minutes for the three optimizers on 2 CPU cores
+    "demo": dict(),
+    # the same comparison at a larger scale: hours on CPUs, minutes on a few GPUs (see docs)
+    "large": dict(vocab_size=8192, seq_len=128, hidden=256, layers=4, heads=4, intermediate=1024,
+                  workers=8, micro_batch=32, global_batch=4096, steps=2000, lr_lamb=1e-2, lr_adam=5e-4,
+                  eval_every=100, eval_samples=2048, ckpt_every=100),
+}
+# Fields that may change between a run and its resumption (they do not affect the numbers).
+RESUMABLE_CHANGES = {"out", "cache_dir", "resume", "stop_after_steps", "progress", "threads"}
+
+
+@dataclass
+class TrainConfig:
+    optimizer: str
+    out: str
+    seed: int
+    corpus: Optional[List[str]]
+    heldout_fraction: float
+    vocab_size: int
+    seq_len: int
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    dropout: float
+    workers: int
+    micro_batch: int
+    global_batch: int
+    steps: int
+    lr: float
+    warmup_frac: float
+    freeze_frac: float
+    weight_decay: float
+    clip: float
+    beta1: float
+    beta2: float
+    eps: float
+    mask_prob: float
+    eval_every: int
+    eval_samples: int
+    ckpt_every: int
+    cache_dir: str = ""
+    resume: bool = False
+    stop_after_steps: int = 0
+    progress: bool = True
+    threads: int = 1
+    preset: str = "demo"
+
+    @property
+    def model(self) -> ModelConfig:
+        return ModelConfig(self.vocab_size, self.seq_len, self.hidden, self.layers, self.heads,
+                           self.intermediate, self.dropout)
+
+    @property
+    def warmup_steps(self) -> int:
+        return max(1, round(self.warmup_frac * self.steps))
+
+    @property
+    def freeze_step(self) -> int:
+        return max(1, round(self.freeze_frac * self.steps))
+
+    def check(self, world_size: int) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.global_batch % (world_size * self.micro_batch):
+            raise ValueError(f"--global-batch {self.global_batch} must be a multiple of workers x micro-batch "
+                             f"= {world_size} x {self.micro_batch}")
+        if self.steps < 1 or self.eval_every < 1 or self.ckpt_every < 1:
+            raise ValueError("--steps, --eval-every and --ckpt-every must be >= 1")
+
+
+def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True) -> None:
+    """Flags of ``onebitlamb pretrain`` (``compare`` reuses them without ``--optimizer``)."""
+    p = parser
+    p.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="base settings (default: demo)")
+    if optimizer_choice:
+        p.add_argument("--optimizer", choices=OPTIMIZERS, help="default: onebitlamb")
+    p.add_argument("--out", required=True, help="output folder: metrics, checkpoints, plots")
+    p.add_argument("--corpus", nargs="+", metavar="PATH",
+                   help="text files or folders (default: this Python's standard library)")
+    p.add_argument("--cache-dir", help="where the tokenized corpus is cached (default: OUT/cache)")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT")
+    p.add_argument("--stop-after-steps", type=int, default=0, metavar="N",
+                   help="checkpoint and stop once N steps are done (to test --resume)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per local worker (default 1)")
+    g = p.add_argument_group("overrides of the preset")
+    typed = dict(seed=int, heldout_fraction=float, vocab_size=int, seq_len=int, hidden=int, layers=int,
+                 heads=int, intermediate=int, dropout=float, workers=int, micro_batch=int, global_batch=int,
+                 steps=int, lr=float, lr_lamb=float, lr_adam=float, warmup_frac=float, freeze_frac=float,
+                 weight_decay=float, clip=float, beta1=float, beta2=float, eps=float, mask_prob=float,
+                 eval_every=int, eval_samples=int, ckpt_every=int)
+    helps = dict(workers="local worker processes (ignored under torchrun)",
+                 lr="learning rate (default: --lr-lamb for (1-bit) LAMB, --lr-adam for 1-bit Adam)",
+                 clip="max norm of each worker's local gradient, 0 = off",
+                 freeze_frac="1-bit optimizers: fraction of the steps in the warm-up stage",
+                 warmup_frac="fraction of the steps with linear LR warm-up (then linear decay to 0)")
+    for name, typ in typed.items():
+        g.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=helps.get(name))
+
+
+def config_from_args(args: argparse.Namespace, optimizer: Optional[str] = None, out: Optional[str] = None) -> TrainConfig:
+    values = dict(DEFAULTS)
+    values.update(PRESETS[args.preset])
+    for key in list(values) + ["optimizer"]:
+        if getattr(args, key, None) is not None:
+            values[key] = getattr(args, key)
+    if optimizer is not None:
+        values["optimizer"] = optimizer
+    lr_lamb, lr_adam = values.pop("lr_lamb"), values.pop("lr_adam")
+    if values["lr"] is None:
+        values["lr"] = lr_adam if values["optimizer"] == "onebitadam" else lr_lamb
+    out = out or args.out
+    return TrainConfig(**values, out=out, cache_dir=args.cache_dir or os.path.join(out, "cache"),
+                       resume=args.resume, stop_after_steps=args.stop_after_steps, progress=args.progress,
+                       threads=args.threads, preset=args.preset)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    result = train(cfg)
+    return 0 if result["completed"] or not result["interrupted"] else 130
+
+
+# ----------------------------------------------------------------------------------------------
+# Launching
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run one pretraining job to its end (or to a stop); returns rank 0's summary."""
+    if under_torchrun():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        cfg.check(world)
+        if rank == 0:
+            data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+        try:
+            dist.barrier()  # rank 0 has written the corpus cache (shared folder assumed)
+            result = train_rank(rank, world, cfg)
+        finally:
+            dist.destroy_process_group()
+        return result
+
+    from onebitlamb.comm.launch import spawn_local
+
+    cfg.check(cfg.workers)
+    # the slow part of a first run, done once here instead of once per worker
+    data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir)
+    with _forward_interrupts():
+        results = spawn_local(_local_worker, cfg.workers, args=(cfg,), timeout_s=7 * 24 * 3600,
+                              collective_timeout_s=1800, threads_per_worker=cfg.threads)
+    return results[0]
+
+
+def _local_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
+    return train_rank(rank, world_size, cfg)
+
+
+class _forward_interrupts:
+    """While local workers run, Ctrl-C asks them to checkpoint and stop at the end of the step
+    instead of killing them; a second Ctrl-C kills them (the last periodic checkpoint remains)."""
+
+    def __enter__(self):
+        self.previous = signal.getsignal(signal.SIGINT)
+        self.count = 0
+        signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        import multiprocessing
+
+        self.count += 1
+        if self.count > 1:
+            signal.signal(signal.SIGINT, self.previous)
+            raise KeyboardInterrupt
+        print("\ninterrupt: checkpointing at the end of this step (Ctrl-C again to kill)", file=sys.stderr)
+        for child in multiprocessing.active_children():  # the workers may not share our terminal
+            try:
+                os.kill(child.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+        return False
+
+
+# ----------------------------------------------------------------------------------------------
+# One rank's run
+
+
+def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    device = torch.device(f"cuda:{torch.cuda.current_device()}") if dist.get_backend() == "nccl" else torch.device("cpu")
+    master = rank == 0
+    stop_requested = _install_stop_handler()
+
+    # data: the cached corpus; every step's global batch is a function of (seed, step)
+    corpus = data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir,
+                                 log=lambda *a: None)
+    accum = cfg.global_batch // (world * cfg.micro_batch)
+    eval_inputs, eval_labels = data.eval_batch(corpus, cfg.eval_samples, cfg.seed, cfg.mask_prob)
+    eval_inputs, eval_labels = eval_inputs[rank::world].to(device), eval_labels[rank::world].to(device)
+
+    # model (same seed on every rank, so the same initial weights) and optimizer
+    model = build_model(cfg.model, cfg.seed).to(device)
+    model.train()
+    groups, names = param_groups(model, cfg.weight_decay)
+    optimizer = make_optimizer(cfg, groups)
+    warm, total = cfg.warmup_steps, cfg.steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
+
+    # state of the run: what the metrics file reports, saved in every checkpoint
+    history = {"eval": [], "train_loss": [], "bytes": [], "stage": [], "lr": [], "diagnostics": [],
+               "train_time_s": 0.0, "wall_time_s": 0.0}
+    start_step = 0
+    if cfg.resume:
+        start_step, history = load_checkpoint(cfg, rank, world, model, optimizer, scheduler, history, device)
+    elif master:
+        _fresh_out_dir(cfg)
+    if master:
+        with open(os.path.join(cfg.out, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=1)
+        print(f"[{cfg.optimizer}] {world} workers, {cfg.steps} steps of {cfg.global_batch} samples "
+              f"({accum} micro-batches of {cfg.micro_batch} per worker), lr {cfg.lr:g}, warm-up {warm} steps"
+              + (f", freeze at step {cfg.freeze_step}" if cfg.optimizer != "lamb" else "")
+              + (f", resuming at step {start_step}" if start_step else ""), file=sys.stderr, flush=True)
+
+    def evaluate(step: int) -> float:
+        loss = evaluate_mlm(model, eval_inputs, eval_labels, 2 * cfg.micro_batch, device)
+        history["eval"].append([step * cfg.global_batch, loss])
+        if master:
+            line = f"[{cfg.optimizer}] step {step}: held-out loss {loss:.4f}"
+            bar.write(line, file=sys.stderr) if bar is not None else print(line, file=sys.stderr, flush=True)
+        return loss
+
+    bar = _progress_bar(cfg, start_step) if master and cfg.progress else None
+    if start_step == 0:
+        evaluate(0)
+
+    done, t_wall0, stopped_by = start_step, time.perf_counter(), None
+    wall_before, train_time = history["wall_time_s"], history["train_time_s"]
+    train_time_before = train_time
+    for step in range(start_step, cfg.steps):
+        t0 = time.perf_counter()
+        # ---- one global batch: this rank's shard, in micro-batches, gradients accumulated locally
+        inputs, labels = data.rank_batch(corpus, step, rank, world, cfg.global_batch, cfg.seed, cfg.mask_prob)
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for i in range(accum):
+            sl = slice(i * cfg.micro_batch, (i + 1) * cfg.micro_batch)
+            loss = model(input_ids=inputs[sl].to(device), labels=labels[sl].to(device)).loss / accum
+            loss.backward()
+            loss_sum += loss.item()
+        if cfg.clip > 0:  # this worker's local gradient, before step() communicates anything
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+
+        # ---- the optimizer step (all communication happens in here)
+        diagnose = master and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
+        before = [p.detach().clone() for p in names.values()] if diagnose else None
+        stage = optimizer.stage
+        optimizer.step()
+        scheduler.step()
+        train_time += time.perf_counter() - t0
+
+        history["train_loss"].append(loss_sum)
+        history["bytes"].append(optimizer.comm_stats.bytes_sent)
+        history["stage"].append(stage)
+        history["lr"].append(scheduler.get_last_lr()[0])
+        if diagnose:
+            history["diagnostics"].append(layer_report(step + 1, names, before, optimizer))
+        if bar is not None:
+            bar.update(1)
+            sps = (step + 1 - start_step) * cfg.global_batch / max(train_time - train_time_before, 1e-9)
+            bar.set_postfix(loss=f"{loss_sum:.3f}", sps=f"{sps:.0f}", stage=stage, MB=f"{optimizer.comm_stats.bytes_sent / 1e6:.1f}", refresh=False)
+
+        # ---- evaluation, checkpoint, stop
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            evaluate(done)
+        history["train_time_s"] = train_time
+        history["wall_time_s"] = wall_before + time.perf_counter() - t_wall0
+        stop = _agree_to_stop(stop_requested(), device)
+        if cfg.stop_after_steps and done >= cfg.stop_after_steps and done < cfg.steps:
+            stop, stopped_by = True, stopped_by or "stop-after-steps"
+        elif stop:
+            stopped_by = "interrupt"
+        if done % cfg.ckpt_every == 0 or stop or done == cfg.steps:
+            save_checkpoint(cfg, rank, done, model, optimizer, scheduler, history)
+        if stop:
+            break
+    if bar is not None:
+        bar.close()
+
+    completed = stopped_by is None
+    summary = {"completed": completed, "interrupted": stopped_by == "interrupt", "step": done}
+    ranks_bytes = _gather_bytes(optimizer.comm_stats.bytes_sent, world, device)
+    if completed and master:
+        summary.update(write_metrics(cfg, world, history, ranks_bytes, names, model))
+    elif master:
+        print(f"[{cfg.optimizer}] stopped ({stopped_by}) after step {done}; continue with --resume",
+              file=sys.stderr, flush=True)
+    return summary
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float):
+    """BERT's two groups: weight decay on the weight matrices, none on biases and LayerNorm.
+    Also returns ``{name: parameter}`` in the optimizer's (flat) order, for the diagnostics."""
+    decay, no_decay = {}, {}
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.numel() > 0:
+            (no_decay if name.endswith("bias") or "LayerNorm" in name else decay)[name] = p
+    groups = [{"params": list(decay.values()), "weight_decay": weight_decay},
+              {"params": list(no_decay.values()), "weight_decay": 0.0}]
+    return groups, {**decay, **no_decay}
+
+
+def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
+    import onebitlamb
+
+    common = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "lamb":
+        return onebitlamb.Lamb(groups, **common)
+    if cfg.optimizer == "onebitlamb":
+        return onebitlamb.OneBitLamb(groups, freeze_step=cfg.freeze_step, **common)
+    return onebitlamb.OneBitAdam(groups, freeze_step=cfg.freeze_step, **common)
+
+
+@torch.no_grad()
+def evaluate_mlm(model, inputs, labels, batch: int, device) -> float:
+    """Held-out MLM loss: mean cross-entropy over all masked tokens of the whole evaluation set,
+    each rank doing its share (two scalars all-reduced, outside the optimizer's byte counts)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for i in range(0, len(inputs), batch):
+        logits = model(input_ids=inputs[i:i + batch]).logits
+        lab = labels[i:i + batch]
+        total[0] += torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)).float(), lab.reshape(-1),
+                                                      ignore_index=data.IGNORE_INDEX, reduction="sum").double()
+        total[1] += (lab != data.IGNORE_INDEX).sum()
+    model.train()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def layer_report(step: int, names: dict, before: List[torch.Tensor], optimizer) -> dict:
+    """Per layer at this step: the coefficient the optimizer applied (LAMB's live trust ratio; in
+    1-bit LAMB's compression stage, frozen coefficient x factor) and the relative step size
+    ``|x_after - x_before| / |x_before|`` measured on the parameters themselves."""
+    diag = optimizer.layer_diagnostics()
+    layers = []
+    for i, ((name, p), x0) in enumerate(zip(names.items(), before)):
+        d = diag[i] if i < len(diag) else {}
+        x0n = float(x0.float().norm())
+        layers.append({"name": name, "trust_ratio": d.get("trust_ratio"), "frozen_coeff": d.get("frozen_coeff"),
+                       "factor": d.get("factor"),
+                       "rel_step": float((p.detach().float() - x0.float()).norm()) / x0n if x0n > 0 else None})
+    return {"step": step, "stage": optimizer.stage, "layers": layers}
+
+
+# ---- stopping on Ctrl-C / SIGTERM at a step boundary, all ranks together
+
+
+def _install_stop_handler():
+    flag = {"stop": False}
+
+    def handle(signum, frame):
+        flag["stop"] = True
+
+    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGTERM, handle)  # torchrun forwards signals as SIGTERM
+    return lambda: flag["stop"]
+
+
+def _agree_to_stop(local: bool, device) -> bool:
+    """Every rank must stop at the same step (a rank left alone would wait in a collective)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return local
+    t = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _gather_bytes(nbytes: int, world: int, device) -> List[int]:
+    if world == 1:
+        return [nbytes]
+    t = torch.zeros(world, dtype=torch.int64, device=device)
+    t[dist.get_rank()] = nbytes
+    dist.all_reduce(t)
+    return [int(v) for v in t.tolist()]
+
+
+def _progress_bar(cfg: TrainConfig, start: int):
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, initial=start, desc=cfg.optimizer, unit="step", dynamic_ncols=True,
+                file=sys.stderr, mininterval=0.5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: OUT/ckpt-<step>/{model.pt, trainer.pt, rank<r>.pt}, OUT/checkpoint.json names the last
+#
+# Every file is written to a temporary name and renamed; checkpoint.json is switched to a new folder
+# only after every rank has written its file, so a crash at any point leaves the previous complete
+# checkpoint in place. (Multi-node runs need OUT on a shared file system.)
+
+
+def _fresh_out_dir(cfg: TrainConfig) -> None:
+    os.makedirs(cfg.out, exist_ok=True)
+    pointer = os.path.join(cfg.out, "checkpoint.json")
+    if os.path.exists(pointer):
+        os.remove(pointer)  # a new run: the old checkpoints must not be resumed by mistake
+    for name in ("metrics.json", "model_final.pt"):
+        if os.path.exists(os.path.join(cfg.out, name)):
+            os.remove(os.path.join(cfg.out, name))
+
+
+def save_checkpoint(cfg, rank, step, model, optimizer, scheduler, history) -> None:
+    folder = os.path.join(cfg.out, f"ckpt-{step:07d}")
+    if rank == 0:
+        os.makedirs(folder, exist_ok=True)
+    _barrier()
+    atomic_save({"optimizer": optimizer.state_dict(), "comm_stats": optimizer.comm_stats.state_dict(),
+                 "rng": _rng_state()}, os.path.join(folder, f"rank{rank}.pt"))
+    if rank == 0:
+        atomic_save(model.state_dict(), os.path.join(folder, "model.pt"))
+        atomic_save({"step": step, "scheduler": scheduler.state_dict(), "history": history,
+                     "config": dataclasses.asdict(cfg)}, os.path.join(folder, "trainer.pt"))
+    _barrier()
+    if rank == 0:
+        pointer = os.path.join(cfg.out, "checkpoint.json")
+        previous = _read_pointer(cfg.out)
+        tmp = pointer + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"folder": os.path.basename(folder), "step": step}, f)
+        os.replace(tmp, pointer)
+        if previous and previous != os.path.basename(folder):  # keep only the latest
+            old = os.path.join(cfg.out, previous)
+            for fname in os.listdir(old):
+                os.remove(os.path.join(old, fname))
+            os.rmdir(old)
+    _barrier()
+
+
+def load_checkpoint(cfg, rank, world, model, optimizer, scheduler, history, device):
+    folder = _read_pointer(cfg.out)
+    if folder is None:
+        if rank == 0:
+            print(f"[{cfg.optimizer}] --resume: no checkpoint in {cfg.out}, starting from scratch", file=sys.stderr)
+            _fresh_out_dir(cfg)
+        return 0, history
+    folder = os.path.join(cfg.out, folder)
+    trainer = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu", weights_only=False)
+    saved, now = trainer["config"], dataclasses.asdict(cfg)
+    changed = {k: (saved.get(k), v) for k, v in now.items() if k not in RESUMABLE_CHANGES and saved.get(k) != v}
+    if changed:
+        raise ValueError(f"--resume with different settings than the checkpoint (saved, now): {changed}")
+    own = torch.load(os.path.join(folder, f"rank{rank}.pt"), map_location=device, weights_only=False)
+    model.load_state_dict(torch.load(os.path.join(folder, "model.pt"), map_location=device, weights_only=True))
+    optimizer.load_state_dict(own["optimizer"])
+    optimizer.comm_stats.load_state_dict(own["comm_stats"])
+    scheduler.load_state_dict(trainer["scheduler"])
+    _set_rng_state(own["rng"])
+    return trainer["step"], trainer["history"]
+
+
+def _read_pointer(out: str) -> Optional[str]:
+    try:
+        with open(os.path.join(out, "checkpoint.json")) as f:
+            return json.load(f)["folder"]
+    except FileNotFoundError:
+        return None
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The run's results: OUT/metrics.json, OUT/model_final.pt, OUT/diagnostics.png
+
+
+def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List[int], names, model) -> dict:
+    samples = cfg.steps * cfg.global_batch
+    metrics = {
+        "optimizer": cfg.optimizer,
+        "world_size": world,
+        "final_eval_loss": history["eval"][-1][1],
+        "samples": samples,
+        "steps": cfg.steps,
+        "freeze_step": cfg.freeze_step if cfg.optimizer != "lamb" else None,
+        "bytes_sent_per_rank": sum(ranks_bytes) / len(ranks_bytes),
+        "bytes_sent_by_rank": ranks_bytes,
+        "wall_time_s": history["wall_time_s"],
+        "train_time_s": history["train_time_s"],
+        "samples_per_s": samples / max(history["train_time_s"], 1e-9),
+        "eval_curve": history["eval"],
+        "bytes_curve": [[i + 1, b] for i, b in enumerate(history["bytes"])],
+        "train_loss": history["train_loss"],
+        "stage": history["stage"],
+        "lr": history["lr"],
+        "diagnostics": history["diagnostics"],
+        "config": dataclasses.asdict(cfg),
+    }
+    atomic_save(model.state_dict(), os.path.join(cfg.out, "model_final.pt"))
+    tmp = os.path.join(cfg.out, "metrics.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(metrics, f)
+    os.replace(tmp, os.path.join(cfg.out, "metrics.json"))
+    print(f"[{cfg.optimizer}] done: held-out loss {metrics['final_eval_loss']:.4f} after {samples} samples, "
+          f"{metrics['bytes_sent_per_rank'] / 1e6:.1f} MB sent per worker, {metrics['wall_time_s']:.0f} s "
+          f"({metrics['samples_per_s']:.0f} samples/s)", file=sys.stderr, flush=True)
+    return {k: metrics[k] for k in ("final_eval_loss", "samples", "bytes_sent_per_rank", "wall_time_s")}
