@@ -1,0 +1,235 @@
+"""One training worker on one emulated host: ``python -m onebitlamb.netsim.worker SPEC_JSON``.
+
+Started by ``onebitlamb.netsim.runner`` inside a host's namespace (``ip netns exec``), so its
+``/sys/class/net/<if>/statistics`` are that host's link counters. The spec (a JSON file) says what
+to run; the result is written as JSON to ``spec["out"]``, one file per rank.
+
+Jobs, in the order they run when present in the spec:
+- ``compute_only``: every optimizer's step with no communication at all (each rank alone in a
+  one-rank group), all ranks at once so they contend for the CPUs exactly as in the real runs;
+- ``probe``: the latency of a tiny all-reduce (the cost model's alpha), and the time of a
+  full-size fp32 all-reduce and of a compressed all-reduce (host-side costs: copies, the codec);
+- ``collectives``: repeated ``all_reduce`` / ``compressed_allreduce`` calls on one buffer, with the
+  bytes the library accounted and the bytes the interface counted (the wire-byte test);
+- ``train``: per optimizer, timed steps of the warm-up and the compression stage of the BERT
+  pretraining workload on synthetic token batches, with per-stage wire and accounted bytes.
+
+Each rank times its own steps; a step is the whole loop body (forward, backward, optimizer step,
+which includes the communication). Counters are read after a barrier, so every byte a stage sent
+has reached its peer.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+WARMUP, COMPRESSION = "warmup", "compression"
+
+
+def read_counter(interface: str, name: str = "tx_bytes") -> int:
+    with open(f"/sys/class/net/{interface}/statistics/{name}") as f:
+        return int(f.read())
+
+
+def make_optimizer(name: str, params, lr: float, freeze_step: int, group):
+    import onebitlamb
+
+    if name == "lamb":
+        return onebitlamb.Lamb(params, lr=lr, process_group=group)
+    if name == "onebitlamb":
+        return onebitlamb.OneBitLamb(params, lr=lr, freeze_step=freeze_step, process_group=group)
+    if name == "onebitadam":
+        return onebitlamb.OneBitAdam(params, lr=lr, freeze_step=freeze_step, process_group=group)
+    raise ValueError(f"unknown optimizer {name!r} (lamb, onebitlamb, onebitadam)")
+
+
+def _model_config(spec: dict):
+    from onebitlamb.train.model import ModelConfig
+
+    return ModelConfig(**spec["model"])
+
+
+def _batches(cfg, batch: int, count: int, seed: int) -> List[Dict[str, torch.Tensor]]:
+    """Random token batches with 15% of positions as MLM targets: step time does not depend on
+    the text, and generating them up front keeps data work out of the timed loop."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(5, cfg.vocab_size, (batch, cfg.seq_len), generator=gen)
+        labels = ids.clone()
+        labels[torch.rand(batch, cfg.seq_len, generator=gen) >= 0.15] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def _barrier(group) -> None:
+    if group is not None:
+        dist.barrier(group=group)
+
+
+def train_one(name: str, spec: dict, rank: int, group, interface: Optional[str]) -> dict:
+    """Run one optimizer through its stages; per stage: step times, wire and accounted bytes."""
+    from onebitlamb.train.model import build_model
+
+    cfg = _model_config(spec)
+    warm, comp, skip = spec["warmup_steps"], spec["compression_steps"], spec.get("skip_steps", 1)
+    model = build_model(cfg, seed=spec.get("seed", 0))
+    model.train()
+    freeze_step = skip + warm
+    opt = make_optimizer(name, model.parameters(), spec.get("lr", 1e-3), freeze_step, group)
+    stages = [(WARMUP, skip, warm)]
+    if name != "lamb":
+        stages.append((COMPRESSION, skip, comp))
+    batches = _batches(cfg, spec["batch"], 4, seed=1000 * rank + 7)
+    result = {"optimizer": name, "params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    step_no = 0
+    for stage, untimed, timed in stages:
+        times: List[float] = []
+        tx0 = stats0 = None
+        for i in range(untimed + timed):
+            if i == untimed:
+                _barrier(group)
+                tx0 = read_counter(interface) if interface else 0
+                stats0 = opt.comm_stats.bytes_sent
+            if opt.stage != stage:
+                raise RuntimeError(f"{name}: expected stage {stage} at step {step_no + 1}, optimizer "
+                                   f"is in {opt.stage}")
+            batch = batches[step_no % len(batches)]
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            dt = time.perf_counter() - t0
+            step_no += 1
+            if i >= untimed:
+                times.append(dt)
+        _barrier(group)
+        tx1 = read_counter(interface) if interface else 0
+        result[stage] = {
+            "step_times": times,
+            "median_s": statistics.median(times),
+            "wire_bytes_per_step": (tx1 - tx0) / timed,
+            "accounted_bytes_per_step": (opt.comm_stats.bytes_sent - stats0) / timed,
+            "loss": float(loss),
+        }
+    return result
+
+
+def probe(spec: dict, group, numel: int) -> dict:
+    """alpha (tiny all-reduce), and full-size fp32 and compressed all-reduce times."""
+    from onebitlamb.comm import CommStats, compressed_allreduce, padded_size
+
+    n = dist.get_world_size(group)
+    calls = spec.get("latency_calls", 30)
+    tiny = torch.zeros(1)
+    lat = []
+    for i in range(calls + 5):
+        t0 = time.perf_counter()
+        dist.all_reduce(tiny, group=group)
+        if i >= 5:
+            lat.append(time.perf_counter() - t0)
+    out = {"alpha_s": statistics.median(lat)}
+    if spec.get("bandwidth_calls", 0):
+        buf = torch.randn(numel)
+        ts = []
+        for i in range(spec["bandwidth_calls"] + 1):
+            _barrier(group)
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            if i:
+                ts.append(time.perf_counter() - t0)
+        out["allreduce_s"] = statistics.median(ts)
+        D = padded_size(numel, n)
+        b, we, se = torch.randn(D), torch.zeros(D), torch.zeros(D // n)
+        ts = []
+        for i in range(spec["bandwidth_calls"] + 1):
+            _barrier(group)
+            t0 = time.perf_counter()
+            compressed_allreduce(b, we, se, group=group, stats=CommStats())
+            if i:
+                ts.append(time.perf_counter() - t0)
+        out["compressed_s"] = statistics.median(ts)
+    return out
+
+
+def collectives(spec: dict, group, interface: str) -> dict:
+    """``calls`` collectives of one kind on ``numel`` elements: accounted vs counted bytes."""
+    from onebitlamb.comm import CommStats, compressed_allreduce, padded_size
+
+    n = dist.get_world_size(group)
+    kind, calls, numel = spec["op"], spec["calls"], spec["numel"]
+    stats = CommStats()
+    D = padded_size(numel, n)
+    buf = torch.randn(D, generator=torch.Generator().manual_seed(dist.get_rank()))
+    we, se = torch.zeros(D), torch.zeros(D // n)
+    _barrier(group)
+    tx0, rx0 = read_counter(interface), read_counter(interface, "rx_bytes")
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        if kind == "allreduce":
+            from onebitlamb.comm import allreduce_mean_
+
+            allreduce_mean_(buf, group=group, stats=stats)
+        elif kind == "compressed":
+            compressed_allreduce(buf, we, se, group=group, stats=stats)
+        else:
+            raise ValueError(f"unknown collective {kind!r}")
+    _barrier(group)
+    elapsed = time.perf_counter() - t0
+    return {"op": kind, "calls": calls, "D": D, "accounted_bytes": stats.bytes_sent,
+            "wire_tx_bytes": read_counter(interface) - tx0,
+            "wire_rx_bytes": read_counter(interface, "rx_bytes") - rx0, "elapsed_s": elapsed}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    rank, world = int(os.environ["OBL_RANK"]), int(os.environ["OBL_WORLD_SIZE"])
+    torch.set_num_threads(spec.get("threads", 1))
+    interface = spec.get("interface")
+    result: dict = {"rank": rank, "world_size": world}
+    dist.init_process_group("gloo", init_method=spec["init_method"], rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=spec.get("collective_timeout_s", 120)))
+    try:
+        world_group = dist.group.WORLD
+        if spec.get("compute_only"):
+            # every rank alone in a one-rank group: the optimizers see world size 1 and call no
+            # collective (new_group must be called by all ranks for every group, in one order)
+            solo = [dist.new_group([r]) for r in range(world)][rank]
+            result["compute_only"] = {}
+            for name in spec["optimizers"]:
+                _barrier(world_group)
+                result["compute_only"][name] = train_one(name, spec, rank, solo, None)
+        if spec.get("probe"):
+            from onebitlamb.train.model import build_model
+
+            numel = sum(p.numel() for p in build_model(_model_config(spec), 0).parameters())
+            result["probe"] = probe(spec["probe"], world_group, numel)
+        if spec.get("collectives"):
+            result["collectives"] = collectives(spec["collectives"], world_group, interface)
+        if spec.get("train"):
+            result["train"] = {}
+            for name in spec["optimizers"]:
+                result["train"][name] = train_one(name, spec, rank, world_group, interface)
+        _barrier(world_group)
+    finally:
+        dist.destroy_process_group()
+    tmp = spec["out"] + f".{rank}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, spec["out"] + f".{rank}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
