@@ -67,7 +67,7 @@ class OneBitLamb(StagedOptimizer):
 
     _layerwise, _fresh_variance = True, True
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, *, freeze_step: int,
+    def __init__(self, params: Iterable, lr: float = 1e-3, *, freeze_step: Optional[int] = None,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  bias_correction: bool = True, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
@@ -98,7 +98,7 @@ class OneBitAdam(StagedOptimizer):
 
     _layerwise, _fresh_variance = False, False
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, *, freeze_step: int,
+    def __init__(self, params: Iterable, lr: float = 1e-3, *, freeze_step: Optional[int] = None,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  bias_correction: bool = True, process_group: Optional[dist.ProcessGroup] = None) -> None:
         freeze_step = _validate_freeze_step(type(self).__name__, freeze_step)

@@ -1,0 +1,149 @@
+"""A reference of ALGORITHM.md written for the tests, sharing no code with the library.
+
+Deliberately plain: per-layer Python lists, the formulas in the order the spec states them, and
+every worker of a data-parallel run simulated in one process (including the 1-bit all-reduce),
+so the optimizers can be checked against it step by step.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+
+
+def sign(t: torch.Tensor) -> torch.Tensor:
+    return torch.where(t < 0, -torch.ones_like(t), torch.ones_like(t))
+
+
+class OneBitAllReduceSim:
+    """Steps 1-5 of "The error-compensated 1-bit all-reduce" for n simulated workers."""
+
+    def __init__(self, n: int, D: int):
+        self.n, self.D = n, D
+        self.worker_errors = [torch.zeros(D) for _ in range(n)]
+        self.server_errors = [torch.zeros(D // n) for _ in range(n)]
+
+    def __call__(self, buffers: List[torch.Tensor]) -> torch.Tensor:
+        n, D = self.n, self.D
+        c = D // n
+        signs, scales = [], []
+        for i in range(n):
+            y = buffers[i] + self.worker_errors[i]
+            s = torch.linalg.vector_norm(y) / math.sqrt(D)
+            q = sign(y)
+            self.worker_errors[i] = y - s * q
+            signs.append(q)
+            scales.append(s)
+        out = torch.empty(D)
+        for j in range(n):
+            z = self.server_errors[j].clone()
+            for i in range(n):
+                z = z + (scales[i] / n) * signs[i][j * c:(j + 1) * c]
+            s2 = torch.linalg.vector_norm(z) / math.sqrt(c)
+            q2 = sign(z)
+            self.server_errors[j] = z - s2 * q2
+            out[j * c:(j + 1) * c] = s2 * q2
+        return out
+
+
+class Reference:
+    """kind: "lamb" (never freezes), "onebitlamb" or "onebitadam"."""
+
+    def __init__(self, init: List[torch.Tensor], kind: str, lr: List[float], wd: List[float], *,
+                 freeze_step: Optional[int] = None, n: int = 1, bias_correction: bool = True,
+                 betas=(0.9, 0.999), eps=1e-8, min_coeff=0.01, max_coeff=10.0, coeff_beta=0.9,
+                 factor_min=0.5, factor_max=4.0, factor_threshold=0.1):
+        self.x = [t.detach().clone().float() for t in init]
+        self.kind, self.lr, self.wd, self.T = kind, lr, wd, freeze_step
+        self.n, self.bc = n, bias_correction
+        self.b1, self.b2 = betas
+        self.eps, self.min_c, self.max_c, self.cb = eps, min_coeff, max_coeff, coeff_beta
+        self.fmin, self.fmax, self.fthr = factor_min, factor_max, factor_threshold
+        L = len(self.x)
+        self.m = [torch.zeros_like(t) for t in self.x]
+        self.v = [torch.zeros_like(t) for t in self.x]
+        self.c_avg = [0.0] * L
+        self.c_count = [0] * L
+        self.t = 0
+        self.sim = None
+
+    def _hat(self, beta):
+        return (1 - beta ** self.t) if self.bc else 1.0
+
+    def step(self, grads_per_worker: List[List[torch.Tensor]]) -> None:
+        self.t += 1
+        L = len(self.x)
+        layerwise = self.kind in ("lamb", "onebitlamb")
+        if self.T is None or self.t <= self.T:
+            g = [sum(w[l] for w in grads_per_worker) / len(grads_per_worker) for l in range(L)]
+            for l in range(L):
+                self.m[l] = self.b1 * self.m[l] + (1 - self.b1) * g[l]
+                self.v[l] = self.b2 * self.v[l] + (1 - self.b2) * g[l] * g[l]
+                u = (self.m[l] / self._hat(self.b1)) / (torch.sqrt(self.v[l] / self._hat(self.b2)) + self.eps)
+                u = u + self.wd[l] * self.x[l]
+                c = 1.0
+                if layerwise:
+                    xn, un = float(self.x[l].norm()), float(u.norm())
+                    if xn > 0 and un > 0:
+                        c = min(max(xn / un, self.min_c), self.max_c)
+                        self.c_avg[l] = self.cb * self.c_avg[l] + (1 - self.cb) * c
+                        self.c_count[l] += 1
+                self.x[l] = self.x[l] - self.lr[l] * c * u
+            if self.T is not None and self.t == self.T:
+                self._freeze()
+            return
+        m_prev = [t.clone() for t in self.m]
+        local = [[self.b1 * self.m[l] + (1 - self.b1) * w[l] for l in range(L)] for w in grads_per_worker]
+        if self.n == 1:
+            self.m = local[0]
+        else:
+            d = sum(t.numel() for t in self.x)
+            D = self.sim.D
+            bufs = []
+            for w in local:
+                b = torch.zeros(D)
+                b[:d] = torch.cat([(self.k[l] * w[l]).reshape(-1) for l in range(L)])
+                bufs.append(b)
+            out = self.sim(bufs)
+            off = 0
+            for l in range(L):
+                k = self.x[l].numel()
+                self.m[l] = out[off:off + k].reshape(self.x[l].shape) / self.k[l]
+                off += k
+        self.m = [self.m[l] * self.mask[l] for l in range(L)]
+        for l in range(L):
+            ghat = (self.m[l] - self.b1 * m_prev[l]) / (1 - self.b1)
+            self.v_fresh[l] = self.b2 * self.v_fresh[l] + (1 - self.b2) * ghat * ghat
+            den = torch.sqrt(self.v_frozen[l]) + self.eps
+            u0 = (self.m[l] / self._hat(self.b1)) / den
+            u = u0 + self.wd[l] * self.x[l]
+            coef = 1.0
+            if self.kind == "onebitlamb":
+                r = float((den / (torch.sqrt(self.v_fresh[l] / self._hat(self.b2)) + self.eps)).max())
+                if self.wd[l] > 0:
+                    un = float(u.norm())
+                    rho = min(1.0, float(u0.norm()) / un) if un > 0 else 1.0
+                    r = r * rho + (1 - rho)
+                r = min(max(r, self.fmin), self.fmax)
+                r = min(max(r, (1 - self.fthr) * self.r_prev[l]), (1 + self.fthr) * self.r_prev[l])
+                self.r_prev[l] = r
+                coef = self.c_frz[l] * r
+            self.x[l] = self.x[l] - self.lr[l] * coef * u
+
+    def _freeze(self) -> None:
+        L = len(self.x)
+        self.v_frozen = [v / self._hat(self.b2) for v in self.v]
+        self.v_fresh = [v.clone() for v in self.v]
+        self.c_frz = [(self.c_avg[l] / (1 - self.cb ** self.c_count[l])) if self.c_count[l] > 0 else 1.0
+                      for l in range(L)]
+        self.r_prev = [1.0] * L
+        s = [float(self.m[l].norm()) / math.sqrt(self.m[l].numel()) for l in range(L)]
+        nonzero = [v for v in s if v > 0]
+        s_bar = sum(nonzero) / len(nonzero) if nonzero else 0.0
+        self.k = [s_bar / v if v > 0 else 1.0 for v in s]
+        self.mask = [(v != 0).float() for v in self.v]
+        if self.n > 1:
+            d = sum(t.numel() for t in self.x)
+            D = -(-d // (8 * self.n)) * 8 * self.n
+            self.sim = OneBitAllReduceSim(self.n, D)
