@@ -25,9 +25,9 @@ def default_results_path() -> Path:
 def command_line(argv: Optional[Sequence[str]] = None) -> str:
     """The command that reproduces this run, as a user would type it."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    return " ".join(shlex.quote(a) for a in [f"python -m {sys.modules['__main__'].__spec__.name}"
-                                            if getattr(sys.modules["__main__"], "__spec__", None)
-                                            else sys.argv[0], *argv])
+    main_spec = getattr(sys.modules["__main__"], "__spec__", None)
+    program = f"python -m {main_spec.name}" if main_spec else shlex.quote(sys.argv[0])
+    return " ".join([program, *(shlex.quote(a) for a in argv)])
 
 
 def machine_line() -> str:

@@ -1,0 +1,241 @@
+"""How fast the 1-bit compression kernels are, measured against a memory copy; and what the
+compressed all-reduce saves against a plain fp32 all-reduce on local gloo ranks.
+
+    python -m onebitlamb.benchmarks.kernels [--quick] [--results PATH]
+
+Part 1, kernels, one thread (``torch.set_num_threads(1)``), fp32, best of several repeats. The
+yardstick is ``out.copy_(src)`` into a preallocated ``out`` (one read and one write of the
+buffer): every kernel here is memory bound, so its cost is best read as a multiple of a copy.
+
+- compress: ``collectives._compress_cpu_(error, buffer, packed)``, the worker's whole step 1 of
+  ALGORITHM.md (error add, scale, sign, error update, pack);
+- decompress: ``unpack_signs(packed, numel, scale, out=out)`` into a preallocated ``out``;
+- whole compute of one rank for n = 4: everything ``compressed_allreduce`` computes, without the
+  collectives, composed from the same internal functions in the same order: compress the buffer
+  (``D`` elements); decode the ``n`` received ``D/(8n)``-byte chunks, each scaled by ``s_i/n``, and
+  add them to the server error (``D/n``); compress the server error; expand the ``n`` gathered
+  chunks into the buffer. The packed signs this rank sent stand in for the bytes it would have
+  received (same sizes, same kind of content), so no collective runs.
+
+Targets at 32M elements: compress within 4x, decompress within 1.5x, the whole compute within
+6x of the copy.
+
+Part 2, the compressed all-reduce (``compressed_allreduce``) against the fp32 all-reduce
+(``allreduce_mean_``: one ``dist.all_reduce`` and a division) on 4 local gloo ranks (spawned by
+``spawn_local``, one thread each): median wall time per call, each call's time being the slowest
+rank's, and the bytes each rank sends per call as recorded by ``CommStats``. On loopback the
+network is a memory copy, so the time ratio here says little about a real network; the bytes
+ratio is the point.
+
+The results go to the ``kernels`` section of BENCHMARKS.md (``report.write_section``).
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from onebitlamb.benchmarks.report import command_line, machine_line, write_section
+
+MB = 1 << 20
+FULL_SIZES = [1 * MB, 4 * MB, 16 * MB, 32 * MB, 64 * MB]
+QUICK_SIZES = [64 * 1024, 256 * 1024]
+FULL_ALLREDUCE_SIZES = [1 * MB, 16 * MB]
+QUICK_ALLREDUCE_SIZES = [64 * 1024]
+WORLD_SIZE = 4
+TARGET_SIZE = 32 * MB
+TARGETS = {"compress": 4.0, "decompress": 1.5, "whole": 6.0}
+
+
+def best_time(fn: Callable[[], object], repeats: int, min_total_s: float) -> float:
+    """The fastest of at least ``repeats`` runs (more while they total under ``min_total_s``),
+    after one warm-up run."""
+    fn()
+    times: List[float] = []
+    while len(times) < repeats or (sum(times) < min_total_s and len(times) < 100):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 0.2) -> Dict[str, float]:
+    """Seconds for the copy, compress, decompress and whole per-rank compute on ``numel`` fp32."""
+    from onebitlamb.comm.collectives import _compress_cpu_
+    from onebitlamb.compression.packing import unpack_signs
+
+    if numel % (8 * n):
+        raise ValueError(f"numel must be a multiple of 8n = {8 * n}, got {numel}")
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(numel, generator=g)
+    out = torch.empty(numel)
+    packed = torch.empty(numel // 8, dtype=torch.uint8)
+    error = torch.zeros(numel)
+    times = {"copy": best_time(lambda: out.copy_(src), repeats, min_total_s)}
+    times["compress"] = best_time(lambda: _compress_cpu_(error, src, packed), repeats, min_total_s)
+    times["decompress"] = best_time(lambda: unpack_signs(packed, numel, 0.5, out=out), repeats, min_total_s)
+
+    chunk = numel // n
+    buffer = src.clone()
+    worker_error = torch.zeros(numel)
+    server_error = torch.zeros(chunk)
+    decoded = torch.empty(chunk)
+    server_signs = torch.empty(chunk // 8, dtype=torch.uint8)
+    received = packed.view(n, chunk // 8)   # stands in for the all-to-all's output
+    gathered = packed.view(n, chunk // 8)   # stands in for the all-gather's output
+
+    def whole() -> None:
+        s = _compress_cpu_(worker_error, buffer, packed)
+        for i in range(n):
+            unpack_signs(received[i], chunk, s / n, out=decoded)
+            server_error.add_(decoded)
+        s_server = _compress_cpu_(server_error, None, server_signs)
+        for j in range(n):
+            unpack_signs(gathered[j], chunk, s_server, out=buffer[j * chunk:(j + 1) * chunk])
+
+    times["whole"] = best_time(whole, repeats, min_total_s)
+    del src, out, packed, error, buffer, worker_error
+    return times
+
+
+def _allreduce_worker(rank: int, world_size: int, sizes: Sequence[int], iters: int) -> dict:
+    """On each rank: per-call times and bytes of both all-reduces, for every size."""
+    import torch.distributed as dist
+
+    from onebitlamb.comm import CommStats, allreduce_mean_, compressed_allreduce
+
+    out = {}
+    for numel in sizes:
+        g = torch.Generator().manual_seed(rank)
+        src = torch.randn(numel, generator=g)
+        buf = src.clone()
+        worker_error, server_error = torch.zeros(numel), torch.zeros(numel // world_size)
+        calls = {
+            "fp32": lambda: allreduce_mean_(buf, stats=stats),
+            "1bit": lambda: compressed_allreduce(buf, worker_error, server_error, stats=stats),
+        }
+        for name, call in calls.items():
+            stats = CommStats()
+            buf.copy_(src)
+            call()  # warm-up: connections, workspaces
+            stats.reset()
+            times = []
+            for _ in range(iters):
+                buf.copy_(src)
+                dist.barrier()
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            out[(numel, name)] = dict(times=times, bytes=stats.bytes_sent / iters)
+    return out
+
+
+def allreduce_results(sizes: Sequence[int], iters: int, world_size: int = WORLD_SIZE) -> Dict:
+    from onebitlamb.comm.launch import spawn_local
+
+    per_rank = spawn_local(_allreduce_worker, world_size, args=(list(sizes), iters), timeout_s=600)
+    results = {}
+    for key in per_rank[0]:
+        slowest = [max(r[key]["times"][k] for r in per_rank) for k in range(iters)]
+        results[key] = dict(median_s=statistics.median(slowest), bytes=per_rank[0][key]["bytes"])
+    return results
+
+
+def _size_label(numel: int) -> str:
+    return f"{numel // MB}M" if numel % MB == 0 else f"{numel // 1024}K"
+
+
+def render(kernels: Dict[int, Dict[str, float]], allreduce: Dict, command: str, repeats: int,
+           iters: int) -> str:
+    lines = [
+        "## Kernels: 1-bit compression against a memory copy",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {machine_line()}, {torch.get_num_threads()} torch thread(s)",
+        "",
+        f"One thread, fp32, best of at least {repeats} repeats. Each kernel's time is given as a "
+        "multiple of `out.copy_(src)` on the same number of elements. *Whole* is everything one "
+        f"rank of an n = {WORLD_SIZE} compressed all-reduce computes (compress, server decode and "
+        "accumulate, server compress, final expansion), without the collectives.",
+        "",
+        "| elements | copy (ms) | compress (x copy) | decompress (x copy) | whole, n=4 (x copy) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for numel, t in kernels.items():
+        c = t["copy"]
+        lines.append(f"| {_size_label(numel)} | {c * 1e3:.3f} | {t['compress'] / c:.2f} | "
+                     f"{t['decompress'] / c:.2f} | {t['whole'] / c:.2f} |")
+    lines.append("")
+    if TARGET_SIZE in kernels:
+        t = kernels[TARGET_SIZE]
+        verdicts = []
+        for name, target in TARGETS.items():
+            ratio = t[name] / t["copy"]
+            verdicts.append(f"{name} {ratio:.2f}x (target <= {target:g}x: "
+                            f"{'met' if ratio <= target else 'MISSED'})")
+        lines.append(f"Targets at {_size_label(TARGET_SIZE)}: " + "; ".join(verdicts) + ".")
+    else:
+        lines.append(f"Targets at {_size_label(TARGET_SIZE)} (not measured in this run): "
+                     + ", ".join(f"{k} <= {v:g}x" for k, v in TARGETS.items()) + ".")
+    lines += [
+        "",
+        f"### Compressed all-reduce against fp32 all-reduce, {WORLD_SIZE} local gloo ranks",
+        "",
+        f"Median over {iters} calls of the slowest rank's time per call; bytes this rank sends per "
+        "call, from `CommStats`. Loopback makes the network a memory copy, so the time ratio "
+        "understates what a real network gains; the bytes ratio is the point.",
+        "",
+        "| elements | fp32 all-reduce (ms) | fp32 bytes/call | 1-bit (ms) | 1-bit bytes/call "
+        "| time fp32/1-bit | bytes fp32/1-bit |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for numel in sorted({k[0] for k in allreduce}):
+        f, b = allreduce[(numel, "fp32")], allreduce[(numel, "1bit")]
+        lines.append(f"| {_size_label(numel)} | {f['median_s'] * 1e3:.1f} | {f['bytes']:,.0f} | "
+                     f"{b['median_s'] * 1e3:.1f} | {b['bytes']:,.0f} | "
+                     f"{f['median_s'] / b['median_s']:.2f} | {f['bytes'] / b['bytes']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> str:
+    parser = argparse.ArgumentParser(prog="python -m onebitlamb.benchmarks.kernels", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, a smoke test")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="markdown file to write the section into (default: BENCHMARKS.md)")
+    args = parser.parse_args(argv)
+    if argv is None:  # run from the command line
+        command = command_line()
+    else:             # called from Python
+        command = " ".join(["python -m onebitlamb.benchmarks.kernels", *map(shlex.quote, argv)])
+
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    repeats = 3 if args.quick else 5
+    iters = 3 if args.quick else 10
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        kernels = {}
+        for numel in sizes:
+            kernels[numel] = kernel_times(numel, WORLD_SIZE, repeats, 0.01 if args.quick else 0.2)
+            t = kernels[numel]
+            print(f"{_size_label(numel):>5}: copy {t['copy'] * 1e3:.3f} ms, compress "
+                  f"{t['compress'] / t['copy']:.2f}x, decompress {t['decompress'] / t['copy']:.2f}x, "
+                  f"whole {t['whole'] / t['copy']:.2f}x", flush=True)
+        allreduce = allreduce_results(QUICK_ALLREDUCE_SIZES if args.quick else FULL_ALLREDUCE_SIZES, iters)
+        body = render(kernels, allreduce, command, repeats, iters)
+    finally:
+        torch.set_num_threads(previous_threads)
+    path = write_section("kernels", body, args.results)
+    print(body)
+    print(f"written to {path}")
+    return body
+
+
+if __name__ == "__main__":
+    main()
