@@ -44,3 +44,18 @@ def build_model(cfg: ModelConfig, seed: int):
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     return BertForMaskedLM(config)
+
+
+def mlm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """The masked-LM cross-entropy of ``BertForMaskedLM``, with its prediction head applied only
+    to the predicted (labelled) positions.
+
+    The same number as ``model(input_ids=..., labels=...).loss`` (positions labelled -100 add
+    nothing to it), about twice as fast on CPU for this model size: with 15% masking the
+    vocabulary projection, the largest matrix product, shrinks 6-7x."""
+    hidden = model.bert(input_ids=input_ids).last_hidden_state
+    selected = labels != -100
+    logits = model.cls(hidden[selected])
+    if reduction == "mean" and logits.shape[0] == 0:  # nothing masked: no loss, but keep the graph
+        return logits.sum() * 0.0
+    return torch.nn.functional.cross_entropy(logits.float(), labels[selected], reduction=reduction)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from onebitlamb.train import data
 from onebitlamb.train.data import atomic_save
-from onebitlamb.train.model import ModelConfig, build_model
+from onebitlamb.train.model import ModelConfig, build_model, mlm_loss
 
 OPTIMIZERS = ("lamb", "onebitlamb", "onebitadam")
 
@@ -318,7 +318,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
         loss_sum = 0.0
         for i in range(accum):
             sl = slice(i * cfg.micro_batch, (i + 1) * cfg.micro_batch)
-            loss = model(input_ids=inputs[sl].to(device), labels=labels[sl].to(device)).loss / accum
+            loss = mlm_loss(model, inputs[sl].to(device), labels[sl].to(device)) / accum
             loss.backward()
             loss_sum += loss.item()
         if cfg.clip > 0:  # this worker's local gradient, before step() communicates anything
@@ -402,10 +402,8 @@ def evaluate_mlm(model, inputs, labels, batch: int, device) -> float:
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(0, len(inputs), batch):
-        logits = model(input_ids=inputs[i:i + batch]).logits
         lab = labels[i:i + batch]
-        total[0] += torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)).float(), lab.reshape(-1),
-                                                      ignore_index=data.IGNORE_INDEX, reduction="sum").double()
+        total[0] += mlm_loss(model, inputs[i:i + batch], lab, reduction="sum").double()
         total[1] += (lab != data.IGNORE_INDEX).sum()
     model.train()
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -1,0 +1,119 @@
+"""LAMB, 1-bit LAMB and 1-bit Adam pretraining the same BERT with identical settings.
+
+    onebitlamb compare --preset demo --out runs/demo        # what `make demo` runs
+
+Each optimizer runs ``onebitlamb pretrain`` into ``OUT/<optimizer>`` with the same seed, data
+order, model, schedule, clipping and number of samples (only the learning rate differs between
+the LAMB family and Adam, as in the paper). Then this prints the table, writes ``OUT/metrics.json``,
+``OUT/table.md``, ``OUT/compare.png`` and ``OUT/diagnostics.png``. ``--resume`` skips finished
+runs and continues an interrupted one from its checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Dict
+
+from onebitlamb.train import pretrain
+from onebitlamb.train.plots import LABELS, plot_compare, plot_diagnostics
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pretrain.add_arguments(parser, optimizer_choice=False)
+    parser.add_argument("--optimizers", nargs="+", choices=pretrain.OPTIMIZERS, default=list(pretrain.OPTIMIZERS),
+                        help="which to run (default: all three; LAMB is the reference of the table)")
+
+
+def run(args: argparse.Namespace) -> int:
+    os.makedirs(args.out, exist_ok=True)
+    args.cache_dir = args.cache_dir or os.path.join(args.out, "cache")  # one tokenized corpus for all
+    runs: Dict[str, dict] = {}
+    for name in args.optimizers:
+        cfg = pretrain.config_from_args(args, optimizer=name, out=os.path.join(args.out, name))
+        metrics_path = os.path.join(cfg.out, "metrics.json")
+        if args.resume and os.path.exists(metrics_path):
+            print(f"[{name}] finished before, reusing {metrics_path}", file=sys.stderr)
+        else:
+            t0 = time.perf_counter()
+            result = pretrain.train(cfg)
+            if not result["completed"]:
+                print(f"compare stopped during {name}; `onebitlamb compare ... --resume` continues it",
+                      file=sys.stderr)
+                return 130 if result["interrupted"] else 0
+            with open(metrics_path) as f:
+                m = json.load(f)
+            m["process_time_s"] = time.perf_counter() - t0  # including start-up and data loading
+            with open(metrics_path, "w") as f:
+                json.dump(m, f)
+        with open(metrics_path) as f:
+            runs[name] = json.load(f)
+
+    table = format_table(runs)
+    print(table)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(table + "\n")
+    summary = {name: {k: m.get(k) for k in ("final_eval_loss", "samples", "bytes_sent_per_rank", "wall_time_s",
+                                            "train_time_s", "samples_per_s", "freeze_step", "world_size",
+                                            "eval_curve", "bytes_curve", "diagnostics")}
+               for name, m in runs.items()}
+    for name, m in summary.items():
+        m["eval_curve"] = [list(p) for p in m["eval_curve"]]
+    out = {"optimizers": summary, "comparison": comparison(runs), "config": runs[args.optimizers[0]]["config"],
+           "table": table}
+    tmp = os.path.join(args.out, "metrics.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(tmp, os.path.join(args.out, "metrics.json"))
+    plot_compare(runs, os.path.join(args.out, "compare.png"))
+    plot_diagnostics(runs, os.path.join(args.out, "diagnostics.png"))
+    print(f"wrote {args.out}/metrics.json, table.md, compare.png, diagnostics.png", file=sys.stderr)
+    return 0
+
+
+def comparison(runs: Dict[str, dict]) -> dict:
+    """Relative numbers against LAMB (when it ran): loss gap in percent, volume reduction."""
+    ref = runs.get("lamb")
+    out = {}
+    for name, m in runs.items():
+        row = {}
+        if ref is not None:
+            row["loss_gap_vs_lamb_pct"] = 100.0 * (m["final_eval_loss"] - ref["final_eval_loss"]) / ref["final_eval_loss"]
+            row["volume_reduction_vs_lamb"] = ref["bytes_sent_per_rank"] / max(m["bytes_sent_per_rank"], 1)
+        if m.get("freeze_step"):
+            w = m["freeze_step"] / m["steps"]
+            row["ideal_volume_reduction_fp32"] = 1.0 / (w + (1 - w) / 32)  # ALGORITHM.md
+        out[name] = row
+    return out
+
+
+def format_table(runs: Dict[str, dict]) -> str:
+    rel = comparison(runs)
+    samples = next(iter(runs.values()))["samples"]
+    head = ["optimizer", f"held-out loss @ {samples} samples", "vs LAMB", "MB sent/worker",
+            "volume vs LAMB", "wall s", "samples/s"]
+    rows = []
+    for name, m in runs.items():
+        r = rel[name]
+        gap = r.get("loss_gap_vs_lamb_pct")
+        red = r.get("volume_reduction_vs_lamb")
+        rows.append([LABELS.get(name, name), f"{m['final_eval_loss']:.4f}",
+                     "-" if name == "lamb" or gap is None else f"{gap:+.2f}%",
+                     f"{m['bytes_sent_per_rank'] / 1e6:.1f}",
+                     "1.00x" if name == "lamb" else ("-" if red is None else f"{red:.2f}x less"),
+                     f"{m['wall_time_s']:.0f}", f"{m['samples_per_s']:.0f}"])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+    out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
+    notes = []
+    for name, r in rel.items():
+        if "ideal_volume_reduction_fp32" in r:
+            m = runs[name]
+            notes.append(f"{LABELS.get(name, name)}: warm-up {m['freeze_step']}/{m['steps']} steps uncompressed; "
+                         f"ideal whole-run reduction vs fp32 LAMB 1/(w+(1-w)/32) = {r['ideal_volume_reduction_fp32']:.2f}x")
+    world = next(iter(runs.values())).get("world_size")
+    notes.append(f"{world} workers; bytes are what each worker sent through the optimizer (optimizer.comm_stats); "
+                 f"wall s = training loop incl. evaluation, without start-up")
+    return "\n".join(out + [""] + notes)

@@ -1,0 +1,121 @@
+"""Figures of a comparison (or of a single run): convergence, communication, per-layer diagnostics.
+
+Each function takes ``{optimizer name: metrics dict}`` as written by ``pretrain.write_metrics``.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+LABELS = {"lamb": "LAMB", "onebitlamb": "1-bit LAMB", "onebitadam": "1-bit Adam"}
+COLORS = {"lamb": "tab:blue", "onebitlamb": "tab:orange", "onebitadam": "tab:green"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_compare(runs: Dict[str, dict], path: str) -> None:
+    """Left: held-out MLM loss vs samples. Right: cumulative bytes sent per worker vs step."""
+    plt = _plt()
+    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, m in runs.items():
+        label, color = LABELS.get(name, name), COLORS.get(name)
+        xs, ys = zip(*m["eval_curve"])
+        ax_loss.plot(xs, ys, marker=".", label=label, color=color)
+        steps, cum = zip(*m["bytes_curve"])
+        ax_bytes.plot(steps, [b / 1e6 for b in cum], label=label, color=color)
+        if m.get("freeze_step"):
+            for ax in (ax_bytes,):
+                ax.axvline(m["freeze_step"], color=color, ls=":", lw=1)
+    ax_loss.set(xlabel="samples", ylabel="held-out MLM loss", title="convergence (equal samples)")
+    ax_bytes.set(xlabel="step", ylabel="MB sent per worker (cumulative)",
+                 title="communication volume (dotted: freeze step)")
+    for ax in (ax_loss, ax_bytes):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pick_layers(names: List[str], k: int = 3) -> List[str]:
+    """A few representative layers: the word embeddings, a first-layer attention matrix, a
+    last-layer feed-forward matrix (falling back to the first names)."""
+    wanted = []
+    for pattern in ("word_embeddings", "layer.0.attention.self.query.weight", "output.dense.weight"):
+        hits = [n for n in names if pattern in n and "attention.output" not in n]
+        if hits:
+            wanted.append(hits[-1] if pattern == "output.dense.weight" else hits[0])
+    for n in names:
+        if len(wanted) >= k:
+            break
+        if n not in wanted:
+            wanted.append(n)
+    return wanted[:k]
+
+
+def _coefficient(layer: dict) -> Optional[float]:
+    """The coefficient applied: frozen x factor in 1-bit LAMB's compression stage, else the live
+    trust ratio."""
+    if layer.get("frozen_coeff") is not None and layer.get("factor") is not None:
+        return layer["frozen_coeff"] * layer["factor"]
+    return layer.get("trust_ratio")
+
+
+def plot_diagnostics(runs: Dict[str, dict], path: str) -> None:
+    """Top: per-layer coefficient over steps (LAMB's live trust ratio vs 1-bit LAMB's frozen
+    coefficient times factor). Bottom: relative step size |dx|/|x| per layer, for every optimizer.
+    Last column: every layer at the last diagnostic step."""
+    runs = {n: m for n, m in runs.items() if m.get("diagnostics")}
+    if not runs:
+        return
+    plt = _plt()
+    any_run = next(iter(runs.values()))
+    names = [l["name"] for l in any_run["diagnostics"][0]["layers"]]
+    chosen = _pick_layers(names)
+    cols = len(chosen) + 1
+    fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 7.5), squeeze=False)
+    for j, lname in enumerate(chosen):
+        for name, m in runs.items():
+            steps, coeff, rel = [], [], []
+            for d in m["diagnostics"]:
+                layer = next((l for l in d["layers"] if l["name"] == lname), None)
+                if layer is not None:
+                    steps.append(d["step"])
+                    coeff.append(_coefficient(layer))
+                    rel.append(layer["rel_step"])
+            color, label = COLORS.get(name), LABELS.get(name, name)
+            if name != "onebitadam":  # Adam has no layer-wise coefficient (it is 1)
+                axes[0][j].plot(steps, coeff, marker=".", color=color,
+                                ls="--" if name == "onebitlamb" else "-", label=label)
+            axes[1][j].plot(steps, rel, marker=".", color=color, label=label)
+            if m.get("freeze_step"):
+                for ax in axes[:, j]:
+                    ax.axvline(m["freeze_step"], color=color, ls=":", lw=1)
+        short = lname.replace("bert.", "").replace(".weight", "")
+        axes[0][j].set(title=f"{short}\ncoefficient (trust ratio / frozen x factor)", xlabel="step")
+        axes[1][j].set(title=f"{short}\nrelative step |dx|/|x|", xlabel="step", yscale="log")
+    # every layer at the last diagnostic point
+    for name, m in runs.items():
+        last = m["diagnostics"][-1]
+        color, label = COLORS.get(name), LABELS.get(name, name)
+        idx = list(range(len(last["layers"])))
+        if name != "onebitadam":
+            axes[0][-1].plot(idx, [_coefficient(l) for l in last["layers"]], marker=".", color=color,
+                             ls="--" if name == "onebitlamb" else "-", label=label)
+        axes[1][-1].plot(idx, [l["rel_step"] for l in last["layers"]], marker=".", color=color, label=label)
+    step = any_run["diagnostics"][-1]["step"]
+    axes[0][-1].set(title=f"all layers at step {step}\ncoefficient", xlabel="layer (optimizer order)", yscale="log")
+    axes[1][-1].set(title=f"all layers at step {step}\nrelative step |dx|/|x|", xlabel="layer (optimizer order)",
+                    yscale="log")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
