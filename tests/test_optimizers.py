@@ -65,14 +65,14 @@ def test_single_process_matches_reference(kind, bias_correction, weight_decay):
 
 
 # ---------------------------------------------------------------- multi-process
-def _distributed_run(rank, n, kind, steps, freeze, resume_at):
+def _distributed_run(rank, n, kind, steps, freeze, resume_at, options=None):
     """Each rank: a full run (params after every step, bytes per step), then a run stopped at each
     ``resume_at`` step, checkpointed through bytes, restored into fresh objects and finished."""
     torch.manual_seed(0)
 
     def fresh(init):
         params = [torch.nn.Parameter(t.clone()) for t in init]
-        return params, make_optimizer(kind, params, LRS, [0.01, 0.0, 0.01, 0.0], freeze)
+        return params, make_optimizer(kind, params, LRS, [0.01, 0.0, 0.01, 0.0], freeze, **(options or {}))
 
     def run(params, opt, start, stop):
         history, nbytes, stages = [], [], []
@@ -106,18 +106,20 @@ def _distributed_run(rank, n, kind, steps, freeze, resume_at):
             "numel": sum(p.numel() for p in params)}
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_ranks_bit_identical_match_simulation_bytes_and_resume(n):
+@pytest.mark.parametrize("n,space", [(2, "momentum"), (4, "momentum"), (2, "update")])
+def test_ranks_bit_identical_match_simulation_bytes_and_resume(n, space):
     steps, freeze = 30, 10
     kind = "onebitlamb"
-    out = spawn_local(_distributed_run, n, (kind, steps, freeze, (5, 17)), timeout_s=180)
+    out = spawn_local(_distributed_run, n, (kind, steps, freeze, (5, 17), {"compression_space": space}),
+                      timeout_s=180)
     # bit-identical on all ranks after every step
     for t in range(steps):
         for r in range(1, n):
             for a, b in zip(out[0]["history"][t], out[r]["history"][t]):
                 assert torch.equal(a, b), f"rank {r} differs from rank 0 at step {t + 1}"
     # the same trajectory as a one-process simulation of the n workers
-    ref = Reference(initial_params(), kind, LRS, [0.01, 0.0, 0.01, 0.0], freeze_step=freeze, n=n)
+    ref = Reference(initial_params(), kind, LRS, [0.01, 0.0, 0.01, 0.0], freeze_step=freeze, n=n,
+                    compression_space=space)
     for t in range(1, steps + 1):
         ref.step([grads_for(ref.x, r, t) for r in range(n)])
         for a, x in zip(out[0]["history"][t - 1], ref.x):
@@ -314,3 +316,98 @@ def test_group_overrides_only_lr_and_weight_decay():
         onebitlamb.Lamb([{"params": [torch.nn.Parameter(torch.zeros(2))], "betas": (0.5, 0.9)}])
     with pytest.raises(ValueError, match="lr"):
         onebitlamb.Lamb([{"params": [torch.nn.Parameter(torch.zeros(2))], "lr": -1}])
+
+
+# ---------------------------------------------------------------- issue 5 options
+def test_auto_freeze_same_step_on_all_ranks_guard_and_exact_resume():
+    """freeze_step="auto" with the guard, on 2 ranks: the ranks agree bit for bit (so they froze at
+    the same step), the freeze falls between the floor and the cap, and resume is exact."""
+    options = {"min_freeze_step": 8, "max_freeze_step": 25, "freeze_window": 5, "freeze_tolerance": 0.5,
+               "update_guard": 2.0, "compression_space": "update"}
+    out = spawn_local(_distributed_run, 2, ("onebitlamb", 40, "auto", (12, 30), options), timeout_s=180)
+    stages = out[0]["stages"]
+    assert stages == out[1]["stages"]
+    frozen_at = stages.index("compression")
+    assert 8 <= frozen_at <= 25, frozen_at
+    for a, b in zip(out[0]["history"][-1], out[1]["history"][-1]):
+        assert torch.equal(a, b)
+    for r in range(2):
+        for stop, final in out[r]["resumed"].items():
+            for a, b in zip(final, out[r]["history"][-1]):
+                assert torch.equal(a, b), f"rank {r}: resume after step {stop}"
+
+
+def test_settled_criterion_by_hand():
+    from onebitlamb.optim.functional import settled
+    flat = torch.zeros(5, 4)
+    assert settled(flat, count=5, tolerance=0.1)
+    assert not settled(flat, count=4, tolerance=0.1)  # the window is not full yet
+    drifting = flat.clone()
+    drifting[:, 2] = torch.tensor([0.0, 0.1, 0.2, 0.3, 0.4])  # one layer still moving by 0.4
+    assert not settled(drifting, count=9, tolerance=0.1)
+    assert settled(drifting, count=9, tolerance=0.5)
+    no_gradient_yet = flat.clone()
+    no_gradient_yet[0, 1] = -float("inf")  # log of a zero variance: ignored
+    assert settled(no_gradient_yet, count=5, tolerance=0.1)
+
+
+def test_auto_freeze_waits_for_a_plateau_exit_and_respects_the_cap():
+    """Gradients that grow 5% a step until step 60 (a layer leaving a plateau), then hold: the
+    variance keeps moving, so the automatic freeze must wait until it has settled."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = onebitlamb.OneBitLamb([p], lr=1e-3, freeze_step="auto", min_freeze_step=10, max_freeze_step=150,
+                                freeze_window=10, freeze_tolerance=0.2)
+    gen = torch.Generator().manual_seed(1)
+    for t in range(1, 151):
+        p.grad = math.exp(0.05 * min(t, 60)) * (1 + 0.1 * torch.randn(64, generator=gen))
+        opt.step()
+        if opt.stage == "compression":
+            break
+    frozen_at = opt.state["flat"]["frozen_at"]
+    assert 60 < frozen_at < 150, frozen_at
+    capped = onebitlamb.OneBitLamb([p], lr=1e-3, freeze_step="auto", max_freeze_step=7)
+    for t in range(1, 8):
+        p.grad = math.exp(0.5 * t) * torch.ones(64)  # never settles
+        capped.step()
+    assert capped.state["flat"]["frozen_at"] == 7
+
+
+def test_update_guard_bounds_a_blow_up():
+    """A gradient 1000x larger than in warm-up, after the freeze: with the guard the layer's step
+    stays within update_guard times its warm-up relative step; without it, it does not."""
+    moved = {}
+    for guard in (None, 3.0):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(100))
+        opt = onebitlamb.OneBitAdam([p], lr=1e-2, freeze_step=20, update_guard=guard)
+        gen = torch.Generator().manual_seed(2)
+        ratios = []
+        for t in range(1, 31):
+            scale = 1000.0 if t > 20 else 1.0
+            p.grad = scale * torch.randn(100, generator=gen)
+            before = p.detach().clone()
+            opt.step()
+            ratios.append(float((p.detach() - before).norm() / before.norm()))
+        reference = max(ratios[10:20])
+        moved[guard] = max(ratios[20:]) / reference
+        if guard is not None:
+            assert opt.state["flat"]["guard_hits"] > 0
+            assert any(d["guarded"] for d in opt.layer_diagnostics())
+    assert moved[None] > 10, moved
+    assert moved[3.0] <= 3.0 * 1.5, moved  # the guard's yardstick is an average, not this max
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"freeze_step": "auto"}, "max_freeze_step"),
+    ({"freeze_step": "auto", "max_freeze_step": 10, "min_freeze_step": 20}, "min_freeze_step"),
+    ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_window": 0}, "freeze_window"),
+    ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_tolerance": 0}, "freeze_tolerance"),
+    ({"freeze_step": "sometime"}, "freeze_step"),
+    ({"freeze_step": 5, "compression_space": "gradient"}, "compression_space"),
+    ({"freeze_step": 5, "update_guard": 0.5}, "update_guard"),
+])
+@pytest.mark.parametrize("cls", [onebitlamb.OneBitLamb, onebitlamb.OneBitAdam])
+def test_invalid_onebit_options(cls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cls([torch.nn.Parameter(torch.zeros(2))], **kwargs)

@@ -53,17 +53,18 @@ def trust_ratios(param_norms: torch.Tensor, update_norms: torch.Tensor, min_coef
     return torch.where(defined, ratio, torch.ones_like(ratio)), defined
 
 
-def update_coeff_ema_(ema: torch.Tensor, count: torch.Tensor, coeff: torch.Tensor, defined: torch.Tensor,
-                      coeff_beta: float) -> None:
-    """Moving average of the trust ratio over the steps where it was defined."""
-    blended = ema * coeff_beta + coeff * (1 - coeff_beta)
+def update_ema_(ema: torch.Tensor, count: torch.Tensor, value: torch.Tensor, defined: torch.Tensor,
+                beta: float) -> None:
+    """Per-layer moving average over the steps where the value was defined (the trust ratio's
+    becomes the frozen coefficient)."""
+    blended = ema * beta + value * (1 - beta)
     ema.copy_(torch.where(defined, blended, ema))
     count.add_(defined.to(count.dtype))
 
 
-def corrected_coeff_ema(ema: torch.Tensor, count: torch.Tensor, coeff_beta: float) -> torch.Tensor:
+def corrected_ema(ema: torch.Tensor, count: torch.Tensor, beta: float) -> torch.Tensor:
     """The average bias-corrected like Adam's moments (ALGORITHM.md [choice]); 1 with no update."""
-    correction = 1 - torch.pow(torch.tensor(coeff_beta, dtype=ema.dtype), count.to(ema.dtype))
+    correction = 1 - torch.pow(torch.tensor(beta, dtype=ema.dtype), count.to(ema.dtype))
     return torch.where(count > 0, ema / torch.where(count > 0, correction, torch.ones_like(correction)),
                        torch.ones_like(ema))
 
@@ -103,3 +104,22 @@ def scaling_factors(max_denominator_ratio: torch.Tensor, plain_update_norms: tor
 def segment_max(flat: torch.Tensor, views_of: List[slice]) -> torch.Tensor:
     """Maximum of each slice of ``flat`` (one per layer), as a float32 vector."""
     return torch.stack([flat[s].max() for s in views_of]).to(torch.float32)
+
+
+def settled(history: torch.Tensor, count: int, tolerance: float) -> bool:
+    """The automatic freeze criterion: has the warm-up left its early transient?
+
+    ``history`` holds, for the last ``W + 1`` warm-up steps, each layer's ``log ||v_hat||`` and
+    ``log`` trust ratio (both synchronized, so every rank decides alike). Settled when, for every
+    layer, each of them has moved by at most ``tolerance`` (max minus min, in log space: about a
+    ``tolerance`` fraction) over the window. A layer still leaving a plateau has a variance that
+    grows by orders of magnitude and a trust ratio that moves several-fold, and holds the freeze
+    back; layers with no gradient yet (``log 0``) are ignored until they have one.
+    """
+    if count < history.shape[0]:
+        return False
+    finite = torch.isfinite(history).all(dim=0)
+    if not bool(finite.any()):
+        return False
+    window = history[:, finite]
+    return bool((window.max(dim=0).values - window.min(dim=0).values).max() <= tolerance)

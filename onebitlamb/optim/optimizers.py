@@ -2,23 +2,48 @@
 hyper-parameters up front and picks an update rule."""
 from __future__ import annotations
 
-from typing import Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch.distributed as dist
 
 from onebitlamb.optim.staged import StagedOptimizer, validate_common
 
 
-def _validate_freeze_step(cls_name: str, freeze_step) -> int:
+COMPRESSION_SPACES = ("momentum", "update")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _onebit_options(cls_name: str, freeze_step, min_freeze_step, max_freeze_step, freeze_window,
+                    freeze_tolerance, compression_space, update_guard) -> Dict[str, Any]:
+    """Validate what 1-bit LAMB and 1-bit Adam share: when to freeze, where to compress, the guard."""
     if freeze_step is None:
         raise ValueError(
             f"{cls_name} needs freeze_step: the number of warm-up steps with full communication "
             f"before the variance and trust ratio are frozen and the momentum is sent in 1 bit. "
             f"The paper's guidance is 15-25% of the total steps (small models may need more, see "
-            f"docs/optimizers.md)")
-    if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-        raise ValueError(f"Invalid freeze_step: {freeze_step!r} (must be an integer >= 1)")
-    return freeze_step
+            f"docs/optimizers.md), or freeze_step='auto' with max_freeze_step")
+    if freeze_step == "auto":
+        if not _is_int(max_freeze_step) or max_freeze_step < 1:
+            raise ValueError(f"freeze_step='auto' needs max_freeze_step, the latest step to freeze at "
+                             f"(an integer >= 1, e.g. 35% of the total steps), got {max_freeze_step!r}")
+        if not _is_int(min_freeze_step) or not 1 <= min_freeze_step <= max_freeze_step:
+            raise ValueError(f"Invalid min_freeze_step: {min_freeze_step!r} (must be an integer in "
+                             f"[1, max_freeze_step={max_freeze_step}])")
+        if not _is_int(freeze_window) or freeze_window < 1:
+            raise ValueError(f"Invalid freeze_window: {freeze_window!r} (must be an integer >= 1)")
+        if not isinstance(freeze_tolerance, (int, float)) or not freeze_tolerance > 0:
+            raise ValueError(f"Invalid freeze_tolerance: {freeze_tolerance!r} (must be > 0)")
+    elif not _is_int(freeze_step) or freeze_step < 1:
+        raise ValueError(f"Invalid freeze_step: {freeze_step!r} (must be an integer >= 1 or 'auto')")
+    if compression_space not in COMPRESSION_SPACES:
+        raise ValueError(f"Invalid compression_space: {compression_space!r} (one of {COMPRESSION_SPACES})")
+    if update_guard is not None and (not isinstance(update_guard, (int, float)) or not update_guard >= 1):
+        raise ValueError(f"Invalid update_guard: {update_guard!r} (None, or a number >= 1)")
+    return dict(min_freeze_step=min_freeze_step, max_freeze_step=max_freeze_step, freeze_window=freeze_window,
+                freeze_tolerance=freeze_tolerance, compression_space=compression_space, update_guard=update_guard)
 
 
 def _validate_lamb(min_coeff: float, max_coeff: float) -> None:
@@ -67,12 +92,16 @@ class OneBitLamb(StagedOptimizer):
 
     _layerwise, _fresh_variance = True, True
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, *, freeze_step: Optional[int] = None,
+    def __init__(self, params: Iterable, lr: float = 1e-3, *, freeze_step: Union[int, str, None] = None,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  bias_correction: bool = True, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
-                 factor_threshold: float = 0.1, process_group: Optional[dist.ProcessGroup] = None) -> None:
-        freeze_step = _validate_freeze_step(type(self).__name__, freeze_step)
+                 factor_threshold: float = 0.1, compression_space: str = "momentum",
+                 update_guard: Optional[float] = None, min_freeze_step: int = 1,
+                 max_freeze_step: Optional[int] = None, freeze_window: int = 20,
+                 freeze_tolerance: float = 0.25, process_group: Optional[dist.ProcessGroup] = None) -> None:
+        onebit = _onebit_options(type(self).__name__, freeze_step, min_freeze_step, max_freeze_step,
+                                 freeze_window, freeze_tolerance, compression_space, update_guard)
         validate_common(lr, betas, eps, weight_decay)
         _validate_lamb(min_coeff, max_coeff)
         if not 0.0 <= coeff_beta < 1.0:
@@ -85,7 +114,7 @@ class OneBitLamb(StagedOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
                         coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
-                        factor_threshold=factor_threshold)
+                        factor_threshold=factor_threshold, **onebit)
         super().__init__(params, defaults, freeze_step=freeze_step, process_group=process_group)
 
 
@@ -98,11 +127,15 @@ class OneBitAdam(StagedOptimizer):
 
     _layerwise, _fresh_variance = False, False
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, *, freeze_step: Optional[int] = None,
+    def __init__(self, params: Iterable, lr: float = 1e-3, *, freeze_step: Union[int, str, None] = None,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 bias_correction: bool = True, process_group: Optional[dist.ProcessGroup] = None) -> None:
-        freeze_step = _validate_freeze_step(type(self).__name__, freeze_step)
+                 bias_correction: bool = True, compression_space: str = "momentum",
+                 update_guard: Optional[float] = None, min_freeze_step: int = 1,
+                 max_freeze_step: Optional[int] = None, freeze_window: int = 20,
+                 freeze_tolerance: float = 0.25, process_group: Optional[dist.ProcessGroup] = None) -> None:
+        onebit = _onebit_options(type(self).__name__, freeze_step, min_freeze_step, max_freeze_step,
+                                 freeze_window, freeze_tolerance, compression_space, update_guard)
         validate_common(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction)
+                        bias_correction=bias_correction, **onebit)
         super().__init__(params, defaults, freeze_step=freeze_step, process_group=process_group)

@@ -13,7 +13,7 @@ per-parameter state would be cast to a bf16 parameter's dtype on load.)
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ WARMUP, COMPRESSION = "warmup", "compression"
 
 # Hyper-parameters that may differ between param groups; the others are the optimizer's own.
 PER_GROUP = ("lr", "weight_decay")
+
+# Averaging horizon (steps) of the warm-up relative step that the stage-2 guard compares with.
+_STEP_RATIO_BETA = 0.9
 
 
 def _check_finite_nonneg(name: str, value: float) -> None:
@@ -51,13 +54,14 @@ class StagedOptimizer(Optimizer):
     - ``_layerwise``: LAMB's trust ratio ``c`` (else ``c = 1``: Adam);
     - ``_fresh_variance``: 1-bit LAMB's factor from a variance kept fresh after the freeze.
 
-    ``freeze_step=None`` means warm-up forever (plain LAMB or Adam, full communication).
+    ``freeze_step=None`` means warm-up forever (plain LAMB or Adam, full communication);
+    ``"auto"`` freezes once the warm-up has settled (see ``functional.settled``).
     """
 
     _layerwise = True
     _fresh_variance = True
 
-    def __init__(self, params: Iterable, defaults: Dict[str, Any], freeze_step: Optional[int],
+    def __init__(self, params: Iterable, defaults: Dict[str, Any], freeze_step: Union[int, str, None],
                  process_group: Optional[dist.ProcessGroup]) -> None:
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -76,6 +80,7 @@ class StagedOptimizer(Optimizer):
         self._layout: Optional[Dict[str, Any]] = None
         self._scratch: Dict[str, torch.Tensor] = {}
         self._last_coeff: Optional[torch.Tensor] = None
+        self._last_guarded: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ layout and state
     def _trainable(self) -> List[torch.Tensor]:
@@ -110,7 +115,7 @@ class StagedOptimizer(Optimizer):
         lay = self._layout
         d, L, dev = lay["numel"], len(lay["params"]), lay["device"]
         f32 = dict(dtype=torch.float32, device=dev)
-        self.state["flat"] = {
+        self.state["flat"] = flat = {
             "step": 0,
             "world_size": world_size_of(self.process_group),
             "layer_numels": list(lay["numels"]),
@@ -118,7 +123,15 @@ class StagedOptimizer(Optimizer):
             "exp_avg_sq": torch.zeros(d, **f32),  # v; after the freeze, v_frozen (= v_hat then)
             "coeff_ema": torch.zeros(L, **f32),
             "coeff_ema_count": torch.zeros(L, **f32),
+            "frozen_at": None,  # the step at whose end the freeze happened
         }
+        if self.freeze_step is not None:
+            flat["step_ratio_ema"] = torch.zeros(L, **f32)
+            flat["step_ratio_count"] = torch.zeros(L, **f32)
+            flat["guard_hits"] = 0
+        if self.freeze_step == "auto":
+            flat["freeze_history"] = torch.zeros(self.defaults["freeze_window"] + 1, 2 * L, **f32)
+            flat["freeze_history_count"] = 0
 
     def _check_loaded_state(self) -> None:
         flat = self._flat
@@ -156,15 +169,16 @@ class StagedOptimizer(Optimizer):
     # ------------------------------------------------------------------ observability
     @property
     def stage(self) -> str:
-        """The stage the next step runs: ``"warmup"`` until ``freeze_step`` steps are done (the
-        freeze happens at the end of step ``freeze_step``), then ``"compression"``."""
+        """The stage the next step runs: ``"warmup"`` until the freeze (at the end of step
+        ``freeze_step``, or of the step where ``"auto"`` decided), then ``"compression"``."""
         if self.freeze_step is None or "flat" not in self.state:
             return WARMUP
-        return COMPRESSION if self._flat["step"] >= self.freeze_step else WARMUP
+        return WARMUP if self._flat["frozen_at"] is None else COMPRESSION
 
     def layer_diagnostics(self) -> List[Dict[str, Optional[float]]]:
         """Per trainable parameter (flat order): the coefficient applied at the last step
-        (``trust_ratio``), and after the freeze the frozen coefficient and the factor."""
+        (``trust_ratio``), and after the freeze the frozen coefficient, the factor, and whether
+        the update guard bounded the step (``guarded``)."""
         if self._last_coeff is None:
             return []
         frozen = self._flat.get("frozen_coeff")
@@ -174,6 +188,7 @@ class StagedOptimizer(Optimizer):
             "trust_ratio": float(self._last_coeff[i]),
             "frozen_coeff": float(frozen[i]) if compressed and frozen is not None else None,
             "factor": float(factor[i]) if compressed and factor is not None and self._fresh_variance else None,
+            "guarded": bool(self._last_guarded[i]) if compressed and self._last_guarded is not None else False,
         } for i in range(len(self._last_coeff))]
 
     # ------------------------------------------------------------------ step
@@ -198,7 +213,7 @@ class StagedOptimizer(Optimizer):
         flat["step"] += 1
         if not compressing:
             self._warmup_step(grads)
-            if self.freeze_step is not None and flat["step"] == self.freeze_step:
+            if self._freeze_now():
                 self._freeze()
         else:
             self._compression_step(grads)
@@ -258,6 +273,36 @@ class StagedOptimizer(Optimizer):
     def _param_norms(self) -> torch.Tensor:
         return F.norms(self._layout["params"])
 
+    def _freeze_now(self) -> bool:
+        flat = self._flat
+        if self.freeze_step is None:
+            return False
+        if self.freeze_step != "auto":
+            return flat["step"] == self.freeze_step
+        if flat["step"] >= self.defaults["max_freeze_step"]:
+            return True
+        return (flat["step"] >= self.defaults["min_freeze_step"]
+                and F.settled(flat["freeze_history"], flat["freeze_history_count"],
+                              self.defaults["freeze_tolerance"]))
+
+    def _record_warmup(self, update: torch.Tensor, coeff: torch.Tensor, param_norms: torch.Tensor,
+                       update_norms: torch.Tensor) -> None:
+        """What the freeze and the guard need from a warm-up step, all from synchronized state:
+        the relative step per unit learning rate (the guard's yardstick), and for ``"auto"`` the
+        per-layer variance level and trust ratio (whose settling triggers the freeze)."""
+        flat = self._flat
+        defined = (param_norms > 0) & (update_norms > 0)
+        step_ratio = coeff * update_norms / torch.where(defined, param_norms, torch.ones_like(param_norms))
+        F.update_ema_(flat["step_ratio_ema"], flat["step_ratio_count"], step_ratio, defined, _STEP_RATIO_BETA)
+        if self.freeze_step == "auto":
+            _, bc2 = self._bias_corrections()
+            v_norms = F.norms([flat["exp_avg_sq"][s] for s in self._layout["slices"]]) / bc2
+            stats = torch.cat([torch.log(v_norms), torch.log(coeff)])
+            hist = flat["freeze_history"]
+            hist.copy_(torch.roll(hist, -1, dims=0))
+            hist[-1] = stats
+            flat["freeze_history_count"] += 1
+
     def _warmup_step(self, grads: torch.Tensor) -> None:
         """Stage 1 (all of LAMB): average the gradients, Adam moments, layer-wise trust ratio."""
         flat = self._flat
@@ -269,14 +314,17 @@ class StagedOptimizer(Optimizer):
         den = F.adam_denominator(flat["exp_avg_sq"], bc2, self.defaults["eps"], out=update)
         F.adam_direction(flat["exp_avg"], den, bc1, out=update)
         self._add_weight_decay_(update)
+        param_norms, update_norms = self._param_norms(), self._update_norms(update)
         if self._layerwise:
-            coeff, defined = F.trust_ratios(self._param_norms(), self._update_norms(update),
+            coeff, defined = F.trust_ratios(param_norms, update_norms,
                                             self.defaults["min_coeff"], self.defaults["max_coeff"])
             if self.freeze_step is not None:
-                F.update_coeff_ema_(flat["coeff_ema"], flat["coeff_ema_count"], coeff, defined,
-                                    self.defaults["coeff_beta"])
+                F.update_ema_(flat["coeff_ema"], flat["coeff_ema_count"], coeff, defined,
+                              self.defaults["coeff_beta"])
         else:
             coeff = self._per_layer([1.0] * len(self._layout["params"]))
+        if self.freeze_step is not None:
+            self._record_warmup(update, coeff, param_norms, update_norms)
         self._apply_(update, coeff)
 
     def _freeze(self) -> None:
@@ -289,8 +337,9 @@ class StagedOptimizer(Optimizer):
         if self._fresh_variance:
             flat["exp_avg_sq_fresh"] = v.clone()
         v.div_(bc2)  # now v_frozen = v_hat
-        flat["frozen_coeff"] = (F.corrected_coeff_ema(flat["coeff_ema"], flat["coeff_ema_count"],
-                                                      self.defaults["coeff_beta"])
+        flat["frozen_at"] = flat["step"]
+        flat["frozen_coeff"] = (F.corrected_ema(flat["coeff_ema"], flat["coeff_ema_count"],
+                                                self.defaults["coeff_beta"])
                                 if self._layerwise else self._per_layer([1.0] * len(lay["params"])))
         flat["prev_factor"] = self._per_layer([1.0] * len(lay["params"]))
         momentum_norms = F.norms([flat["exp_avg"][s] for s in lay["slices"]])
@@ -301,15 +350,53 @@ class StagedOptimizer(Optimizer):
             flat["worker_error"] = torch.zeros(D, dtype=torch.float32, device=lay["device"])
             flat["server_error"] = torch.zeros(D // n, dtype=torch.float32, device=lay["device"])
 
-    def _scale_vector(self) -> torch.Tensor:
-        """``k_l`` expanded to every element (derived from the state, cached)."""
-        k = self._flat["momentum_scale"]
+    def _frozen_denominator(self) -> torch.Tensor:
+        """``sqrt(v_frozen) + eps`` (derived from the state, cached)."""
+        v_frozen = self._flat["exp_avg_sq"]
+        den = self._buffer("frozen_denominator", v_frozen.numel())
+        if self._scratch.get("den_source") is not v_frozen:
+            torch.sqrt(v_frozen, out=den).add_(self.defaults["eps"])
+            self._scratch["den_source"] = v_frozen
+        return den
+
+    def _compression_scale(self) -> torch.Tensor:
+        """Per element, what the momentum is multiplied by before compression (and divided by
+        after). ``"momentum"`` space: ``k_l``, one common RMS for every layer (the paper's).
+        ``"update"`` space: ``1 / (sqrt(v_frozen) + eps)``, so the 1-bit code's equal magnitudes
+        land on the preconditioned update rather than on the raw momentum, whose elements the
+        frozen variance would otherwise rescale by orders of magnitude within one layer."""
+        if self.defaults["compression_space"] == "update":
+            source = self._frozen_denominator()
+        else:
+            source = self._flat["momentum_scale"]
         cached = self._scratch.get("scale_vector")
-        if cached is None or self._scratch.get("scale_source") is not k:
-            numels = torch.tensor(self._layout["numels"], device=self._layout["device"])
-            cached = torch.repeat_interleave(k, numels)
-            self._scratch["scale_vector"], self._scratch["scale_source"] = cached, k
+        if cached is None or self._scratch.get("scale_source") is not source:
+            if self.defaults["compression_space"] == "update":
+                cached = torch.reciprocal(source)
+            else:
+                numels = torch.tensor(self._layout["numels"], device=self._layout["device"])
+                cached = torch.repeat_interleave(source, numels)
+            self._scratch["scale_vector"], self._scratch["scale_source"] = cached, source
         return cached
+
+    def _guard_(self, coeff: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        """Bound each layer's relative step ``|dx| / |x|`` (per unit learning rate) to
+        ``update_guard`` times its warm-up average: a frozen variance that no longer fits the
+        gradients makes ``m / sqrt(v_frozen)`` explode, and a bounded step lets the error feedback
+        and the factor catch up instead of diverging. Costs no communication."""
+        flat = self._flat
+        guard = self.defaults.get("update_guard")
+        if guard is None:
+            return coeff
+        param_norms, update_norms = self._param_norms(), self._update_norms(update)
+        reference = F.corrected_ema(flat["step_ratio_ema"], flat["step_ratio_count"], _STEP_RATIO_BETA)
+        known = (flat["step_ratio_count"] > 0) & (param_norms > 0) & (update_norms > 0)
+        step_ratio = coeff * update_norms / torch.where(known, param_norms, torch.ones_like(param_norms))
+        limit = guard * reference
+        over = known & (step_ratio > limit)
+        flat["guard_hits"] += int(over.sum())
+        self._last_guarded = over
+        return torch.where(over, coeff * limit / torch.where(over, step_ratio, torch.ones_like(step_ratio)), coeff)
 
     def _compression_step(self, grads: torch.Tensor) -> None:
         """Stage 2: local momentum, one compressed all-reduce, frozen variance and trust ratio."""
@@ -322,8 +409,9 @@ class StagedOptimizer(Optimizer):
         m_prev.copy_(m)
         m.mul_(beta1).add_(grads, alpha=1 - beta1)  # this rank's momentum, from its local gradient
         n = world_size_of(self.process_group)
+        den = self._frozen_denominator()
         if n > 1:
-            k = self._scale_vector()
+            k = self._compression_scale()
             buf = self._buffer("comm", flat["worker_error"].numel())
             torch.mul(m, k, out=buf[:d])
             buf[d:].zero_()  # the padding: the previous result left values there
@@ -332,10 +420,6 @@ class StagedOptimizer(Optimizer):
             torch.div(buf[:d], k, out=m)
         m.mul_(flat["momentum_mask"])
         bc1, bc2 = self._bias_corrections()
-        den = self._buffer("frozen_denominator", d)
-        if self._scratch.get("den_source") is not flat["exp_avg_sq"]:
-            torch.sqrt(flat["exp_avg_sq"], out=den).add_(eps)
-            self._scratch["den_source"] = flat["exp_avg_sq"]
         update = self._buffer("update", d)
         F.adam_direction(m, den, bc1, out=update)
         coeff = flat["frozen_coeff"]
@@ -357,4 +441,4 @@ class StagedOptimizer(Optimizer):
             coeff = coeff * factor
         else:
             self._add_weight_decay_(update)
-        self._apply_(update, coeff)
+        self._apply_(update, self._guard_(coeff, update))
