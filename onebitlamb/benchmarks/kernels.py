@@ -32,6 +32,7 @@ The results go to the ``kernels`` section of BENCHMARKS.md (``report.write_secti
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import statistics
 import time
@@ -52,19 +53,27 @@ TARGET_SIZE = 32 * MB
 TARGETS = {"compress": 4.0, "decompress": 1.5, "whole": 6.0}
 
 
-def best_time(fn: Callable[[], object], repeats: int, min_total_s: float) -> float:
-    """The fastest of at least ``repeats`` runs (more while they total under ``min_total_s``),
-    after one warm-up run."""
-    fn()
-    times: List[float] = []
-    while len(times) < repeats or (sum(times) < min_total_s and len(times) < 100):
-        t0 = time.perf_counter()
+def best_times(fns: Dict[str, Callable[[], object]], repeats: int, min_total_s: float) -> Dict[str, float]:
+    """The fastest run of each function, over at least ``repeats`` rounds (more while a round's
+    runs total under ``min_total_s`` in all, up to 100 rounds), after one warm-up round. Each round
+    runs every function once, so a burst of load from other processes hits all of them alike and
+    their ratios stay fair."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    total, rounds = 0.0, 0
+    while rounds < repeats or (total < min_total_s and rounds < 100):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - t0
+            times[name].append(elapsed)
+            total += elapsed
+        rounds += 1
+    return {name: min(t) for name, t in times.items()}
 
 
-def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 0.2) -> Dict[str, float]:
+def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 2.0) -> Dict[str, float]:
     """Seconds for the copy, compress, decompress and whole per-rank compute on ``numel`` fp32."""
     from onebitlamb.comm.collectives import _compress_cpu_
     from onebitlamb.compression.packing import unpack_signs
@@ -76,10 +85,6 @@ def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 0.2) -> 
     out = torch.empty(numel)
     packed = torch.empty(numel // 8, dtype=torch.uint8)
     error = torch.zeros(numel)
-    times = {"copy": best_time(lambda: out.copy_(src), repeats, min_total_s)}
-    times["compress"] = best_time(lambda: _compress_cpu_(error, src, packed), repeats, min_total_s)
-    times["decompress"] = best_time(lambda: unpack_signs(packed, numel, 0.5, out=out), repeats, min_total_s)
-
     chunk = numel // n
     buffer = src.clone()
     worker_error = torch.zeros(numel)
@@ -89,16 +94,25 @@ def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 0.2) -> 
     received = packed.view(n, chunk // 8)   # stands in for the all-to-all's output
     gathered = packed.view(n, chunk // 8)   # stands in for the all-gather's output
 
-    def whole() -> None:
-        s = _compress_cpu_(worker_error, buffer, packed)
+    def server_accumulate(s: float) -> None:
         for i in range(n):
             unpack_signs(received[i], chunk, s / n, out=decoded)
             server_error.add_(decoded)
+
+    def whole() -> None:
+        s = _compress_cpu_(worker_error, buffer, packed)
+        server_accumulate(s)
         s_server = _compress_cpu_(server_error, None, server_signs)
         for j in range(n):
             unpack_signs(gathered[j], chunk, s_server, out=buffer[j * chunk:(j + 1) * chunk])
 
-    times["whole"] = best_time(whole, repeats, min_total_s)
+    times = best_times({
+        "copy": lambda: out.copy_(src),
+        "compress": lambda: _compress_cpu_(error, src, packed),
+        "decompress": lambda: unpack_signs(packed, numel, 0.5, out=out),
+        "whole": whole,
+        "server_accumulate": lambda: server_accumulate(1e-3),
+    }, repeats, min_total_s)
     del src, out, packed, error, buffer, worker_error
     return times
 
@@ -156,20 +170,24 @@ def render(kernels: Dict[int, Dict[str, float]], allreduce: Dict, command: str, 
         "## Kernels: 1-bit compression against a memory copy",
         "",
         f"Command: `{command}`  ",
-        f"Machine: {machine_line()}, {torch.get_num_threads()} torch thread(s)",
+        f"Machine: {machine_line()}, {os.cpu_count()} cores, load average at the end "
+        f"{os.getloadavg()[0]:.1f} (other work shares the cores; best-of timings filter most of it)",
         "",
-        f"One thread, fp32, best of at least {repeats} repeats. Each kernel's time is given as a "
+        f"One thread, fp32, best of at least {repeats} interleaved rounds. Each kernel's time is given as a "
         "multiple of `out.copy_(src)` on the same number of elements. *Whole* is everything one "
         f"rank of an n = {WORLD_SIZE} compressed all-reduce computes (compress, server decode and "
-        "accumulate, server compress, final expansion), without the collectives.",
+        "accumulate, server compress, final expansion), without the collectives; the last column "
+        "is its server decode-and-accumulate part (n chunks of D/n decoded into a temporary and "
+        "added to the server error).",
         "",
-        "| elements | copy (ms) | compress (x copy) | decompress (x copy) | whole, n=4 (x copy) |",
-        "|---:|---:|---:|---:|---:|",
+        "| elements | copy (ms) | compress (x copy) | decompress (x copy) | whole, n=4 (x copy) "
+        "| of which server decode+add (x copy) |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for numel, t in kernels.items():
         c = t["copy"]
         lines.append(f"| {_size_label(numel)} | {c * 1e3:.3f} | {t['compress'] / c:.2f} | "
-                     f"{t['decompress'] / c:.2f} | {t['whole'] / c:.2f} |")
+                     f"{t['decompress'] / c:.2f} | {t['whole'] / c:.2f} | {t['server_accumulate'] / c:.2f} |")
     lines.append("")
     if TARGET_SIZE in kernels:
         t = kernels[TARGET_SIZE]
@@ -215,14 +233,14 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         command = " ".join(["python -m onebitlamb.benchmarks.kernels", *map(shlex.quote, argv)])
 
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
-    repeats = 3 if args.quick else 5
+    repeats = 3 if args.quick else 9
     iters = 3 if args.quick else 10
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         kernels = {}
         for numel in sizes:
-            kernels[numel] = kernel_times(numel, WORLD_SIZE, repeats, 0.01 if args.quick else 0.2)
+            kernels[numel] = kernel_times(numel, WORLD_SIZE, repeats, 0.01 if args.quick else 4.0)
             t = kernels[numel]
             print(f"{_size_label(numel):>5}: copy {t['copy'] * 1e3:.3f} ms, compress "
                   f"{t['compress'] / t['copy']:.2f}x, decompress {t['decompress'] / t['copy']:.2f}x, "
