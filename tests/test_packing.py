@@ -182,3 +182,33 @@ def test_unpack_rejects_wrong_out_and_dtype():
         unpack_signs(packed, 9, out=torch.empty(9, dtype=torch.float64))
     with pytest.raises(TypeError, match=r"out must be float32, float16 or bfloat16, got torch.int32"):
         unpack_signs(packed, 9, dtype=torch.int32)
+
+
+def test_device_path_packs_like_the_cpu_path():
+    """The plain-torch path that CUDA tensors take, run on CPU, gives the same bytes as numpy's."""
+    from onebitlamb.compression.packing import _pack_bits_torch
+
+    for n in (1, 7, 8, 9, 1001):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        expected = pack_signs(x)
+        got = _pack_bits_torch(x < 0, torch.empty(packed_size(n), dtype=torch.uint8))
+        assert torch.equal(got, expected), n
+
+
+def test_device_path_compressor_matches_the_cpu_compressor():
+    """The compressor's torch path (CUDA, bf16) and its numpy path agree: same bits, same scale,
+    same error, for a buffer larger than one CPU slice."""
+    from onebitlamb.comm.collectives import _compress_cpu_, _compress_torch_
+
+    n = 200_000 + 8
+    gen = torch.Generator().manual_seed(0)
+    addend = torch.randn(n, generator=gen)
+    e_cpu = 0.1 * torch.randn(n, generator=gen)
+    e_torch = e_cpu.clone()
+    p_cpu = torch.empty(n // 8, dtype=torch.uint8)
+    p_torch = torch.empty(n // 8, dtype=torch.uint8)
+    s_cpu = _compress_cpu_(e_cpu, addend, p_cpu)
+    s_torch = float(_compress_torch_(e_torch, addend, p_torch, torch.empty(n, dtype=torch.bool)))
+    assert torch.equal(p_cpu, p_torch)
+    assert abs(s_cpu - s_torch) <= 1e-5 * s_cpu  # float32 vs float64 accumulation of the norm
+    assert torch.allclose(e_cpu, e_torch, rtol=0, atol=1e-5 * s_cpu)

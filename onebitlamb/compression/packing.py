@@ -67,14 +67,21 @@ def pack_signs(
     if x.device.type == "cpu":
         out.copy_(torch.from_numpy(np.packbits(negative.numpy())))
         return out
+    return _pack_bits_torch(negative, out)
+
+
+def _pack_bits_torch(negative: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The device path: 8 booleans times their bit weights, summed into one byte."""
+    n = negative.numel()
     full = (n // 8) * 8
+    weights = _BIT_WEIGHTS.to(negative.device)
     if full:
-        weighted = negative[:full].view(-1, 8).to(torch.uint8) * _BIT_WEIGHTS.to(x.device)
+        weighted = negative[:full].view(-1, 8).to(torch.uint8) * weights
         torch.sum(weighted, dim=1, dtype=torch.uint8, out=out[: full // 8])
     if full < n:
-        tail = torch.zeros(8, dtype=torch.uint8, device=x.device)
+        tail = torch.zeros(8, dtype=torch.uint8, device=negative.device)
         tail[: n - full] = negative[full:].to(torch.uint8)
-        out[-1] = (tail * _BIT_WEIGHTS.to(x.device)).sum(dtype=torch.uint8)
+        out[-1] = (tail * weights).sum(dtype=torch.uint8)
     return out
 
 
