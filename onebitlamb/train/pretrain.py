@@ -211,6 +211,8 @@ def train(cfg: TrainConfig) -> dict:
     from onebitlamb.comm.launch import spawn_local
 
     cfg.check(cfg.workers)
+    if cfg.resume:
+        check_resumable(cfg)  # fail here, before starting anything
     # the slow part of a first run, done once here instead of once per worker
     data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir)
     with _forward_interrupts():
@@ -519,10 +521,7 @@ def load_checkpoint(cfg, rank, world, model, optimizer, scheduler, history, devi
         return 0, history
     folder = os.path.join(cfg.out, folder)
     trainer = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu", weights_only=False)
-    saved, now = trainer["config"], dataclasses.asdict(cfg)
-    changed = {k: (saved.get(k), v) for k, v in now.items() if k not in RESUMABLE_CHANGES and saved.get(k) != v}
-    if changed:
-        raise ValueError(f"--resume with different settings than the checkpoint (saved, now): {changed}")
+    check_resumable(cfg, trainer["config"])
     own = torch.load(os.path.join(folder, f"rank{rank}.pt"), map_location=device, weights_only=False)
     model.load_state_dict(torch.load(os.path.join(folder, "model.pt"), map_location=device, weights_only=True))
     optimizer.load_state_dict(own["optimizer"])
@@ -530,6 +529,20 @@ def load_checkpoint(cfg, rank, world, model, optimizer, scheduler, history, devi
     scheduler.load_state_dict(trainer["scheduler"])
     _set_rng_state(own["rng"])
     return trainer["step"], trainer["history"]
+
+
+def check_resumable(cfg: TrainConfig, saved: Optional[dict] = None) -> None:
+    """Refuse to resume a checkpoint with settings that change the numbers (only output folders,
+    progress display and the stop request may differ)."""
+    if saved is None:
+        folder = _read_pointer(cfg.out)
+        if folder is None:
+            return
+        saved = torch.load(os.path.join(cfg.out, folder, "trainer.pt"), map_location="cpu", weights_only=False)["config"]
+    now = dataclasses.asdict(cfg)
+    changed = {k: (saved.get(k), v) for k, v in now.items() if k not in RESUMABLE_CHANGES and saved.get(k) != v}
+    if changed:
+        raise ValueError(f"--resume with different settings than the checkpoint in {cfg.out} (saved, now): {changed}")
 
 
 def _read_pointer(out: str) -> Optional[str]:

@@ -1,0 +1,94 @@
+"""End to end: `onebitlamb compare --preset tiny` on 2 local workers (the three optimizers, crossing
+the freeze), its files, and an exact `--resume` of an interrupted 1-bit LAMB run."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "onebitlamb", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"onebitlamb {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def corpus_dir():
+    import email  # a real, small text corpus on every machine: ~30 files
+
+    return os.path.dirname(email.__file__)
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory, corpus_dir):
+    out = tmp_path_factory.mktemp("compare")
+    cache = tmp_path_factory.mktemp("cache")
+    proc = _cli("compare", "--preset", "tiny", "--out", str(out), "--corpus", corpus_dir, "--cache-dir", str(cache),
+                "--no-progress")
+    return out, cache, proc
+
+
+def test_compare_writes_table_metrics_and_plots(compared):
+    out, _, proc = compared
+    assert "1-bit LAMB" in proc.stdout and "vs LAMB" in proc.stdout
+    with open(out / "metrics.json") as f:
+        metrics = json.load(f)
+    runs = metrics["optimizers"]
+    assert set(runs) == {"lamb", "onebitlamb", "onebitadam"}
+    for name, m in runs.items():
+        assert m["samples"] == 8 * 16
+        assert m["final_eval_loss"] == m["eval_curve"][-1][1] and m["final_eval_loss"] < m["eval_curve"][0][1]
+        assert [s for s, _ in m["eval_curve"]] == [0, 64, 128]  # equal samples for every optimizer
+        assert m["bytes_sent_per_rank"] > 0 and m["wall_time_s"] > 0
+    # the same data and initial model: identical loss before training
+    assert len({m["eval_curve"][0][1] for m in runs.values()}) == 1
+    # compression after the freeze (step 3 of 8): much less sent than LAMB
+    lamb, onebit = runs["lamb"]["bytes_sent_per_rank"], runs["onebitlamb"]["bytes_sent_per_rank"]
+    assert lamb / onebit > 2.0
+    assert metrics["comparison"]["onebitlamb"]["volume_reduction_vs_lamb"] == pytest.approx(lamb / onebit)
+    curve = runs["onebitlamb"]["bytes_curve"]
+    warm_step, comp_step = curve[1][1] - curve[0][1], curve[-1][1] - curve[-2][1]
+    assert comp_step * 10 < warm_step
+    # per-layer diagnostics at the evaluation points
+    diag = runs["onebitlamb"]["diagnostics"]
+    assert [d["step"] for d in diag] == [4, 8]
+    layer = diag[-1]["layers"][0]
+    assert layer["frozen_coeff"] is not None and layer["factor"] is not None and layer["rel_step"] > 0
+    assert runs["lamb"]["diagnostics"][-1]["layers"][0]["frozen_coeff"] is None
+    for png in ("compare.png", "diagnostics.png"):
+        with open(out / png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_is_bit_identical(compared, tmp_path, corpus_dir):
+    out, cache, _ = compared
+    common = ["--preset", "tiny", "--optimizer", "onebitlamb", "--out", str(tmp_path), "--corpus", corpus_dir,
+              "--cache-dir", str(cache), "--no-progress"]
+    _cli("pretrain", *common, "--stop-after-steps", "5")  # after the freeze at step 3
+    assert not (tmp_path / "metrics.json").exists()
+    with open(tmp_path / "checkpoint.json") as f:
+        assert json.load(f)["step"] == 5
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    refused = subprocess.run([sys.executable, "-m", "onebitlamb", "pretrain", *common, "--resume", "--lr", "0.5"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "different settings" in refused.stderr
+    _cli("pretrain", *common, "--resume")
+
+    uninterrupted = torch.load(out / "onebitlamb" / "model_final.pt")
+    resumed = torch.load(tmp_path / "model_final.pt")
+    assert uninterrupted.keys() == resumed.keys()
+    for k in uninterrupted:
+        assert torch.equal(uninterrupted[k], resumed[k]), k
+    with open(out / "onebitlamb" / "metrics.json") as f:
+        a = json.load(f)
+    with open(tmp_path / "metrics.json") as f:
+        b = json.load(f)
+    assert a["eval_curve"] == b["eval_curve"]
+    assert a["bytes_curve"] == b["bytes_curve"] and a["train_loss"] == b["train_loss"]
