@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from onebitlamb.comm.stats import (GLOBAL_STATS, CommStats, all_gather_bytes, all_to_all_bytes,
                                    allreduce_bytes)
-from onebitlamb.compression.packing import FLOAT_DTYPES, pack_signs, unpack_signs
+from onebitlamb.compression.packing import FLOAT_DTYPES, expand_rows, pack_signs, sign_table, unpack_signs
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -82,7 +82,6 @@ class _Workspace:
                 "recv": torch.empty(numel // 8, **u8),
                 "server_signs": torch.empty(numel // (8 * n), **u8),
                 "result_signs": torch.empty(numel // 8, **u8),
-                "chunk": torch.empty(numel // n, dtype=torch.float32, device=device),
                 "mask": torch.empty(numel, dtype=torch.bool, device=device),
             }
             if len(cls._cache) > 8:  # a handful of buffer layouts per process is the norm
@@ -142,6 +141,26 @@ def _compress_(error, addend, packed, mask):
     if error.device.type == "cpu" and error.dtype == torch.float32:
         return torch.tensor([_compress_cpu_(error, addend, packed)], dtype=torch.float32)
     return _compress_torch_(error, addend, packed, mask).reshape(1)
+
+
+def _add_signs_(target: torch.Tensor, packed_rows: torch.Tensor, scales: torch.Tensor) -> None:
+    """``target += sum_i scales[i] * signs(packed_rows[i])``, in row order.
+
+    On CPU a slice at a time, so each row's expansion lands in a cache-resident scratch and is
+    added while still there, instead of a chunk-sized decode written to memory and read back.
+    """
+    numel = target.numel()
+    device = target.device
+    step = _CPU_SLICE if device.type == "cpu" else numel
+    tables = [sign_table(s, target.dtype, device) for s in (scales.tolist() if device.type == "cpu" else scales)]
+    decoded = torch.empty(min(step, numel), dtype=target.dtype, device=device)
+    index = torch.empty(min(step, numel) // 8, dtype=torch.long, device=device)
+    for start in range(0, numel, step):
+        stop = min(start + step, numel)
+        part, scratch = target[start:stop], decoded[: stop - start]
+        for row, table in zip(packed_rows, tables):
+            expand_rows(row[start // 8:stop // 8], table, scratch, index)
+            part.add_(scratch)
 
 
 def _check(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, n: int) -> None:
@@ -212,17 +231,12 @@ def compressed_allreduce(
     stats.record("all_gather", all_gather_bytes(scale.numel() * 4, n))
     if not bool(torch.isfinite(worker_scales).all()):
         bad = torch.nonzero(~torch.isfinite(worker_scales)).flatten().tolist()
-        raise FloatingPointError(f"compressed_allreduce: the buffer of rank(s) {bad} holds NaN or "
-                                 f"infinite values (scales {worker_scales.tolist()})")
+        raise FloatingPointError(f"compressed_allreduce: the buffer of rank(s) {bad} gave a non-finite "
+                                 f"scale (scales {worker_scales.tolist()}): it holds NaN or infinite "
+                                 f"values, or magnitudes above ~1e19 whose squares overflow float32")
 
     # Server: average this rank's chunk of everyone's signs, add the server error, compress again.
-    received = ws["recv"].view(n, chunk // 8)
-    decoded = ws["chunk"] if buffer.dtype == torch.float32 else torch.empty(chunk, dtype=buffer.dtype,
-                                                                             device=buffer.device)
-    host_scales = worker_scales.tolist() if buffer.device.type == "cpu" else worker_scales
-    for i in range(n):
-        unpack_signs(received[i], chunk, host_scales[i] / n, out=decoded)
-        server_error.add_(decoded)
+    _add_signs_(server_error, ws["recv"].view(n, chunk // 8), worker_scales / n)
     server_scale = _compress_(server_error, None, ws["server_signs"], ws["mask"]).to(buffer.device)
 
     _all_gather_single(ws["result_signs"], ws["server_signs"], group=group)

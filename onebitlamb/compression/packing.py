@@ -102,27 +102,40 @@ def unpack_signs(
         raise ValueError(f"{numel} signs need {packed_size(numel)} packed bytes, got {packed.numel()}")
     if out is None:
         out = torch.empty(numel, dtype=dtype, device=packed.device)
+        _check_float(out, "out")
     else:
         _check_float(out, "out")
         if out.numel() != numel:
             raise ValueError(f"out must have {numel} elements, got {out.numel()}")
-    _check_float(out, "out")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
     if numel == 0:
         return out
-    if isinstance(scale, torch.Tensor):
-        scale = scale.item() if packed.device.type == "cpu" else scale.to(out.dtype)
-    table = (_SIGN_TABLE.to(packed.device) * scale).to(out.dtype)
+    flat = out.view(-1)
+    table = sign_table(scale, out.dtype, packed.device)
     full = numel // 8
-    rows = out[: full * 8].view(full, 8)
     # Each byte selects a row of 8 signed scales. The byte indices are widened to int64 a slice
     # at a time, so the index stays in cache and nothing buffer-sized is allocated.
     step = _EXPAND_SLICE if packed.device.type == "cpu" else max(full, 1)
     index = torch.empty(min(step, full), dtype=torch.long, device=packed.device)
     for i in range(0, full, step):
         j = min(i + step, full)
-        idx = index[: j - i]
-        idx.copy_(packed[i:j])
-        torch.index_select(table, 0, idx, out=rows[i:j])
+        expand_rows(packed[i:j], table, flat[8 * i:8 * j], index)
     if full * 8 < numel:
-        out[full * 8:] = table[int(packed[-1])][: numel - full * 8]
+        flat[full * 8:] = table[int(packed[-1])][: numel - full * 8]
     return out
+
+
+def sign_table(scale: float | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The 256 x 8 table of ``scale * ±1`` that ``expand_rows`` looks bytes up in."""
+    if isinstance(scale, torch.Tensor):
+        scale = scale.item() if device.type == "cpu" else scale.to(dtype)
+    return (_SIGN_TABLE.to(device) * scale).to(dtype)
+
+
+def expand_rows(packed: torch.Tensor, table: torch.Tensor, out: torch.Tensor, index: torch.Tensor) -> None:
+    """``out`` (8 values per byte of ``packed``) = the table rows the bytes select; ``index`` is
+    an int64 scratch of at least ``packed.numel()`` elements. The inner loop of the expansions."""
+    idx = index[: packed.numel()]
+    idx.copy_(packed)
+    torch.index_select(table, 0, idx, out=out.view(-1, 8))
