@@ -5,14 +5,14 @@ Started by ``onebitlamb.netsim.runner`` inside a host's namespace (``ip netns ex
 to run; the result is written as JSON to ``spec["out"]``, one file per rank.
 
 Jobs, in the order they run when present in the spec:
-- ``compute_only``: every optimizer's step with no communication at all (each rank alone in a
-  one-rank group), all ranks at once so they contend for the CPUs exactly as in the real runs;
 - ``probe``: the latency of a tiny all-reduce (the cost model's alpha), and the time of a
   full-size fp32 all-reduce and of a compressed all-reduce (host-side costs: copies, the codec);
 - ``collectives``: repeated ``all_reduce`` / ``compressed_allreduce`` calls on one buffer, with the
   bytes the library accounted and the bytes the interface counted (the wire-byte test);
 - ``train``: per optimizer, timed steps of the warm-up and the compression stage of the BERT
-  pretraining workload on synthetic token batches, with per-stage wire and accounted bytes.
+  pretraining workload on synthetic token batches, with per-stage wire and accounted bytes; just
+  before, the same steps with no communication at all (each rank alone in a one-rank group, all
+  ranks at once so that they contend for the CPUs as in the networked run).
 
 Each rank times its own steps; a step is the whole loop body (forward, backward, optimizer step,
 which includes the communication). Counters are read after a barrier, so every byte a stage sent
@@ -137,7 +137,7 @@ def probe(spec: dict, group, numel: int) -> dict:
         dist.all_reduce(tiny, group=group)
         if i >= 5:
             lat.append(time.perf_counter() - t0)
-    out = {"alpha_s": statistics.median(lat)}
+    out = {"alpha_s": statistics.median(lat), "params": numel}
     if spec.get("bandwidth_calls", 0):
         buf = torch.randn(numel)
         ts = []
@@ -202,24 +202,26 @@ def main(argv: Optional[List[str]] = None) -> int:
                             timeout=datetime.timedelta(seconds=spec.get("collective_timeout_s", 120)))
     try:
         world_group = dist.group.WORLD
-        if spec.get("compute_only"):
-            # every rank alone in a one-rank group: the optimizers see world size 1 and call no
-            # collective (new_group must be called by all ranks for every group, in one order)
-            solo = [dist.new_group([r]) for r in range(world)][rank]
-            result["compute_only"] = {}
-            for name in spec["optimizers"]:
-                _barrier(world_group)
-                result["compute_only"][name] = train_one(name, spec, rank, solo, None)
+        # every rank alone in a one-rank group: an optimizer given it sees world size 1 and calls
+        # no collective (new_group must be called by all ranks for every group, in one order)
+        solo = [dist.new_group([r]) for r in range(world)][rank]
         if spec.get("probe"):
             from onebitlamb.train.model import build_model
 
             numel = sum(p.numel() for p in build_model(_model_config(spec), 0).parameters())
             result["probe"] = probe(spec["probe"], world_group, numel)
         if spec.get("collectives"):
-            result["collectives"] = collectives(spec["collectives"], world_group, interface)
+            jobs = spec["collectives"]
+            result["collectives"] = [collectives(j, world_group, interface)
+                                     for j in (jobs if isinstance(jobs, list) else [jobs])]
         if spec.get("train"):
-            result["train"] = {}
+            # per optimizer, the compute-only step right before the networked one: both ranks
+            # compute at once (they share the CPUs as in the real run) and the two measurements
+            # are minutes apart at most, whatever else the machine is doing meanwhile
+            result["train"], result["compute_only"] = {}, {}
             for name in spec["optimizers"]:
+                _barrier(world_group)
+                result["compute_only"][name] = train_one(name, spec, rank, solo, None)
                 result["train"][name] = train_one(name, spec, rank, world_group, interface)
         _barrier(world_group)
     finally:

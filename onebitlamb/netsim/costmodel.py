@@ -1,0 +1,90 @@
+"""An alpha-beta model of one training step on ``n`` hosts joined by links of rate ``R``.
+
+    step = compute + codec + sum over the step's collectives of (alpha + wire_bytes * beta)
+    beta = overhead * 8 / R  +  1 / host_Bps
+
+- ``compute``: the measured step with no communication (forward, backward, optimizer maths);
+- ``codec``: the 1-bit path's local work (compress, unpack, error updates), 0 for LAMB;
+- ``alpha``: the fixed cost of one collective (a tiny all-reduce, measured);
+- ``wire_bytes``: what this rank sends per collective, from the library's own formulas
+  (``onebitlamb.comm.stats``): LAMB issues one ring all-reduce of ``4d`` bytes; the 1-bit path
+  four collectives: an all-to-all of ``D/8`` bytes, an all-gather of a 4-byte scale, an all-gather
+  of ``D/(8n)`` bytes, an all-gather of a scale;
+- ``overhead``: link-layer bytes per payload byte (Ethernet, IP and TCP headers; the token
+  bucket charges whole frames): ``(MSS + 66) / MSS`` for an MTU of 1500;
+- ``host_Bps``: the rate at which the hosts move bytes through their own network stack when the
+  link is not the limit (measured on the unshaped network; infinite by default).
+
+Every link is full duplex and each rank's bytes leave on its own link, so a collective's time is
+one rank's bytes over one link: a ring all-reduce of ``B`` bytes takes ``2 (n-1)/n B / R``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+from onebitlamb.comm.collectives import padded_size
+from onebitlamb.comm.stats import all_gather_bytes, all_to_all_bytes, allreduce_bytes
+
+MTU = 1500
+TCP_IP_ETH_HEADERS = 14 + 20 + 20 + 12  # Ethernet, IPv4, TCP, TCP timestamps
+MSS = MTU - 20 - 20 - 12
+#: Frame bytes per payload byte of a bulk TCP transfer.
+WIRE_OVERHEAD = (MSS + TCP_IP_ETH_HEADERS) / MSS
+
+
+def lamb_collectives(d: int, n: int) -> List[int]:
+    """Bytes this rank sends per collective in a LAMB (or warm-up) step: one fp32 all-reduce."""
+    return [allreduce_bytes(4 * d, n)] if n > 1 else []
+
+
+def onebit_collectives(d: int, n: int) -> List[int]:
+    """Bytes this rank sends per collective in a compression-stage step (``compressed_allreduce``)."""
+    if n == 1:
+        return []
+    D = padded_size(d, n)
+    return [all_to_all_bytes(D // 8, n), all_gather_bytes(4, n),
+            all_gather_bytes(D // (8 * n), n), all_gather_bytes(4, n)]
+
+
+@dataclass
+class Link:
+    """``rate_bps`` None: unshaped (only ``host_Bps`` limits)."""
+
+    rate_bps: Optional[float]
+    alpha_s: float
+    overhead: float = WIRE_OVERHEAD
+    host_Bps: float = math.inf
+
+    def seconds_per_byte(self) -> float:
+        beta = 0.0 if self.rate_bps is None else self.overhead * 8.0 / self.rate_bps
+        return beta + (0.0 if math.isinf(self.host_Bps) else 1.0 / self.host_Bps)
+
+    def collective_s(self, nbytes: int) -> float:
+        return self.alpha_s + nbytes * self.seconds_per_byte()
+
+
+def predict_step(compute_s: float, collectives: List[int], link: Link, codec_s: float = 0.0) -> float:
+    """Predicted step time: compute, plus the codec, plus each collective's alpha + bytes * beta."""
+    return compute_s + codec_s + sum(link.collective_s(b) for b in collectives)
+
+
+def comm_fraction(step_s: float, compute_s: float) -> float:
+    """Share of a step not spent computing (communication and waiting for it)."""
+    return max(0.0, step_s - compute_s) / step_s if step_s > 0 else 0.0
+
+
+def end_to_end_speedup(lamb_step_s: float, warmup_step_s: float, compression_step_s: float,
+                       warmup_fraction: float) -> float:
+    """LAMB's time over the 1-bit optimizer's time for the same number of steps (samples), when a
+    fraction ``warmup_fraction`` of the steps runs uncompressed."""
+    if not 0.0 <= warmup_fraction <= 1.0:
+        raise ValueError(f"warmup_fraction must be in [0, 1], got {warmup_fraction}")
+    onebit = warmup_fraction * warmup_step_s + (1.0 - warmup_fraction) * compression_step_s
+    return lamb_step_s / onebit
+
+
+def volume_reduction(warmup_fraction: float, compression_ratio: float = 32.0) -> float:
+    """Whole-run bytes of LAMB over those of the 1-bit optimizer: ``1 / (w + (1-w)/ratio)``."""
+    return 1.0 / (warmup_fraction + (1.0 - warmup_fraction) / compression_ratio)

@@ -1,0 +1,288 @@
+"""The network experiment: LAMB against the 1-bit optimizers on emulated hosts at several rates.
+
+One unshaped launch first measures what does not depend on the rate: the latency of a tiny
+collective, the hosts' own byte rate and the 1-bit codec's cost. Then one launch per rate trains
+every optimizer through its stages, each right after the same steps with no communication (all
+hosts computing at once, as they share the CPUs): the compute-only time the cost model starts
+from, measured minutes apart from the step it predicts on a machine whose load varies.
+``summarise`` turns the per-rank results into rows with the cost model's prediction beside each
+measured step.
+"""
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from onebitlamb.netsim import costmodel
+from onebitlamb.netsim.runner import run_workers
+from onebitlamb.netsim.topology import Network
+
+OPTIMIZERS = ("lamb", "onebitlamb", "onebitadam")
+LABELS = {"lamb": "LAMB", "onebitlamb": "1-bit LAMB", "onebitadam": "1-bit Adam"}
+_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
+
+
+def parse_rate(text: str) -> Optional[float]:
+    """``10M``, ``200mbit``, ``1G``, ``1.5e8`` -> bits per second; ``inf`` / ``unlimited`` -> None."""
+    t = text.strip().lower()
+    if t in ("inf", "unlimited", "none", "0"):
+        return None
+    m = re.fullmatch(r"([0-9.e+]+)\s*([kmg]?)(?:bit|bps|b)?(?:/s)?", t)
+    if not m:
+        raise ValueError(f"cannot read a rate from {text!r} (examples: 10M, 200mbit, 1G, inf)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def rate_label(rate_bps: Optional[float]) -> str:
+    if rate_bps is None:
+        return "unshaped"
+    if rate_bps >= 1e9:
+        return f"{rate_bps / 1e9:g} Gbit/s"
+    return f"{rate_bps / 1e6:g} Mbit/s"
+
+
+@dataclass
+class Settings:
+    hosts: int = 2
+    rates: Sequence[Optional[float]] = (10e6, 50e6, 200e6, 1e9, None)
+    optimizers: Sequence[str] = OPTIMIZERS
+    model: Dict[str, int] = field(default_factory=dict)
+    batch: int = 16
+    warmup_steps: int = 3
+    compression_steps: int = 8
+    skip_steps: int = 1
+    threads: int = 1
+    burst_ms: float = 4.0
+    warmup_fraction: float = 0.2
+    timeout_s: float = 900.0
+
+    def spec(self) -> dict:
+        return {"model": dict(self.model), "batch": self.batch, "optimizers": list(self.optimizers),
+                "warmup_steps": self.warmup_steps, "compression_steps": self.compression_steps,
+                "skip_steps": self.skip_steps, "threads": self.threads}
+
+
+def run_experiment(s: Settings, log=print) -> dict:
+    """Measure everything; returns the raw per-rank results (JSON-serialisable)."""
+    out: dict = {"settings": {**s.__dict__, "rates": list(s.rates), "optimizers": list(s.optimizers)},
+                 "rates": []}
+    t0 = time.monotonic()
+    log(f"[netsim] calibration on {s.hosts} unshaped hosts: alpha, host byte rate, codec")
+    with Network(s.hosts, None, burst_ms=s.burst_ms) as net:
+        out["baseline"] = run_workers(net, dict(s.spec(), probe={"latency_calls": 30, "bandwidth_calls": 5}),
+                                      timeout_s=s.timeout_s)
+    for rate in s.rates:
+        log(f"[netsim] {rate_label(rate)}: {', '.join(s.optimizers)}  ({time.monotonic() - t0:.0f}s so far)")
+        with Network(s.hosts, rate, burst_ms=s.burst_ms) as net:
+            before = [net.counters(i) for i in range(s.hosts)]
+            ranks = run_workers(net, dict(s.spec(), train=True, probe={"latency_calls": 30}),
+                                timeout_s=s.timeout_s)
+            after = [net.counters(i) for i in range(s.hosts)]
+            out["rates"].append({"rate_bps": rate, "tbf": net.tbf, "ranks": ranks,
+                                 "qdisc_drops": net.qdisc_drops(),
+                                 "launch_tx_bytes": [(a - b).tx_bytes for a, b in zip(after, before)]})
+    out["elapsed_s"] = time.monotonic() - t0
+    return out
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def summarise(raw: dict) -> dict:
+    """Rows of measured and predicted figures, and the rate-independent calibration."""
+    s = raw["settings"]
+    n = s["hosts"]
+    base = raw["baseline"]
+    d = base[0]["probe"]["params"]
+    alpha_unl = _mean(r["probe"]["alpha_s"] for r in base)
+    ar_s = _mean(r["probe"]["allreduce_s"] for r in base)
+    car_s = _mean(r["probe"]["compressed_s"] for r in base)
+    lamb_bytes = costmodel.lamb_collectives(d, n)
+    onebit_bytes = costmodel.onebit_collectives(d, n)
+    host_Bps = sum(lamb_bytes) / max(ar_s - alpha_unl, 1e-6)
+    codec_s = max(0.0, car_s - len(onebit_bytes) * alpha_unl - sum(onebit_bytes) / host_Bps)
+    calib = {"params": d, "hosts": n, "alpha_unshaped_s": alpha_unl,
+             "allreduce_unshaped_s": ar_s, "compressed_unshaped_s": car_s, "host_Bps": host_Bps,
+             "codec_s": codec_s, "lamb_bytes": lamb_bytes, "onebit_bytes": onebit_bytes}
+    rows = []
+    for entry in raw["rates"]:
+        rate = entry["rate_bps"]
+        ranks = entry["ranks"]
+        alpha = _mean(r["probe"]["alpha_s"] for r in ranks)
+        link = costmodel.Link(rate, alpha, host_Bps=host_Bps)
+        for name in ranks[0]["train"]:
+            for stage in ("warmup", "compression"):
+                if stage not in ranks[0]["train"][name]:
+                    continue
+                per = [r["train"][name][stage] for r in ranks]
+                measured = _mean(p["median_s"] for p in per)
+                comp = _mean(r["compute_only"][name][stage]["median_s"] for r in ranks)
+                if stage == "compression":
+                    predicted = costmodel.predict_step(comp, onebit_bytes, link, codec_s)
+                else:
+                    predicted = costmodel.predict_step(comp, lamb_bytes, link)
+                rows.append({
+                    "rate_bps": rate, "optimizer": name, "stage": stage, "measured_s": measured,
+                    "predicted_s": predicted, "compute_s": comp, "alpha_s": alpha,
+                    "comm_fraction": costmodel.comm_fraction(measured, comp),
+                    "wire_bytes": _mean(p["wire_bytes_per_step"] for p in per),
+                    "accounted_bytes": _mean(p["accounted_bytes_per_step"] for p in per),
+                    "spread_s": max(max(p["step_times"]) - min(p["step_times"]) for p in per),
+                    "qdisc_drops": entry["qdisc_drops"],
+                })
+    return {"calibration": calib, "rows": rows, "summary": _speedups(rows, s["warmup_fraction"])}
+
+
+def _speedups(rows: List[dict], w: float) -> List[dict]:
+    by = {(r["rate_bps"], r["optimizer"], r["stage"]): r for r in rows}
+    rates = []
+    for r in rows:
+        if r["rate_bps"] not in rates:
+            rates.append(r["rate_bps"])
+    out = []
+    for rate in rates:
+        lamb = by.get((rate, "lamb", "warmup"))
+        if lamb is None:
+            continue
+        for name in ("onebitlamb", "onebitadam"):
+            warm, comp = by.get((rate, name, "warmup")), by.get((rate, name, "compression"))
+            if warm is None or comp is None:
+                continue
+            out.append({
+                "rate_bps": rate, "optimizer": name, "lamb_s": lamb["measured_s"],
+                "lamb_comm_fraction": lamb["comm_fraction"], "warmup_s": warm["measured_s"],
+                "compression_s": comp["measured_s"], "compute_s": comp["compute_s"],
+                "step_speedup": lamb["measured_s"] / comp["measured_s"],
+                "end_to_end_speedup": costmodel.end_to_end_speedup(
+                    lamb["measured_s"], warm["measured_s"], comp["measured_s"], w),
+                "predicted_step_speedup": lamb["predicted_s"] / comp["predicted_s"],
+                "predicted_end_to_end_speedup": costmodel.end_to_end_speedup(
+                    lamb["predicted_s"], warm["predicted_s"], comp["predicted_s"], w),
+                "wire_reduction": lamb["wire_bytes"] / comp["wire_bytes"] if comp["wire_bytes"] else math.inf,
+                "over_compute_only": comp["measured_s"] / comp["compute_s"] - 1.0,
+            })
+    return out
+
+
+def _ms(x: float) -> str:
+    return f"{1000 * x:.0f}" if x >= 0.1 else f"{1000 * x:.1f}"
+
+
+def _kb(x: float) -> str:
+    return f"{x / 1024:.0f}" if x >= 10240 else f"{x / 1024:.1f}"
+
+
+def format_tables(summary: dict, w: float) -> str:
+    """Markdown: the speed-up table, the per-stage table (measured beside predicted), calibration."""
+    c = summary["calibration"]
+    lines = [f"Speed-up ({int(round(100 * w))}% warm-up for end-to-end; LAMB's communication share = "
+             f"1 - compute-only / step):", "",
+             "| link | optimizer | LAMB step ms | LAMB comm share | warm-up step ms | compression step ms "
+             "| step speed-up (pred.) | end-to-end speed-up (pred.) | wire bytes vs LAMB | over compute-only |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in summary["summary"]:
+        lines.append(
+            f"| {rate_label(r['rate_bps'])} | {LABELS[r['optimizer']]} | {_ms(r['lamb_s'])} "
+            f"| {100 * r['lamb_comm_fraction']:.0f}% | {_ms(r['warmup_s'])} | {_ms(r['compression_s'])} "
+            f"| {r['step_speedup']:.1f}x ({r['predicted_step_speedup']:.1f}x) "
+            f"| {r['end_to_end_speedup']:.2f}x ({r['predicted_end_to_end_speedup']:.2f}x) "
+            f"| {r['wire_reduction']:.1f}x fewer | {100 * r['over_compute_only']:+.0f}% |")
+    lines += ["", "Every measured step beside the cost model's prediction (median over the timed steps, "
+              "mean over ranks; bytes are what one rank sent per step):", "",
+              "| link | optimizer | stage | measured ms | predicted ms | diff | compute-only ms | alpha ms "
+              "| wire KB/step | accounted KB/step | wire/accounted |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in summary["rows"]:
+        diff = r["predicted_s"] / r["measured_s"] - 1.0
+        flag = " **" if abs(diff) > 0.2 else ""
+        ratio = r["wire_bytes"] / r["accounted_bytes"] if r["accounted_bytes"] else float("nan")
+        lines.append(
+            f"| {rate_label(r['rate_bps'])} | {LABELS[r['optimizer']]} | {r['stage']} | {_ms(r['measured_s'])} "
+            f"| {_ms(r['predicted_s'])} | {100 * diff:+.0f}%{flag} | {_ms(r['compute_s'])} | {1000 * r['alpha_s']:.2f} "
+            f"| {_kb(r['wire_bytes'])} | {_kb(r['accounted_bytes'])} | {ratio:.3f} |")
+    lines += ["", f"Calibration (unshaped network, {c['hosts']} hosts, d = {c['params']:,} parameters): "
+              f"alpha {1000 * c['alpha_unshaped_s']:.2f} ms; "
+              f"host byte rate {c['host_Bps'] / 1e6:.0f} MB/s (fp32 all-reduce {_ms(c['allreduce_unshaped_s'])} ms); "
+              f"1-bit codec {_ms(c['codec_s'])} ms (compressed all-reduce {_ms(c['compressed_unshaped_s'])} ms). "
+              f"Diffs beyond 20% are marked **."]
+    return "\n".join(lines)
+
+
+def check_targets(summary: dict) -> List[str]:
+    """The issue's targets, each as a line saying met or missed with the figure."""
+    out = []
+    rows = summary["summary"]
+    lamb_ob = [r for r in rows if r["optimizer"] == "onebitlamb"]
+    slow = [r for r in lamb_ob if r["lamb_comm_fraction"] >= 0.9]
+    if slow:
+        r = max(slow, key=lambda r: r["rate_bps"] or math.inf)
+        lbl = rate_label(r["rate_bps"])
+        out.append(f"{'met ' if r['step_speedup'] >= 10 else 'MISSED'} compression step >= 10x LAMB at {lbl} "
+                   f"(LAMB comm share {100 * r['lamb_comm_fraction']:.0f}%): {r['step_speedup']:.1f}x")
+        out.append(f"{'met ' if r['end_to_end_speedup'] >= 3.5 else 'MISSED'} end-to-end >= 3.5x at {lbl}: "
+                   f"{r['end_to_end_speedup']:.2f}x")
+    else:
+        out.append("n/a    no rate where LAMB spends >= 90% of its step communicating")
+    for r in lamb_ob:
+        if r["rate_bps"] is not None and r["wire_reduction"] < 25:
+            out.append(f"MISSED wire bytes >= 25x fewer at {rate_label(r['rate_bps'])}: {r['wire_reduction']:.1f}x")
+    if lamb_ob:
+        worst = min(r["wire_reduction"] for r in lamb_ob)
+        out.append(f"{'met ' if worst >= 25 else 'MISSED'} wire bytes in compression >= 25x fewer than LAMB: "
+                   f"at least {worst:.1f}x")
+    for r in lamb_ob:
+        if r["rate_bps"] == 1e9:
+            out.append(f"{'met ' if r['over_compute_only'] <= 0.25 else 'MISSED'} compression step within 25% of "
+                       f"compute-only at 1 Gbit/s: {100 * r['over_compute_only']:+.0f}%")
+    for r in rows:
+        if r["step_speedup"] < 1.0:
+            out.append(f"MISSED {LABELS[r['optimizer']]} compression step slower than LAMB at "
+                       f"{rate_label(r['rate_bps'])}: {r['step_speedup']:.2f}x")
+    if all(r["step_speedup"] >= 1.0 for r in rows):
+        out.append("met  compression step never slower than LAMB, at every rate measured")
+    return out
+
+
+def plot(summary: dict, path) -> None:
+    """Step and end-to-end speed-up against link rate (the unshaped network drawn at the right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["summary"]
+    shaped = sorted({r["rate_bps"] for r in rows if r["rate_bps"] is not None})
+    unshaped_x = (max(shaped) * 5) if shaped else 1e10
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, color in (("onebitlamb", "C0"), ("onebitadam", "C1")):
+        pts = sorted(((r["rate_bps"] or unshaped_x) / 1e6, r) for r in rows if r["optimizer"] == name)
+        if not pts:
+            continue
+        xs = [x for x, _ in pts]
+        ax.plot(xs, [r["step_speedup"] for _, r in pts], "o-", color=color,
+                label=f"{LABELS[name]}: compression-stage step")
+        ax.plot(xs, [r["end_to_end_speedup"] for _, r in pts], "s--", color=color,
+                label=f"{LABELS[name]}: end-to-end, 20% warm-up")
+        ax.plot(xs, [r["predicted_step_speedup"] for _, r in pts], ":", color=color, alpha=0.6,
+                label=f"{LABELS[name]}: step, cost model")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ticks = [x / 1e6 for x in shaped] + [unshaped_x / 1e6]
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([rate_label(x * 1e6).replace(" ", "\n") for x in ticks[:-1]] + ["unshaped"])
+    ax.set_xlabel("link rate per host")
+    ax.set_ylabel("speed-up over LAMB")
+    ax.set_title(f"{summary['calibration']['hosts']} emulated hosts, small BERT "
+                 f"({summary['calibration']['params'] / 1e6:.2f}M parameters)")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

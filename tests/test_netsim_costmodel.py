@@ -1,0 +1,86 @@
+"""The alpha-beta cost model and the rate/bucket arithmetic: hand-computed cases, no root needed."""
+import math
+
+import pytest
+
+from onebitlamb.netsim import costmodel
+from onebitlamb.netsim.experiment import parse_rate, rate_label
+from onebitlamb.netsim.topology import tbf_params
+
+
+def test_collective_bytes_two_and_four_ranks():
+    # d = 1000 fp32 elements, n = 2: ring all-reduce sends 2 * (1/2) * 4000 = 4000 bytes
+    assert costmodel.lamb_collectives(1000, 2) == [4000]
+    # n = 4: 2 * 3/4 * 4000 = 6000
+    assert costmodel.lamb_collectives(1000, 4) == [6000]
+    # 1-bit, n = 2: D = 1008 (multiple of 16); all-to-all (1/2) * 126 = 63; all-gather of a scale
+    # (2-1) * 4 = 4; all-gather of D/16 = 63 bytes to 1 peer = 63; scale again 4
+    assert costmodel.onebit_collectives(1000, 2) == [63, 4, 63, 4]
+    # n = 4: D = 1024; all-to-all 3/4 * 128 = 96; scales 3 * 4 = 12; all-gather 3 * 32 = 96
+    assert costmodel.onebit_collectives(1000, 4) == [96, 12, 96, 12]
+    assert costmodel.lamb_collectives(1000, 1) == [] and costmodel.onebit_collectives(1000, 1) == []
+
+
+def test_predict_step_hand_computed():
+    # 10 Mbit/s, no header overhead: 1.25e6 bytes/s; 1,250,000 bytes take 1 s; alpha 1 ms
+    link = costmodel.Link(10e6, alpha_s=0.001, overhead=1.0)
+    assert costmodel.predict_step(0.1, [1_250_000], link) == pytest.approx(0.1 + 0.001 + 1.0)
+    # four collectives pay four alphas; the codec is added once
+    t = costmodel.predict_step(0.1, [125_000, 4, 125_000, 4], link, codec_s=0.01)
+    assert t == pytest.approx(0.1 + 0.01 + 4 * 0.001 + (250_008 / 1.25e6))
+    # header overhead scales the byte term only
+    link2 = costmodel.Link(10e6, alpha_s=0.0, overhead=1.05)
+    assert costmodel.predict_step(0.0, [1_250_000], link2) == pytest.approx(1.05)
+
+
+def test_host_rate_adds_in_series_and_unshaped_link():
+    # unshaped: only the host's own byte rate limits; 1e9 bytes/s -> 1e6 bytes in 1 ms
+    link = costmodel.Link(None, alpha_s=0.0, host_Bps=1e9)
+    assert link.collective_s(1_000_000) == pytest.approx(0.001)
+    # shaped and host rate in series: 8 Mbit/s (1 us/byte) + 1 GB/s (1 ns/byte)
+    link = costmodel.Link(8e6, alpha_s=0.0, overhead=1.0, host_Bps=1e9)
+    assert link.seconds_per_byte() == pytest.approx(1e-6 + 1e-9)
+    assert costmodel.Link(None, alpha_s=0.002).collective_s(10**9) == pytest.approx(0.002)
+
+
+def test_wire_overhead_is_frame_over_payload():
+    # MTU 1500: MSS 1448 (IP 20, TCP 20, timestamps 12); a frame adds 66 bytes (Ethernet 14)
+    assert costmodel.MSS == 1448
+    assert costmodel.WIRE_OVERHEAD == pytest.approx(1514 / 1448)
+
+
+def test_end_to_end_speedup_and_volume():
+    # LAMB 1 s/step; 1-bit: warm-up 1 s, compression 0.1 s; 20% warm-up: 0.2 + 0.08 = 0.28 s
+    assert costmodel.end_to_end_speedup(1.0, 1.0, 0.1, 0.2) == pytest.approx(1 / 0.28)
+    assert costmodel.end_to_end_speedup(1.0, 1.0, 0.1, 0.0) == pytest.approx(10.0)
+    assert costmodel.end_to_end_speedup(1.0, 1.0, 0.1, 1.0) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        costmodel.end_to_end_speedup(1.0, 1.0, 0.1, 1.5)
+    # ALGORITHM.md: 1 / (w + (1-w)/32); w = 0.2 -> 1 / 0.225 = 4.444
+    assert costmodel.volume_reduction(0.2) == pytest.approx(1 / 0.225)
+    assert costmodel.comm_fraction(1.0, 0.1) == pytest.approx(0.9)
+    assert costmodel.comm_fraction(1.0, 1.2) == 0.0
+
+
+def test_bucket_is_sized_to_the_rate():
+    # 10 Mbit/s = 1.25 MB/s: 4 ms = 5000 bytes = one 250 Hz tick
+    assert tbf_params(10e6) == {"burst": 5000, "limit": 256 * 1024}
+    # 1 Gbit/s: 4 ms = 500 KB; queue 100 ms = 12.5 MB
+    assert tbf_params(1e9) == {"burst": 500_000, "limit": 12_500_000}
+    # never below two full frames, never below one timer tick
+    assert tbf_params(1e6)["burst"] == 2 * 1514
+    assert tbf_params(100e6, burst_ms=1.0)["burst"] == int(12.5e6 / 250)
+    with pytest.raises(ValueError):
+        tbf_params(0)
+
+
+def test_rate_parsing():
+    assert parse_rate("10M") == 10e6
+    assert parse_rate("200mbit") == 200e6
+    assert parse_rate("1G") == 1e9
+    assert parse_rate("1.5e8") == 1.5e8
+    assert parse_rate("inf") is None and parse_rate("unlimited") is None
+    with pytest.raises(ValueError, match="cannot read a rate"):
+        parse_rate("fast")
+    assert rate_label(10e6) == "10 Mbit/s" and rate_label(1e9) == "1 Gbit/s" and rate_label(None) == "unshaped"
+    assert not math.isnan(costmodel.WIRE_OVERHEAD)
