@@ -31,6 +31,9 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     args.cache_dir = args.cache_dir or os.path.join(args.out, "cache")  # one tokenized corpus for all
     runs: Dict[str, dict] = {}
+    # under torchrun every process runs this; rank 0 alone writes the results
+    master = not pretrain.under_torchrun() or int(os.environ["RANK"]) == 0
+    t_start = time.perf_counter()
     for name in args.optimizers:
         cfg = pretrain.config_from_args(args, optimizer=name, out=os.path.join(args.out, name))
         metrics_path = os.path.join(cfg.out, "metrics.json")
@@ -43,15 +46,23 @@ def run(args: argparse.Namespace) -> int:
                 print(f"compare stopped during {name}; `onebitlamb compare ... --resume` continues it",
                       file=sys.stderr)
                 return 130 if result["interrupted"] else 0
+            if not master:
+                continue
             with open(metrics_path) as f:
                 m = json.load(f)
             m["process_time_s"] = time.perf_counter() - t0  # including start-up and data loading
             with open(metrics_path, "w") as f:
                 json.dump(m, f)
-        with open(metrics_path) as f:
-            runs[name] = json.load(f)
+        if master:
+            with open(metrics_path) as f:
+                runs[name] = json.load(f)
+    if not master:
+        return 0
 
     table = format_table(runs)
+    total = sum(m.get("process_time_s", m["wall_time_s"]) for m in runs.values())
+    table += f"\ntotal {total:.0f} s for the {len(runs)} runs including start-up (this invocation: " \
+             f"{time.perf_counter() - t_start:.0f} s)"
     print(table)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(table + "\n")

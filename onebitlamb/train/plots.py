@@ -27,7 +27,7 @@ def plot_compare(runs: Dict[str, dict], path: str) -> None:
         label, color = LABELS.get(name, name), COLORS.get(name)
         xs, ys = zip(*m["eval_curve"])
         ax_loss.plot(xs, ys, marker=".", label=label, color=color)
-        steps, cum = zip(*m["bytes_curve"])
+        steps, cum = zip(*([[0, 0]] + list(m["bytes_curve"])))
         ax_bytes.plot(steps, [b / 1e6 for b in cum], label=label, color=color)
         if m.get("freeze_step"):
             for ax in (ax_bytes,):

@@ -20,6 +20,7 @@ compression stage before they enter the local momentum that is compressed.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import datetime
 import json
@@ -197,16 +198,16 @@ def train(cfg: TrainConfig) -> dict:
         cfg.check(world)
         if rank == 0:
             data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-        try:
-            dist.barrier()  # rank 0 has written the corpus cache (shared folder assumed)
-            result = train_rank(rank, world, cfg)
-        finally:
-            dist.destroy_process_group()
-        return result
+        if not dist.is_initialized():  # once per process: `compare` trains three times in it
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+            atexit.register(dist.destroy_process_group)
+        dist.barrier()  # rank 0 has written the corpus cache (shared folder assumed)
+        if cfg.resume:
+            check_resumable(cfg)
+        return train_rank(rank, world, cfg)
 
     from onebitlamb.comm.launch import spawn_local
 
