@@ -92,3 +92,22 @@ def test_resume_is_bit_identical(compared, tmp_path, corpus_dir):
         b = json.load(f)
     assert a["eval_curve"] == b["eval_curve"]
     assert a["bytes_curve"] == b["bytes_curve"] and a["train_loss"] == b["train_loss"]
+
+
+@pytest.mark.slow
+def test_torchrun_launch_matches_local_launch(compared, tmp_path, corpus_dir):
+    """Under torchrun the ranks come from the environment; the numbers are those of the local launcher."""
+    out, cache, _ = compared
+    from onebitlamb.comm.launch import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "-m", "onebitlamb", "pretrain", "--preset", "tiny",
+                           "--optimizer", "onebitlamb", "--out", str(tmp_path), "--corpus", corpus_dir,
+                           "--cache-dir", str(cache), "--no-progress"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    local = torch.load(out / "onebitlamb" / "model_final.pt")
+    launched = torch.load(tmp_path / "model_final.pt")
+    for k in local:
+        assert torch.equal(local[k], launched[k]), k
