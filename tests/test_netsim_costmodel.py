@@ -84,3 +84,11 @@ def test_rate_parsing():
         parse_rate("fast")
     assert rate_label(10e6) == "10 Mbit/s" and rate_label(1e9) == "1 Gbit/s" and rate_label(None) == "unshaped"
     assert not math.isnan(costmodel.WIRE_OVERHEAD)
+
+
+def test_synchronous_compute_is_the_median_of_the_slowest_rank():
+    from onebitlamb.netsim.experiment import synchronous_compute_s
+
+    # per step the slower rank: 0.3, 0.2, 0.4 -> median 0.3 (each rank's own median is 0.2)
+    assert synchronous_compute_s([[0.1, 0.2, 0.4], [0.3, 0.2, 0.1]]) == pytest.approx(0.3)
+    assert synchronous_compute_s([[0.5]]) == pytest.approx(0.5)

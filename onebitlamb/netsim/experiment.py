@@ -94,6 +94,17 @@ def _mean(values) -> float:
     return sum(values) / len(values)
 
 
+def synchronous_compute_s(per_rank_times: List[List[float]]) -> float:
+    """Compute-only time of a synchronous step: the median over steps of the slowest rank.
+
+    Every collective waits for the last rank to arrive, so when the ranks' compute times vary
+    (two workers and whatever else runs on shared cores) a step costs the maximum over ranks,
+    which is more than any one rank's median.
+    """
+    steps = min(len(t) for t in per_rank_times)
+    return statistics.median(max(t[i] for t in per_rank_times) for i in range(steps))
+
+
 def summarise(raw: dict) -> dict:
     """Rows of measured and predicted figures, and the rate-independent calibration."""
     s = raw["settings"]
@@ -122,7 +133,7 @@ def summarise(raw: dict) -> dict:
                     continue
                 per = [r["train"][name][stage] for r in ranks]
                 measured = _mean(p["median_s"] for p in per)
-                comp = _mean(r["compute_only"][name][stage]["median_s"] for r in ranks)
+                comp = synchronous_compute_s([r["compute_only"][name][stage]["step_times"] for r in ranks])
                 if stage == "compression":
                     predicted = costmodel.predict_step(comp, onebit_bytes, link, codec_s)
                 else:

@@ -93,6 +93,7 @@ def train_one(name: str, spec: dict, rank: int, group, interface: Optional[str])
     step_no = 0
     for stage, untimed, timed in stages:
         times: List[float] = []
+        opt_times: List[float] = []  # of which in optimizer.step (maths and communication)
         tx0 = stats0 = None
         for i in range(untimed + timed):
             if i == untimed:
@@ -107,16 +108,19 @@ def train_one(name: str, spec: dict, rank: int, group, interface: Optional[str])
             opt.zero_grad(set_to_none=True)
             loss = model(**batch).loss
             loss.backward()
+            t1 = time.perf_counter()
             opt.step()
-            dt = time.perf_counter() - t0
+            t2 = time.perf_counter()
             step_no += 1
             if i >= untimed:
-                times.append(dt)
+                times.append(t2 - t0)
+                opt_times.append(t2 - t1)
         _barrier(group)
         tx1 = read_counter(interface) if interface else 0
         result[stage] = {
             "step_times": times,
             "median_s": statistics.median(times),
+            "opt_step_times": opt_times,
             "wire_bytes_per_step": (tx1 - tx0) / timed,
             "accounted_bytes_per_step": (opt.comm_stats.bytes_sent - stats0) / timed,
             "loss": float(loss),
