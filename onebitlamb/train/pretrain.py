@@ -303,7 +303,10 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
         history["eval"].append([step * cfg.global_batch, loss])
         if master:
             line = f"[{cfg.optimizer}] step {step}: held-out loss {loss:.4f}"
-            bar.write(line, file=sys.stderr) if bar is not None else print(line, file=sys.stderr, flush=True)
+            if bar is not None:
+                bar.write(line, file=sys.stderr)  # above the bar
+            else:
+                print(line, file=sys.stderr, flush=True)
         return loss
 
     bar = _progress_bar(cfg, start_step) if master and cfg.progress else None
@@ -344,7 +347,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
         if bar is not None:
             bar.update(1)
             sps = (step + 1 - start_step) * cfg.global_batch / max(train_time - train_time_before, 1e-9)
-            bar.set_postfix(loss=f"{loss_sum:.3f}", sps=f"{sps:.0f}", stage=stage, MB=f"{optimizer.comm_stats.bytes_sent / 1e6:.1f}", refresh=False)
+            bar.set_postfix(loss=f"{loss_sum:.3f}", sps=f"{sps:.0f}", stage=stage,
+                            MB=f"{optimizer.comm_stats.bytes_sent / 1e6:.1f}", refresh=False)
 
         # ---- evaluation, checkpoint, stop
         done = step + 1
