@@ -50,14 +50,16 @@ class Document:
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 
 
-def stdlib_documents() -> List[Document]:
-    """The running Python's standard library as documents: every ``.py`` source outside the test
-    suites and third-party folders, the plain-text help of each built-in (C) module (whose
-    docstrings have no source file) and every ``pydoc`` documentation topic."""
+def stdlib_documents(include_tests: bool = False) -> List[Document]:
+    """The running Python's standard library as documents: every ``.py`` source outside the
+    third-party folders (and outside the test suites unless ``include_tests``: they triple the
+    size), the plain-text help of each built-in (C) module (whose docstrings have no source file)
+    and every ``pydoc`` documentation topic."""
     root = sysconfig.get_paths()["stdlib"]
+    skip = _SKIP_DIRS - ({"test", "tests", "idle_test"} if include_tests else set())
     docs = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+        dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
         for fname in sorted(filenames):
             if fname.endswith(".py"):
                 path = os.path.join(dirpath, fname)
@@ -205,7 +207,8 @@ class Corpus:
     info: dict  # what was read: documents, tokens, source
 
 
-def corpus_key(paths: Optional[Sequence[str]], vocab_size: int, seq_len: int, heldout_fraction: float) -> dict:
+def corpus_key(paths: Optional[Sequence[str]], vocab_size: int, seq_len: int, heldout_fraction: float,
+               stdlib_tests: bool = False) -> dict:
     """What decides the cached tensors: the source (with file sizes and times), the sizes and the
     split. Two runs with equal keys share the cache."""
     if paths:
@@ -220,18 +223,18 @@ def corpus_key(paths: Optional[Sequence[str]], vocab_size: int, seq_len: int, he
         source = {"paths": [os.path.abspath(p) for p in paths],
                   "files": hashlib.sha256(json.dumps(sorted(files)).encode()).hexdigest()}
     else:
-        source = {"stdlib": sysconfig.get_paths()["stdlib"], "python": sys.version}
+        source = {"stdlib": sysconfig.get_paths()["stdlib"], "python": sys.version, "tests": stdlib_tests}
     return {"version": CACHE_VERSION, "source": source, "vocab_size": vocab_size, "seq_len": seq_len,
             "heldout_fraction": heldout_fraction}
 
 
 def prepare_corpus(paths: Optional[Sequence[str]], vocab_size: int, seq_len: int, heldout_fraction: float,
-                   cache_dir: str, log=print) -> Corpus:
+                   cache_dir: str, log=print, stdlib_tests: bool = False) -> Corpus:
     """Read, split, train the tokenizer and tokenize, or load all of it from ``cache_dir``.
 
     Call it once before starting workers (they then only load the cache): it is the slow part of a
     first run and must not run ``n`` times in parallel."""
-    key = corpus_key(paths, vocab_size, seq_len, heldout_fraction)
+    key = corpus_key(paths, vocab_size, seq_len, heldout_fraction, stdlib_tests)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     folder = os.path.join(cache_dir, f"corpus-{digest}")
     tensors = os.path.join(folder, "blocks.pt")
@@ -241,7 +244,7 @@ def prepare_corpus(paths: Optional[Sequence[str]], vocab_size: int, seq_len: int
 
     log(f"preparing corpus ({'--corpus ' + ' '.join(paths) if paths else 'Python standard library'}) "
         f"into {folder} ...")
-    docs = path_documents(paths) if paths else stdlib_documents()
+    docs = path_documents(paths) if paths else stdlib_documents(include_tests=stdlib_tests)
     train_docs, heldout_docs = split_documents(docs, heldout_fraction)
     tokenizer = train_tokenizer((d.text for d in train_docs), vocab_size)
     train = encode_blocks(tokenizer, train_docs, seq_len)

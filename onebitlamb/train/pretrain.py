@@ -47,7 +47,7 @@ OPTIMIZERS = ("lamb", "onebitlamb", "onebitadam")
 
 # Values every preset shares; a preset overrides some, command-line flags override both.
 DEFAULTS = dict(
-    optimizer="onebitlamb", seed=1234, corpus=None, heldout_fraction=0.05,
+    optimizer="onebitlamb", seed=1234, corpus=None, stdlib_tests=False, heldout_fraction=0.05,
     vocab_size=4096, seq_len=64, hidden=128, layers=2, heads=2, intermediate=512, dropout=0.0,
     workers=4, micro_batch=16, global_batch=256, steps=512,
     lr=None, lr_lamb=2e-2, lr_adam=1e-3, warmup_frac=0.1, freeze_frac=0.35,
@@ -61,10 +61,11 @@ PRESETS = {
                  ckpt_every=2),
     # `make demo`: ~10 minutes for the three optimizers on 2 CPU cores
     "demo": dict(),
-    # the same comparison at a larger scale: hours on CPUs, minutes on a few GPUs (see docs)
-    "large": dict(vocab_size=8192, seq_len=128, hidden=256, layers=4, heads=4, intermediate=1024,
-                  workers=8, micro_batch=32, global_batch=4096, steps=2000, lr_lamb=1e-2, lr_adam=5e-4,
-                  eval_every=100, eval_samples=2048, ckpt_every=100),
+    # the same comparison at a larger scale: a day on CPUs, meant for GPUs under torchrun (see docs);
+    # the stdlib's test suites triple the default corpus, so 2M samples are ~20 epochs, not ~70
+    "large": dict(stdlib_tests=True, vocab_size=8192, seq_len=128, hidden=256, layers=4, heads=4,
+                  intermediate=1024, workers=8, micro_batch=32, global_batch=2048, steps=1000, lr_lamb=1e-2,
+                  lr_adam=5e-4, eval_every=50, eval_samples=2048, ckpt_every=50),
 }
 # Fields that may change between a run and its resumption (they do not affect the numbers).
 RESUMABLE_CHANGES = {"out", "cache_dir", "resume", "stop_after_steps", "progress", "threads"}
@@ -76,6 +77,7 @@ class TrainConfig:
     out: str
     seed: int
     corpus: Optional[List[str]]
+    stdlib_tests: bool
     heldout_fraction: float
     vocab_size: int
     seq_len: int
@@ -139,6 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True
     p.add_argument("--out", required=True, help="output folder: metrics, checkpoints, plots")
     p.add_argument("--corpus", nargs="+", metavar="PATH",
                    help="text files or folders (default: this Python's standard library)")
+    p.add_argument("--stdlib-tests", action="store_true", default=None,
+                   help="default corpus: include the standard library's test suites (3x the text)")
     p.add_argument("--cache-dir", help="where the tokenized corpus is cached (default: OUT/cache)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT")
     p.add_argument("--stop-after-steps", type=int, default=0, metavar="N",
@@ -197,7 +201,8 @@ def train(cfg: TrainConfig) -> dict:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         cfg.check(world)
         if rank == 0:
-            data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir)
+            data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir,
+                                stdlib_tests=cfg.stdlib_tests)
         if not dist.is_initialized():  # once per process: `compare` trains three times in it
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
@@ -215,7 +220,8 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.resume:
         check_resumable(cfg)  # fail here, before starting anything
     # the slow part of a first run, done once here instead of once per worker
-    data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir)
+    data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir,
+                        stdlib_tests=cfg.stdlib_tests)
     with _forward_interrupts():
         results = spawn_local(_local_worker, cfg.workers, args=(cfg,), timeout_s=7 * 24 * 3600,
                               collective_timeout_s=1800, threads_per_worker=cfg.threads)
@@ -268,7 +274,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
 
     # data: the cached corpus; every step's global batch is a function of (seed, step)
     corpus = data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir,
-                                 log=lambda *a: None)
+                                 log=lambda *a: None, stdlib_tests=cfg.stdlib_tests)
     accum = cfg.global_batch // (world * cfg.micro_batch)
     eval_inputs, eval_labels = data.eval_batch(corpus, cfg.eval_samples, cfg.seed, cfg.mask_prob)
     eval_inputs, eval_labels = eval_inputs[rank::world].to(device), eval_labels[rank::world].to(device)
