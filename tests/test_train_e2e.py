@@ -111,3 +111,35 @@ def test_torchrun_launch_matches_local_launch(compared, tmp_path, corpus_dir):
     launched = torch.load(tmp_path / "model_final.pt")
     for k in local:
         assert torch.equal(local[k], launched[k]), k
+
+
+def test_ctrl_c_leaves_a_usable_checkpoint(compared, tmp_path, corpus_dir):
+    """SIGINT to the launcher: the workers finish the step, checkpoint, exit with 130; --resume goes on."""
+    import signal
+    import threading
+
+    _, cache, _ = compared
+    common = ["--preset", "tiny", "--optimizer", "onebitlamb", "--steps", "100000", "--eval-every", "100000",
+              "--ckpt-every", "100000", "--out", str(tmp_path), "--corpus", corpus_dir, "--cache-dir", str(cache),
+              "--no-progress"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "onebitlamb", "pretrain", *common], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    timer = threading.Timer(240, proc.kill)  # never hang the suite
+    timer.start()
+    try:
+        for line in proc.stderr:  # the first evaluation is printed just before the first step
+            if "step 0: held-out loss" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stderr.read()
+        assert proc.wait() == 130, rest
+    finally:
+        timer.cancel()
+    assert "stopped (interrupt)" in rest
+    with open(tmp_path / "checkpoint.json") as f:
+        step = json.load(f)["step"]
+    assert step >= 1
+    _cli("pretrain", *common, "--resume", "--stop-after-steps", str(step + 2))
+    with open(tmp_path / "checkpoint.json") as f:
+        assert json.load(f)["step"] == step + 2
