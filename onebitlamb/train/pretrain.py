@@ -494,6 +494,12 @@ def _fresh_out_dir(cfg: TrainConfig) -> None:
     for name in ("metrics.json", "model_final.pt"):
         if os.path.exists(os.path.join(cfg.out, name)):
             os.remove(os.path.join(cfg.out, name))
+    for name in os.listdir(cfg.out):  # checkpoints of an earlier run
+        folder = os.path.join(cfg.out, name)
+        if name.startswith("ckpt-") and os.path.isdir(folder):
+            for fname in os.listdir(folder):
+                os.remove(os.path.join(folder, fname))
+            os.rmdir(folder)
 
 
 def save_checkpoint(cfg, rank, step, model, optimizer, scheduler, history) -> None:
