@@ -79,7 +79,14 @@ def test_prepare_corpus_blocks_and_cache(corpus):
         assert (blocks != data.PAD_ID).all()  # no padding: the stream is cut into full blocks
     again = data.prepare_corpus([root], 512, 32, 0.1, cache, log=lambda *a: pytest.fail("re-tokenized"))
     assert torch.equal(again.train, c.train) and torch.equal(again.heldout, c.heldout)
-    assert os.path.exists(os.path.join(cache, os.listdir(cache)[0], "tokenizer.json"))
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(cache, os.listdir(cache)[0], "tokenizer.json"))
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab]
+    assert [i for _, i in vocab] == list(range(512))  # canonical ids, whatever the trainer's hash order
+    assert tokens[:data.NUM_SPECIAL] == data.SPECIAL_TOKENS and tokens[data.NUM_SPECIAL:] == sorted(tokens[5:])
+    assert tok.encode("[CLS] def [MASK] x").ids[0] == data.CLS_ID
 
 
 def test_mask_tokens_rate_and_special_tokens():

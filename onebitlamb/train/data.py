@@ -34,7 +34,7 @@ PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))
 NUM_SPECIAL = len(SPECIAL_TOKENS)
 IGNORE_INDEX = -100  # label of positions that are not predicted (the loss skips them)
 
-CACHE_VERSION = 1  # bump when the tokenization below changes
+CACHE_VERSION = 2  # bump when the tokenization below changes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,6 +174,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     tok.decoder = decoders.WordPiece()
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
+    # The trainer numbers its tokens in hash-map order, which changes from process to process.
+    # Renumber: special tokens first, then the rest sorted, so the same token set always gets the
+    # same ids. (The set itself can still differ by a token or two whose counts tie at the
+    # vocabulary's cut-off, hence the cache: every run that shares it sees the same tokens.)
+    ordered = SPECIAL_TOKENS + sorted(t for t in tok.get_vocab() if t not in SPECIAL_TOKENS)
+    tok.model = models.WordPiece({t: i for i, t in enumerate(ordered)}, unk_token="[UNK]")
     for i, t in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(t) == i, f"special token {t} got id {tok.token_to_id(t)}"
     return tok
