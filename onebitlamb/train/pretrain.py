@@ -53,6 +53,9 @@ DEFAULTS = dict(
     lr=None, lr_lamb=2e-2, lr_adam=1e-3, warmup_frac=0.1, freeze_frac=0.35,
     weight_decay=0.01, clip=1.0, beta1=0.9, beta2=0.999, eps=1e-6, mask_prob=0.15,
     eval_every=32, eval_samples=512, ckpt_every=64,
+    # 1-bit optimizers: freeze_frac is the freeze, or with auto_freeze the latest it may happen
+    auto_freeze=False, min_freeze_frac=0.05, freeze_window=20, freeze_tolerance=0.25,
+    compression_space="momentum", update_guard=0.0,
 )
 PRESETS = {
     # for the tests: a few seconds on 2 workers
@@ -102,6 +105,12 @@ class TrainConfig:
     eval_every: int
     eval_samples: int
     ckpt_every: int
+    auto_freeze: bool
+    min_freeze_frac: float
+    freeze_window: int
+    freeze_tolerance: float
+    compression_space: str
+    update_guard: float
     cache_dir: str = ""
     resume: bool = False
     stop_after_steps: int = 0
@@ -154,14 +163,25 @@ def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True
                  heads=int, intermediate=int, dropout=float, workers=int, micro_batch=int, global_batch=int,
                  steps=int, lr=float, lr_lamb=float, lr_adam=float, warmup_frac=float, freeze_frac=float,
                  weight_decay=float, clip=float, beta1=float, beta2=float, eps=float, mask_prob=float,
-                 eval_every=int, eval_samples=int, ckpt_every=int)
+                 eval_every=int, eval_samples=int, ckpt_every=int, min_freeze_frac=float, freeze_window=int,
+                 freeze_tolerance=float, compression_space=str, update_guard=float)
     helps = dict(workers="local worker processes (ignored under torchrun)",
                  lr="learning rate (default: --lr-lamb for (1-bit) LAMB, --lr-adam for 1-bit Adam)",
                  clip="max norm of each worker's local gradient, 0 = off",
-                 freeze_frac="1-bit optimizers: fraction of the steps in the warm-up stage",
+                 freeze_frac="1-bit optimizers: fraction of the steps in the warm-up stage (with "
+                             "--auto-freeze: the latest the freeze may happen)",
+                 min_freeze_frac="with --auto-freeze: the earliest the freeze may happen",
+                 freeze_window="with --auto-freeze: steps over which the warm-up must have settled",
+                 freeze_tolerance="with --auto-freeze: how far (log scale) variance and trust ratio may move "
+                                  "over the window",
+                 compression_space="1-bit optimizers: 'momentum' (the paper's) or 'update' (preconditioned)",
+                 update_guard="1-bit optimizers: bound stage-2 relative steps to this multiple of the "
+                              "warm-up's (0 = off)",
                  warmup_frac="fraction of the steps with linear LR warm-up (then linear decay to 0)")
     for name, typ in typed.items():
         g.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=helps.get(name))
+    g.add_argument("--auto-freeze", action="store_true", default=None,
+                   help="1-bit optimizers: freeze_step='auto', between --min-freeze-frac and --freeze-frac")
 
 
 def config_from_args(args: argparse.Namespace, optimizer: Optional[str] = None, out: Optional[str] = None) -> TrainConfig:
@@ -301,7 +321,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
             json.dump(dataclasses.asdict(cfg), f, indent=1)
         print(f"[{cfg.optimizer}] {world} workers, {cfg.steps} steps of {cfg.global_batch} samples "
               f"({accum} micro-batches of {cfg.micro_batch} per worker), lr {cfg.lr:g}, warm-up {warm} steps"
-              + (f", freeze at step {cfg.freeze_step}" if cfg.optimizer != "lamb" else "")
+              + ("" if cfg.optimizer == "lamb" else f", freeze automatically by step {cfg.freeze_step}"
+                 if cfg.auto_freeze else f", freeze at step {cfg.freeze_step}")
               + (f", resuming at step {start_step}" if start_step else ""), file=sys.stderr, flush=True)
 
     def evaluate(step: int) -> float:
@@ -403,9 +424,15 @@ def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
     common = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "lamb":
         return onebitlamb.Lamb(groups, **common)
-    if cfg.optimizer == "onebitlamb":
-        return onebitlamb.OneBitLamb(groups, freeze_step=cfg.freeze_step, **common)
-    return onebitlamb.OneBitAdam(groups, freeze_step=cfg.freeze_step, **common)
+    onebit = dict(compression_space=cfg.compression_space, update_guard=cfg.update_guard or None)
+    if cfg.auto_freeze:
+        onebit.update(freeze_step="auto", max_freeze_step=cfg.freeze_step,
+                      min_freeze_step=min(cfg.freeze_step, max(1, round(cfg.min_freeze_frac * cfg.steps))),
+                      freeze_window=cfg.freeze_window, freeze_tolerance=cfg.freeze_tolerance)
+    else:
+        onebit.update(freeze_step=cfg.freeze_step)
+    cls = onebitlamb.OneBitLamb if cfg.optimizer == "onebitlamb" else onebitlamb.OneBitAdam
+    return cls(groups, **common, **onebit)
 
 
 @torch.no_grad()
@@ -601,7 +628,8 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
         "final_eval_loss": history["eval"][-1][1],
         "samples": samples,
         "steps": cfg.steps,
-        "freeze_step": cfg.freeze_step if cfg.optimizer != "lamb" else None,
+        # the step the freeze happened at (with --auto-freeze, the optimizer decided it)
+        "freeze_step": history["stage"].count("warmup") if cfg.optimizer != "lamb" else None,
         "bytes_sent_per_rank": sum(ranks_bytes) / len(ranks_bytes),
         "bytes_sent_by_rank": ranks_bytes,
         "wall_time_s": history["wall_time_s"],
