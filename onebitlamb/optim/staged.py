@@ -83,9 +83,6 @@ class StagedOptimizer(Optimizer):
         self._last_guarded: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ layout and state
-    def _trainable(self) -> List[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"] if p.requires_grad and p.numel() > 0]
-
     def _build_layout(self) -> Dict[str, Any]:
         params, groups = [], []
         for gi, g in enumerate(self.param_groups):
