@@ -6,7 +6,7 @@ from ALGORITHM.md. Per-layer quantities are float32 vectors with one entry per p
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -116,10 +116,17 @@ def settled(history: torch.Tensor, count: int, tolerance: float) -> bool:
     grows by orders of magnitude and a trust ratio that moves several-fold, and holds the freeze
     back; layers with no gradient yet (``log 0``) are ignored until they have one.
     """
+    spread = window_spread(history, count)
+    return spread is not None and spread <= tolerance
+
+
+def window_spread(history: torch.Tensor, count: int) -> Optional[float]:
+    """How far the least settled layer statistic moved over the window (max minus min, log
+    scale); None until the window is full or while no layer has a gradient."""
     if count < history.shape[0]:
-        return False
+        return None
     finite = torch.isfinite(history).all(dim=0)
     if not bool(finite.any()):
-        return False
+        return None
     window = history[:, finite]
-    return bool((window.max(dim=0).values - window.min(dim=0).values).max() <= tolerance)
+    return float((window.max(dim=0).values - window.min(dim=0).values).max())

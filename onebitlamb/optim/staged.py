@@ -172,6 +172,15 @@ class StagedOptimizer(Optimizer):
             return WARMUP
         return WARMUP if self._flat["frozen_at"] is None else COMPRESSION
 
+    @property
+    def freeze_spread(self) -> Optional[float]:
+        """With ``freeze_step="auto"``, before the freeze: how far (log scale) the least settled
+        layer's variance or trust ratio moved over the last ``freeze_window`` steps; the freeze
+        comes when this is at most ``freeze_tolerance``. None otherwise."""
+        if self.freeze_step != "auto" or "flat" not in self.state or self.stage != WARMUP:
+            return None
+        return F.window_spread(self._flat["freeze_history"], self._flat["freeze_history_count"])
+
     def layer_diagnostics(self) -> List[Dict[str, Optional[float]]]:
         """Per trainable parameter (flat order): the coefficient applied at the last step
         (``trust_ratio``), and after the freeze the frozen coefficient, the factor, and whether

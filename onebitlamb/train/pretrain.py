@@ -310,7 +310,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
 
     # state of the run: what the metrics file reports, saved in every checkpoint
     history = {"eval": [], "train_loss": [], "bytes": [], "stage": [], "lr": [], "diagnostics": [],
-               "train_time_s": 0.0, "wall_time_s": 0.0}
+               "freeze_spread": [], "train_time_s": 0.0, "wall_time_s": 0.0}
     start_step = 0
     if cfg.resume:
         start_step, history = load_checkpoint(cfg, rank, world, model, optimizer, scheduler, history, device)
@@ -368,6 +368,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
         history["train_loss"].append(loss_sum)
         history["bytes"].append(optimizer.comm_stats.bytes_sent)
         history["stage"].append(stage)
+        history["freeze_spread"].append(optimizer.freeze_spread)  # --auto-freeze: how settled, per step
         history["lr"].append(scheduler.get_last_lr()[0])
         if diagnose:
             history["diagnostics"].append(layer_report(step + 1, names, before, optimizer))
@@ -638,6 +639,7 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
         "eval_curve": history["eval"],
         "bytes_curve": [[i + 1, b] for i, b in enumerate(history["bytes"])],
         "train_loss": history["train_loss"],
+        "freeze_spread": history["freeze_spread"],
         "stage": history["stage"],
         "lr": history["lr"],
         "diagnostics": history["diagnostics"],
