@@ -99,7 +99,7 @@ class OneBitLamb(StagedOptimizer):
                  factor_threshold: float = 0.1, compression_space: str = "momentum",
                  update_guard: Optional[float] = None, min_freeze_step: int = 1,
                  max_freeze_step: Optional[int] = None, freeze_window: int = 20,
-                 freeze_tolerance: float = 0.25, process_group: Optional[dist.ProcessGroup] = None) -> None:
+                 freeze_tolerance: float = 0.3, process_group: Optional[dist.ProcessGroup] = None) -> None:
         onebit = _onebit_options(type(self).__name__, freeze_step, min_freeze_step, max_freeze_step,
                                  freeze_window, freeze_tolerance, compression_space, update_guard)
         validate_common(lr, betas, eps, weight_decay)
@@ -132,7 +132,7 @@ class OneBitAdam(StagedOptimizer):
                  bias_correction: bool = True, compression_space: str = "momentum",
                  update_guard: Optional[float] = None, min_freeze_step: int = 1,
                  max_freeze_step: Optional[int] = None, freeze_window: int = 20,
-                 freeze_tolerance: float = 0.25, process_group: Optional[dist.ProcessGroup] = None) -> None:
+                 freeze_tolerance: float = 0.3, process_group: Optional[dist.ProcessGroup] = None) -> None:
         onebit = _onebit_options(type(self).__name__, freeze_step, min_freeze_step, max_freeze_step,
                                  freeze_window, freeze_tolerance, compression_space, update_guard)
         validate_common(lr, betas, eps, weight_decay)

@@ -127,7 +127,7 @@ class StagedOptimizer(Optimizer):
             flat["step_ratio_count"] = torch.zeros(L, **f32)
             flat["guard_hits"] = 0
         if self.freeze_step == "auto":
-            flat["freeze_history"] = torch.zeros(self.defaults["freeze_window"] + 1, 2 * L, **f32)
+            flat["freeze_history"] = torch.zeros(self.defaults["freeze_window"] + 1, L, **f32)
             flat["freeze_history_count"] = 0
 
     def _check_loaded_state(self) -> None:
@@ -175,8 +175,8 @@ class StagedOptimizer(Optimizer):
     @property
     def freeze_spread(self) -> Optional[float]:
         """With ``freeze_step="auto"``, before the freeze: how far (log scale) the least settled
-        layer's variance or trust ratio moved over the last ``freeze_window`` steps; the freeze
-        comes when this is at most ``freeze_tolerance``. None otherwise."""
+        layer's variance moved over the last ``freeze_window`` steps; the freeze comes when this is
+        at most ``freeze_tolerance``. None otherwise."""
         if self.freeze_step != "auto" or "flat" not in self.state or self.stage != WARMUP:
             return None
         return F.window_spread(self._flat["freeze_history"], self._flat["freeze_history_count"])
@@ -294,8 +294,8 @@ class StagedOptimizer(Optimizer):
     def _record_warmup(self, update: torch.Tensor, coeff: torch.Tensor, param_norms: torch.Tensor,
                        update_norms: torch.Tensor) -> None:
         """What the freeze and the guard need from a warm-up step, all from synchronized state:
-        the relative step per unit learning rate (the guard's yardstick), and for ``"auto"`` the
-        per-layer variance level and trust ratio (whose settling triggers the freeze)."""
+        the relative step per unit learning rate (the guard's yardstick), and for ``"auto"`` each
+        layer's variance level (whose settling triggers the freeze)."""
         flat = self._flat
         defined = (param_norms > 0) & (update_norms > 0)
         step_ratio = coeff * update_norms / torch.where(defined, param_norms, torch.ones_like(param_norms))
@@ -303,10 +303,9 @@ class StagedOptimizer(Optimizer):
         if self.freeze_step == "auto":
             _, bc2 = self._bias_corrections()
             v_norms = F.norms([flat["exp_avg_sq"][s] for s in self._layout["slices"]]) / bc2
-            stats = torch.cat([torch.log(v_norms), torch.log(coeff)])
             hist = flat["freeze_history"]
             hist.copy_(torch.roll(hist, -1, dims=0))
-            hist[-1] = stats
+            hist[-1] = torch.log(v_norms)
             flat["freeze_history_count"] += 1
 
     def _warmup_step(self, grads: torch.Tensor) -> None:

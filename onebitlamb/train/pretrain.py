@@ -54,7 +54,7 @@ DEFAULTS = dict(
     weight_decay=0.01, clip=1.0, beta1=0.9, beta2=0.999, eps=1e-6, mask_prob=0.15,
     eval_every=32, eval_samples=512, ckpt_every=64,
     # 1-bit optimizers: freeze_frac is the freeze, or with auto_freeze the latest it may happen
-    auto_freeze=False, min_freeze_frac=0.05, freeze_window=20, freeze_tolerance=0.25,
+    auto_freeze=False, min_freeze_frac=0.05, freeze_window=20, freeze_tolerance=0.3,
     compression_space="momentum", update_guard=0.0,
 )
 PRESETS = {
