@@ -7,7 +7,7 @@ multiple of ``8n`` so that each rank's chunk packs into whole bytes)::
 
     worker  y_i = b_i + e_w            s_i = ||y_i|| / sqrt(D)     e_w = y_i - s_i sign(y_i)
     (all-to-all: chunk j of every rank's packed signs goes to rank j; all-gather of s_i)
-    server  z_j = e_s + sum_i (s_i/n) sign(y_i)[chunk j]           (in rank order i = 0..n-1)
+    server  z_j = e_s + sum_i (s_i/n) sign(y_i)[chunk j]
             s'_j = ||z_j|| / sqrt(D/n)                             e_s = z_j - s'_j sign(z_j)
     (all-gather of the packed sign(z_j) and of s'_j)
     result  chunk j = s'_j sign(z_j), the same on every rank
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from onebitlamb.comm.stats import (GLOBAL_STATS, CommStats, all_gather_bytes, all_to_all_bytes,
                                    allreduce_bytes)
-from onebitlamb.compression.packing import FLOAT_DTYPES, expand_rows, pack_signs, sign_table, unpack_signs
+from onebitlamb.compression.packing import FLOAT_DTYPES, pack_signs, sign_table, unpack_signs
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -144,23 +144,27 @@ def _compress_(error, addend, packed, mask):
 
 
 def _add_signs_(target: torch.Tensor, packed_rows: torch.Tensor, scales: torch.Tensor) -> None:
-    """``target += sum_i scales[i] * signs(packed_rows[i])``, in row order.
+    """``target += sum_i scales[i] * signs(packed_rows[i])``: the server's sum over ranks.
 
-    On CPU a slice at a time, so each row's expansion lands in a cache-resident scratch and is
-    added while still there, instead of a chunk-sized decode written to memory and read back.
+    One ``embedding_bag`` does it 8 elements at a time: for each byte position, the bag holds
+    every rank's byte (offset into that rank's 256-row table of ``scale_i * ±1``) and sums their
+    rows, so the n expansions are gathered and added in one fused pass instead of n decodes each
+    written out and read back. On CPU it runs a cache-sized slice at a time.
     """
-    numel = target.numel()
+    n, nbytes = packed_rows.shape
     device = target.device
-    step = _CPU_SLICE if device.type == "cpu" else numel
-    tables = [sign_table(s, target.dtype, device) for s in (scales.tolist() if device.type == "cpu" else scales)]
-    decoded = torch.empty(min(step, numel), dtype=target.dtype, device=device)
-    index = torch.empty(min(step, numel) // 8, dtype=torch.long, device=device)
-    for start in range(0, numel, step):
-        stop = min(start + step, numel)
-        part, scratch = target[start:stop], decoded[: stop - start]
-        for row, table in zip(packed_rows, tables):
-            expand_rows(row[start // 8:stop // 8], table, scratch, index)
-            part.add_(scratch)
+    table = torch.cat([sign_table(s, target.dtype, device)
+                       for s in (scales.tolist() if device.type == "cpu" else scales)])
+    offsets = (torch.arange(n, device=device) * 256).view(1, n)
+    step = _CPU_SLICE // 8 if device.type == "cpu" else nbytes
+    index = torch.empty(min(step, nbytes), n, dtype=torch.long, device=device)
+    rows = target.view(-1, 8)
+    for start in range(0, nbytes, step):
+        stop = min(start + step, nbytes)
+        idx = index[: stop - start]
+        idx.copy_(packed_rows[:, start:stop].t())
+        idx.add_(offsets)
+        rows[start:stop].add_(torch.nn.functional.embedding_bag(idx, table, mode="sum"))
 
 
 def _check(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, n: int) -> None:
