@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-WARMUP, COMPRESSION = "warmup", "compression"
+from onebitlamb.optim.staged import COMPRESSION, WARMUP  # the stage names optimizer.stage reports
 
 
 def read_counter(interface: str, name: str = "tx_bytes") -> int:
