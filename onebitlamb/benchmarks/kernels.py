@@ -174,9 +174,9 @@ def render(kernels: Dict[int, Dict[str, float]], allreduce: Dict, command: str, 
         "multiple of `out.copy_(src)` on the same number of elements. *Whole* is everything one "
         f"rank of an n = {WORLD_SIZE} compressed all-reduce computes (compress, server decode and "
         "accumulate, server compress, final expansion), without the collectives; the last column "
-        "is its server decode-and-accumulate part (n chunks of D/n expanded by table look-up, a "
-        "cache-sized slice at a time, and added to the server error): a gather per element, "
-        "bound by compute rather than memory, which is why *whole* exceeds the sum of passes.",
+        "is its server decode-and-accumulate part (for each byte position, one `embedding_bag` "
+        "gathers and sums the n ranks' table rows of 8 signed scales, a cache-sized slice at a "
+        "time): a gather bound by compute rather than memory bandwidth.",
         "",
         "| elements | copy (ms) | compress (x copy) | decompress (x copy) | whole, n=4 (x copy) "
         "| of which server decode+add (x copy) |",
