@@ -19,7 +19,7 @@ bias of the 1-bit code does not accumulate.
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -69,10 +69,10 @@ def allreduce_mean_(buffer: torch.Tensor, group: Optional[dist.ProcessGroup] = N
 class _Workspace:
     """Scratch tensors reused across calls, so a step allocates nothing buffer-sized."""
 
-    _cache: Dict[Tuple, Dict[str, torch.Tensor]] = {}
+    _cache: Dict[Tuple, Dict[str, Any]] = {}
 
     @classmethod
-    def get(cls, numel: int, n: int, device: torch.device) -> Dict[str, torch.Tensor]:
+    def get(cls, numel: int, n: int, device: torch.device) -> Dict[str, Any]:
         key = (numel, n, str(device))
         ws = cls._cache.get(key)
         if ws is None:
@@ -82,7 +82,6 @@ class _Workspace:
                 "recv": torch.empty(numel // 8, **u8),
                 "server_signs": torch.empty(numel // (8 * n), **u8),
                 "result_signs": torch.empty(numel // 8, **u8),
-                "mask": torch.empty(numel, dtype=torch.bool, device=device),
             }
             if len(cls._cache) > 8:  # a handful of buffer layouts per process is the norm
                 cls._cache.clear()
@@ -137,9 +136,13 @@ def _compress_torch_(error: torch.Tensor, addend: Optional[torch.Tensor], packed
     return scale
 
 
-def _compress_(error, addend, packed, mask):
+def _compress_(error, addend, packed, workspace):
+    """Compress ``error (+ addend)`` into ``packed``; the scale as a 1-element float32 tensor."""
     if error.device.type == "cpu" and error.dtype == torch.float32:
         return torch.tensor([_compress_cpu_(error, addend, packed)], dtype=torch.float32)
+    mask = workspace.get("mask")
+    if mask is None or mask.numel() < error.numel():  # only the torch path needs this scratch
+        mask = workspace["mask"] = torch.empty(error.numel(), dtype=torch.bool, device=error.device)
     return _compress_torch_(error, addend, packed, mask).reshape(1)
 
 
@@ -227,7 +230,7 @@ def compressed_allreduce(
     chunk = D // n
 
     # Worker: compress the error-compensated buffer; chunk j of the packed signs goes to rank j.
-    scale = _compress_(worker_error, buffer, ws["send"], ws["mask"]).to(buffer.device)
+    scale = _compress_(worker_error, buffer, ws["send"], ws).to(buffer.device)
     dist.all_to_all_single(ws["recv"], ws["send"], group=group)
     stats.record("all_to_all", all_to_all_bytes(ws["send"].numel(), n))
     worker_scales = torch.empty(n, dtype=torch.float32, device=buffer.device)
@@ -241,7 +244,7 @@ def compressed_allreduce(
 
     # Server: average this rank's chunk of everyone's signs, add the server error, compress again.
     _add_signs_(server_error, ws["recv"].view(n, chunk // 8), worker_scales / n)
-    server_scale = _compress_(server_error, None, ws["server_signs"], ws["mask"]).to(buffer.device)
+    server_scale = _compress_(server_error, None, ws["server_signs"], ws).to(buffer.device)
 
     _all_gather_single(ws["result_signs"], ws["server_signs"], group=group)
     stats.record("all_gather", all_gather_bytes(ws["server_signs"].numel(), n))
