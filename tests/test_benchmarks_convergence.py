@@ -9,7 +9,7 @@ def test_every_planned_row_is_a_valid_pretrain_command():
 
     from onebitlamb.train import pretrain
 
-    rows = convergence.plan(list(convergence.PRESETS), sweep=True)
+    rows = convergence.plan(list(convergence.PRESETS), sweep=list(convergence.PRESETS))
     assert {r[0] for r in rows} == set(convergence.PRESETS)
     for preset, label, optimizer, flags in rows:
         parser = argparse.ArgumentParser()
@@ -21,6 +21,7 @@ def test_every_planned_row_is_a_valid_pretrain_command():
             assert cfg.auto_freeze
     sweep = [r for r in rows if r[0] == "b512" and r[1].startswith("lamb, lr")]
     assert [r[3][-1] for r in sweep] == convergence.SWEEP["lamb"]
+    assert not any(", lr " in r[1] for r in convergence.plan(["b512"]))  # no sweep unless asked
 
 
 def test_table_gap_volume_and_divergence():

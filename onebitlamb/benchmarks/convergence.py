@@ -2,7 +2,7 @@
 
     python -m onebitlamb.benchmarks.convergence                    # the default study (~1 h on 2 cores)
     python -m onebitlamb.benchmarks.convergence --presets b512     # one preset
-    python -m onebitlamb.benchmarks.convergence --sweep            # add the learning-rate sweep
+    python -m onebitlamb.benchmarks.convergence --sweep b512       # add the learning-rate sweep
     python -m onebitlamb.benchmarks.convergence --list             # what would run
 
 Every run is ``onebitlamb pretrain`` with the flags shown in the table (so any row can be rerun
@@ -53,7 +53,9 @@ DEFAULT_PLAN: Dict[str, List[str]] = {
     "b1024": ["lamb", "1bit-lamb freeze 20%", "1bit-lamb freeze 35%", "1bit-lamb auto (cap 50%)"],
     "demo": ["lamb", "1bit-lamb freeze 35%", "1bit-lamb auto (cap 50%)", "1bit-adam auto (cap 50%)"],
 }
-SWEEP = {"lamb": ["1e-2", "2e-2", "4e-2"], "onebitlamb": ["1e-2", "2e-2", "4e-2"], "onebitadam": ["5e-4", "1e-3", "2e-3"]}
+# learning rates swept around the main job's (2e-2 for the LAMB family, 1e-3 for Adam), whose row
+# is the variant's own: with it, three values per optimizer
+SWEEP = {"lamb": ["1e-2", "4e-2"], "onebitlamb": ["1e-2", "4e-2"], "onebitadam": ["5e-4", "2e-3"]}
 
 
 def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) -> dict:
@@ -80,14 +82,15 @@ def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) 
         return json.load(f)
 
 
-def plan(presets: Sequence[str], sweep: bool) -> List[Tuple[str, str, str, List[str]]]:
-    """(preset, row label, optimizer, flags) for every run."""
+def plan(presets: Sequence[str], sweep: Sequence[str] = ()) -> List[Tuple[str, str, str, List[str]]]:
+    """(preset, row label, optimizer, flags) for every run; the presets in ``sweep`` also get the
+    learning-rate sweep of each optimizer's main variant."""
     rows = []
     for preset in presets:
         for variant in DEFAULT_PLAN[preset]:
             optimizer, flags = VARIANTS[variant]
             rows.append((preset, variant, optimizer, PRESETS[preset] + flags))
-            if sweep and variant in ("lamb", "1bit-lamb auto (cap 50%)", "1bit-adam auto (cap 50%)"):
+            if preset in sweep and variant in ("lamb", "1bit-lamb auto (cap 50%)", "1bit-adam auto (cap 50%)"):
                 for lr in SWEEP[optimizer]:
                     rows.append((preset, f"{variant}, lr {lr}", optimizer, PRESETS[preset] + flags + ["--lr", lr]))
     return rows
@@ -123,7 +126,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m onebitlamb.benchmarks.convergence",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", choices=list(PRESETS), default=["b512", "demo"])
-    parser.add_argument("--sweep", action="store_true", help="also sweep each optimizer's learning rate")
+    parser.add_argument("--sweep", nargs="+", choices=list(PRESETS), default=[], metavar="PRESET",
+                        help="also sweep each optimizer's learning rate on these presets")
     parser.add_argument("--out", default="runs/convergence", help="run folders (reused to continue)")
     parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
     parser.add_argument("--list", action="store_true", help="print the runs and exit")
