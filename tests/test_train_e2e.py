@@ -94,7 +94,6 @@ def test_resume_is_bit_identical(compared, tmp_path, corpus_dir):
     assert a["bytes_curve"] == b["bytes_curve"] and a["train_loss"] == b["train_loss"]
 
 
-@pytest.mark.slow
 def test_torchrun_launch_matches_local_launch(compared, tmp_path, corpus_dir):
     """Under torchrun the ranks come from the environment; the numbers are those of the local launcher."""
     out, cache, _ = compared
