@@ -53,6 +53,14 @@ def trust_ratios(param_norms: torch.Tensor, update_norms: torch.Tensor, min_coef
     return torch.where(defined, ratio, torch.ones_like(ratio)), defined
 
 
+def relative_steps(coeff: torch.Tensor, param_norms: torch.Tensor,
+                   update_norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each layer's relative step per unit learning rate, ``c ||u|| / ||x||``, and where it is
+    defined (both norms non-zero): the yardstick of the stage-2 update guard."""
+    defined = (param_norms > 0) & (update_norms > 0)
+    return coeff * update_norms / torch.where(defined, param_norms, torch.ones_like(param_norms)), defined
+
+
 def update_ema_(ema: torch.Tensor, count: torch.Tensor, value: torch.Tensor, defined: torch.Tensor,
                 beta: float) -> None:
     """Per-layer moving average over the steps where the value was defined (the trust ratio's

@@ -291,14 +291,12 @@ class StagedOptimizer(Optimizer):
                 and F.settled(flat["freeze_history"], flat["freeze_history_count"],
                               self.defaults["freeze_tolerance"]))
 
-    def _record_warmup(self, update: torch.Tensor, coeff: torch.Tensor, param_norms: torch.Tensor,
-                       update_norms: torch.Tensor) -> None:
+    def _record_warmup(self, coeff: torch.Tensor, param_norms: torch.Tensor, update_norms: torch.Tensor) -> None:
         """What the freeze and the guard need from a warm-up step, all from synchronized state:
         the relative step per unit learning rate (the guard's yardstick), and for ``"auto"`` each
         layer's variance level (whose settling triggers the freeze)."""
         flat = self._flat
-        defined = (param_norms > 0) & (update_norms > 0)
-        step_ratio = coeff * update_norms / torch.where(defined, param_norms, torch.ones_like(param_norms))
+        step_ratio, defined = F.relative_steps(coeff, param_norms, update_norms)
         F.update_ema_(flat["step_ratio_ema"], flat["step_ratio_count"], step_ratio, defined, _STEP_RATIO_BETA)
         if self.freeze_step == "auto":
             _, bc2 = self._bias_corrections()
@@ -329,7 +327,7 @@ class StagedOptimizer(Optimizer):
         else:
             coeff = self._per_layer([1.0] * len(self._layout["params"]))
         if self.freeze_step is not None:
-            self._record_warmup(update, coeff, param_norms, update_norms)
+            self._record_warmup(coeff, param_norms, update_norms)
         self._apply_(update, coeff)
 
     def _freeze(self) -> None:
@@ -384,7 +382,7 @@ class StagedOptimizer(Optimizer):
             self._scratch["scale_vector"], self._scratch["scale_source"] = cached, source
         return cached
 
-    def _guard_(self, coeff: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    def _guard_(self, coeff: torch.Tensor, update_norms: torch.Tensor) -> torch.Tensor:
         """Bound each layer's relative step ``|dx| / |x|`` (per unit learning rate) to
         ``update_guard`` times its warm-up average: a frozen variance that no longer fits the
         gradients makes ``m / sqrt(v_frozen)`` explode, and a bounded step lets the error feedback
@@ -393,10 +391,9 @@ class StagedOptimizer(Optimizer):
         guard = self.defaults.get("update_guard")
         if guard is None:
             return coeff
-        param_norms, update_norms = self._param_norms(), self._update_norms(update)
+        step_ratio, defined = F.relative_steps(coeff, self._param_norms(), update_norms)
         reference = F.corrected_ema(flat["step_ratio_ema"], flat["step_ratio_count"], _STEP_RATIO_BETA)
-        known = (flat["step_ratio_count"] > 0) & (param_norms > 0) & (update_norms > 0)
-        step_ratio = coeff * update_norms / torch.where(known, param_norms, torch.ones_like(param_norms))
+        known = defined & (flat["step_ratio_count"] > 0)
         limit = guard * reference
         over = known & (step_ratio > limit)
         flat["guard_hits"] += int(over.sum())
@@ -438,7 +435,8 @@ class StagedOptimizer(Optimizer):
             max_ratio = F.segment_max(ratio, lay["slices"])
             plain_norms = self._update_norms(update)
             self._add_weight_decay_(update)
-            factor = F.scaling_factors(max_ratio, plain_norms, self._update_norms(update),
+            update_norms = self._update_norms(update)
+            factor = F.scaling_factors(max_ratio, plain_norms, update_norms,
                                        self._hyper("weight_decay"), flat["prev_factor"],
                                        self.defaults["factor_min"], self.defaults["factor_max"],
                                        self.defaults["factor_threshold"])
@@ -446,4 +444,5 @@ class StagedOptimizer(Optimizer):
             coeff = coeff * factor
         else:
             self._add_weight_decay_(update)
-        self._apply_(update, self._guard_(coeff, update))
+            update_norms = self._update_norms(update) if self.defaults.get("update_guard") else None
+        self._apply_(update, self._guard_(coeff, update_norms))
