@@ -276,12 +276,13 @@ def test_bytes_recorded(n):
         info = r["bytes"]
         D = info["D"]
         signs = 2 * (n - 1) * D // (8 * n)   # 2 (n-1)/n * D/8: the all-to-all and the all-gather
-        scales = 2 * (n - 1) * 4             # two all-gathers of one float32
+        scales = 2 * (n - 1) * 4             # each message's float32 scale, to n-1 ranks, twice
         assert info["stats"]["bytes_sent"] == signs + scales
-        assert info["stats"]["calls"] == 4
-        assert info["stats"]["bytes_by_op"] == {"all_to_all": (n - 1) * D // (8 * n),
-                                                "all_gather": (n - 1) * D // (8 * n) + scales}
-        assert info["global_delta"] == signs + scales and info["global_calls"] == 4
+        assert info["stats"]["calls"] == 2     # the scales ride in the sign messages
+        message = D // (8 * n) + 4             # one chunk's sign bytes and its scale
+        assert info["stats"]["bytes_by_op"] == {"all_to_all": (n - 1) * message,
+                                                "all_gather": (n - 1) * message}
+        assert info["global_delta"] == signs + scales and info["global_calls"] == 2
         # 32x less than the fp32 ring all-reduce of the same D, up to the scalars
         assert 2 * (n - 1) * 4 * D // n == 32 * signs
 

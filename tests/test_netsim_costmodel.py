@@ -13,11 +13,11 @@ def test_collective_bytes_two_and_four_ranks():
     assert costmodel.lamb_collectives(1000, 2) == [4000]
     # n = 4: 2 * 3/4 * 4000 = 6000
     assert costmodel.lamb_collectives(1000, 4) == [6000]
-    # 1-bit, n = 2: D = 1008 (multiple of 16); all-to-all (1/2) * 126 = 63; all-gather of a scale
-    # (2-1) * 4 = 4; all-gather of D/16 = 63 bytes to 1 peer = 63; scale again 4
-    assert costmodel.onebit_collectives(1000, 2) == [63, 4, 63, 4]
-    # n = 4: D = 1024; all-to-all 3/4 * 128 = 96; scales 3 * 4 = 12; all-gather 3 * 32 = 96
-    assert costmodel.onebit_collectives(1000, 4) == [96, 12, 96, 12]
+    # 1-bit, n = 2: D = 1008 (multiple of 16); a message is D/16 = 63 sign bytes + a 4-byte scale;
+    # the all-to-all sends 1 of its 2 messages (67), the all-gather its one message to 1 peer (67)
+    assert costmodel.onebit_collectives(1000, 2) == [67, 67]
+    # n = 4: D = 1024; messages of 32 + 4 = 36 bytes, to 3 peers in each collective
+    assert costmodel.onebit_collectives(1000, 4) == [108, 108]
     assert costmodel.lamb_collectives(1000, 1) == [] and costmodel.onebit_collectives(1000, 1) == []
 
 
@@ -25,9 +25,9 @@ def test_predict_step_hand_computed():
     # 10 Mbit/s, no header overhead: 1.25e6 bytes/s; 1,250,000 bytes take 1 s; alpha 1 ms
     link = costmodel.Link(10e6, alpha_s=0.001, overhead=1.0)
     assert costmodel.predict_step(0.1, [1_250_000], link) == pytest.approx(0.1 + 0.001 + 1.0)
-    # four collectives pay four alphas; the codec is added once
-    t = costmodel.predict_step(0.1, [125_000, 4, 125_000, 4], link, codec_s=0.01)
-    assert t == pytest.approx(0.1 + 0.01 + 4 * 0.001 + (250_008 / 1.25e6))
+    # two collectives pay two alphas; the codec is added once
+    t = costmodel.predict_step(0.1, [125_004, 125_004], link, codec_s=0.01)
+    assert t == pytest.approx(0.1 + 0.01 + 2 * 0.001 + (250_008 / 1.25e6))
     # header overhead scales the byte term only
     link2 = costmodel.Link(10e6, alpha_s=0.0, overhead=1.05)
     assert costmodel.predict_step(0.0, [1_250_000], link2) == pytest.approx(1.05)

@@ -6,10 +6,10 @@ The 1-bit all-reduce, for ``n`` ranks each holding a buffer ``b_i`` of ``D`` ele
 multiple of ``8n`` so that each rank's chunk packs into whole bytes)::
 
     worker  y_i = b_i + e_w            s_i = ||y_i|| / sqrt(D)     e_w = y_i - s_i sign(y_i)
-    (all-to-all: chunk j of every rank's packed signs goes to rank j; all-gather of s_i)
+    (all-to-all: chunk j of every rank's packed signs goes to rank j, with s_i)
     server  z_j = e_s + sum_i (s_i/n) sign(y_i)[chunk j]
             s'_j = ||z_j|| / sqrt(D/n)                             e_s = z_j - s'_j sign(z_j)
-    (all-gather of the packed sign(z_j) and of s'_j)
+    (all-gather of the packed sign(z_j), with s'_j)
     result  chunk j = s'_j sign(z_j), the same on every rank
 
 Error feedback: what a compression drops is kept in ``e_w`` / ``e_s`` and added to the next
@@ -35,6 +35,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 # a core's L2 cache, large enough that Python's per-slice overhead is a few percent.
 _CPU_SLICE = 65536
 _SIGN_BIT = np.uint32(0x80000000)
+_SCALE_BYTES = 4  # a float32 scale rides at the end of each sign message
 
 
 def world_size_of(group: Optional[dist.ProcessGroup] = None) -> int:
@@ -67,7 +68,11 @@ def allreduce_mean_(buffer: torch.Tensor, group: Optional[dist.ProcessGroup] = N
 
 
 class _Workspace:
-    """Scratch tensors reused across calls, so a step allocates nothing buffer-sized."""
+    """Scratch tensors reused across calls, so a step allocates nothing buffer-sized.
+
+    Each message is a row of ``D/(8n)`` sign bytes followed by the 4 bytes of its float32 scale:
+    the all-to-all sends one such row to every rank, the server's all-gather one row per rank.
+    """
 
     _cache: Dict[Tuple, Dict[str, Any]] = {}
 
@@ -76,12 +81,14 @@ class _Workspace:
         key = (numel, n, str(device))
         ws = cls._cache.get(key)
         if ws is None:
+            row = numel // (8 * n) + _SCALE_BYTES
             u8 = dict(dtype=torch.uint8, device=device)
             ws = {
-                "send": torch.empty(numel // 8, **u8),
-                "recv": torch.empty(numel // 8, **u8),
-                "server_signs": torch.empty(numel // (8 * n), **u8),
-                "result_signs": torch.empty(numel // 8, **u8),
+                "signs": torch.empty(numel // 8, **u8),
+                "send": torch.empty(n, row, **u8),
+                "recv": torch.empty(n, row, **u8),
+                "server": torch.empty(row, **u8),
+                "result": torch.empty(n, row, **u8),
             }
             if len(cls._cache) > 8:  # a handful of buffer layouts per process is the norm
                 cls._cache.clear()
@@ -212,10 +219,14 @@ def compressed_allreduce(
         group: the process group (default: the world).
         stats: where the bytes sent are recorded (default: ``onebitlamb.comm.GLOBAL_STATS``).
 
-    Issues one ``all_to_all_single`` of ``D/8`` bytes and one ``all_gather`` of the scales, then
-    one ``all_gather`` of the server's ``D/(8n)`` bytes and one of its scale. With one rank (or no
-    initialised process group) no collective is called and the buffer is returned as is: there is
-    nothing to average and no reason to lose precision. All ranks must pass the same ``D``.
+    Issues two collectives: one ``all_to_all_single`` that gives rank ``j`` chunk ``j`` of every
+    rank's packed signs, each message carrying its sender's scale in 4 trailing bytes, then one
+    ``all_gather`` of the server's ``D/(8n)`` sign bytes with its scale. ALGORITHM.md sends the
+    scales in two all-gathers of their own; carrying them in the sign messages sends the same
+    bytes and the same numbers in half the collectives, which is what a fast network (where a
+    collective's fixed latency rivals its transfer) pays for. With one rank (or no initialised
+    process group) no collective is called and the buffer is returned as is: there is nothing to
+    average and no reason to lose precision. All ranks must pass the same ``D``.
 
     Raises ``FloatingPointError`` on every rank alike when any rank's buffer holds a NaN or an
     infinity (its scale is then not finite), instead of averaging garbage into the model.
@@ -228,14 +239,16 @@ def compressed_allreduce(
     stats = stats or GLOBAL_STATS
     ws = _Workspace.get(D, n, buffer.device)
     chunk = D // n
+    row_signs = chunk // 8  # sign bytes per message; its scale follows them
+    send, recv, server, result = ws["send"], ws["recv"], ws["server"], ws["result"]
 
     # Worker: compress the error-compensated buffer; chunk j of the packed signs goes to rank j.
-    scale = _compress_(worker_error, buffer, ws["send"], ws).to(buffer.device)
-    dist.all_to_all_single(ws["recv"], ws["send"], group=group)
-    stats.record("all_to_all", all_to_all_bytes(ws["send"].numel(), n))
-    worker_scales = torch.empty(n, dtype=torch.float32, device=buffer.device)
-    _all_gather_single(worker_scales, scale, group=group)
-    stats.record("all_gather", all_gather_bytes(scale.numel() * 4, n))
+    scale = _compress_(worker_error, buffer, ws["signs"], ws)
+    send[:, :row_signs].copy_(ws["signs"].view(n, row_signs))
+    send[:, row_signs:].copy_(_scale_bytes(scale, buffer.device))
+    dist.all_to_all_single(recv, send, group=group)
+    stats.record("all_to_all", all_to_all_bytes(send.numel(), n))
+    worker_scales = _read_scales(recv, row_signs)
     if not bool(torch.isfinite(worker_scales).all()):
         bad = torch.nonzero(~torch.isfinite(worker_scales)).flatten().tolist()
         raise FloatingPointError(f"compressed_allreduce: the buffer of rank(s) {bad} gave a non-finite "
@@ -243,17 +256,25 @@ def compressed_allreduce(
                                  f"values, or magnitudes above ~1e19 whose squares overflow float32")
 
     # Server: average this rank's chunk of everyone's signs, add the server error, compress again.
-    _add_signs_(server_error, ws["recv"].view(n, chunk // 8), worker_scales / n)
-    server_scale = _compress_(server_error, None, ws["server_signs"], ws).to(buffer.device)
+    _add_signs_(server_error, recv[:, :row_signs], worker_scales / n)
+    server_scale = _compress_(server_error, None, server[:row_signs], ws)
+    server[row_signs:].copy_(_scale_bytes(server_scale, buffer.device))
+    _all_gather_single(result.view(-1), server, group=group)
+    stats.record("all_gather", all_gather_bytes(server.numel(), n))
 
-    _all_gather_single(ws["result_signs"], ws["server_signs"], group=group)
-    stats.record("all_gather", all_gather_bytes(ws["server_signs"].numel(), n))
-    server_scales = torch.empty(n, dtype=torch.float32, device=buffer.device)
-    _all_gather_single(server_scales, server_scale, group=group)
-    stats.record("all_gather", all_gather_bytes(server_scale.numel() * 4, n))
-
-    result_signs = ws["result_signs"].view(n, chunk // 8)
+    server_scales = _read_scales(result, row_signs)
     host_server_scales = server_scales.tolist() if buffer.device.type == "cpu" else server_scales
     for j in range(n):
-        unpack_signs(result_signs[j], chunk, host_server_scales[j], out=buffer[j * chunk:(j + 1) * chunk])
+        unpack_signs(result[j, :row_signs], chunk, host_server_scales[j],
+                     out=buffer[j * chunk:(j + 1) * chunk])
     return buffer
+
+
+def _scale_bytes(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A 1-element float32 scale as the 4 bytes that trail a sign message."""
+    return scale.reshape(1).to(device=device, dtype=torch.float32).view(torch.uint8)
+
+
+def _read_scales(messages: torch.Tensor, row_signs: int) -> torch.Tensor:
+    """The float32 scale of each received message (the trailing 4 bytes of each row)."""
+    return messages[:, row_signs:].contiguous().view(torch.float32).reshape(-1)

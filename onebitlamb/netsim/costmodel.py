@@ -8,8 +8,8 @@
 - ``alpha``: the fixed cost of one collective (a tiny all-reduce, measured);
 - ``wire_bytes``: what this rank sends per collective, from the library's own formulas
   (``onebitlamb.comm.stats``): LAMB issues one ring all-reduce of ``4d`` bytes; the 1-bit path
-  four collectives: an all-to-all of ``D/8`` bytes, an all-gather of a 4-byte scale, an all-gather
-  of ``D/(8n)`` bytes, an all-gather of a scale;
+  two collectives: an all-to-all of ``D/8`` sign bytes plus one 4-byte scale per message, and an
+  all-gather of ``D/(8n)`` sign bytes plus a scale;
 - ``overhead``: link-layer bytes per payload byte (Ethernet, IP and TCP headers; the token
   bucket charges whole frames): ``(MSS + 66) / MSS`` for an MTU of 1500;
 - ``host_Bps``: the rate at which the hosts move bytes through their own network stack when the
@@ -43,9 +43,8 @@ def onebit_collectives(d: int, n: int) -> List[int]:
     """Bytes this rank sends per collective in a compression-stage step (``compressed_allreduce``)."""
     if n == 1:
         return []
-    D = padded_size(d, n)
-    return [all_to_all_bytes(D // 8, n), all_gather_bytes(4, n),
-            all_gather_bytes(D // (8 * n), n), all_gather_bytes(4, n)]
+    message = padded_size(d, n) // (8 * n) + 4  # one chunk's sign bytes and its float32 scale
+    return [all_to_all_bytes(n * message, n), all_gather_bytes(message, n)]
 
 
 @dataclass

@@ -362,25 +362,31 @@ class StagedOptimizer(Optimizer):
             self._scratch["den_source"] = v_frozen
         return den
 
-    def _compression_scale(self) -> torch.Tensor:
-        """Per element, what the momentum is multiplied by before compression (and divided by
-        after). ``"momentum"`` space: ``k_l``, one common RMS for every layer (the paper's).
-        ``"update"`` space: ``1 / (sqrt(v_frozen) + eps)``, so the 1-bit code's equal magnitudes
-        land on the preconditioned update rather than on the raw momentum, whose elements the
-        frozen variance would otherwise rescale by orders of magnitude within one layer."""
+    def _compression_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per element, what the momentum is multiplied by before compression, and what the
+        decompressed result is multiplied by after (its inverse, times the momentum mask, so one
+        pass both undoes the scaling and masks). ``"momentum"`` space: ``k_l``, one common RMS for
+        every layer (the paper's). ``"update"`` space: ``1 / (sqrt(v_frozen) + eps)``, so the 1-bit
+        code's equal magnitudes land on the preconditioned update rather than on the raw
+        momentum, whose elements the frozen variance would otherwise rescale by orders of
+        magnitude within one layer. Derived from the state and cached."""
+        flat = self._flat
         if self.defaults["compression_space"] == "update":
             source = self._frozen_denominator()
         else:
-            source = self._flat["momentum_scale"]
-        cached = self._scratch.get("scale_vector")
-        if cached is None or self._scratch.get("scale_source") is not source:
+            source = flat["momentum_scale"]
+        scratch = self._scratch
+        if scratch.get("scale_source") is not source or scratch.get("mask_source") is not flat["momentum_mask"]:
             if self.defaults["compression_space"] == "update":
-                cached = torch.reciprocal(source)
+                scale = torch.reciprocal(source)
+                unscale = source * flat["momentum_mask"]
             else:
                 numels = torch.tensor(self._layout["numels"], device=self._layout["device"])
-                cached = torch.repeat_interleave(source, numels)
-            self._scratch["scale_vector"], self._scratch["scale_source"] = cached, source
-        return cached
+                scale = torch.repeat_interleave(source, numels)
+                unscale = torch.reciprocal(scale).mul_(flat["momentum_mask"])
+            scratch["scale"], scratch["unscale"] = scale, unscale
+            scratch["scale_source"], scratch["mask_source"] = source, flat["momentum_mask"]
+        return scratch["scale"], scratch["unscale"]
 
     def _guard_(self, coeff: torch.Tensor, update_norms: torch.Tensor) -> torch.Tensor:
         """Bound each layer's relative step ``|dx| / |x|`` (per unit learning rate) to
@@ -413,26 +419,30 @@ class StagedOptimizer(Optimizer):
         n = world_size_of(self.process_group)
         den = self._frozen_denominator()
         if n > 1:
-            k = self._compression_scale()
+            scale, unscale = self._compression_scales()
             buf = self._buffer("comm", flat["worker_error"].numel())
-            torch.mul(m, k, out=buf[:d])
+            torch.mul(m, scale, out=buf[:d])
             buf[d:].zero_()  # the padding: the previous result left values there
             compressed_allreduce(buf, flat["worker_error"], flat["server_error"], self.process_group,
                                  self.comm_stats)
-            torch.div(buf[:d], k, out=m)
-        m.mul_(flat["momentum_mask"])
+            torch.mul(buf[:d], unscale, out=m)
+        else:
+            m.mul_(flat["momentum_mask"])
         bc1, bc2 = self._bias_corrections()
         update = self._buffer("update", d)
         F.adam_direction(m, den, bc1, out=update)
         coeff = flat["frozen_coeff"]
         if self._fresh_variance:
             v_fresh = flat["exp_avg_sq_fresh"]
-            g_hat = m_prev.mul_(-beta1).add_(m).div_(1 - beta1)  # reconstructed averaged gradient
-            v_fresh.mul_(beta2).addcmul_(g_hat, g_hat, value=1 - beta2)
+            # the averaged gradient, reconstructed: g = (m - b1 m_prev) / (1 - b1), its division
+            # folded into the weight of g^2
+            g_scaled = torch.add(m, m_prev, alpha=-beta1, out=m_prev)
+            v_fresh.mul_(beta2).addcmul_(g_scaled, g_scaled, value=(1 - beta2) / (1 - beta1) ** 2)
             ratio = self._buffer("ratio", d)
-            F.adam_denominator(v_fresh, bc2, eps, out=ratio)
+            # den / (sqrt(v/bc2) + eps) = sqrt(bc2) den / (sqrt(v) + eps sqrt(bc2)): a pass fewer
+            torch.sqrt(v_fresh, out=ratio).add_(eps * math.sqrt(bc2))
             torch.div(den, ratio, out=ratio)
-            max_ratio = F.segment_max(ratio, lay["slices"])
+            max_ratio = F.segment_max(ratio, lay["slices"]) * math.sqrt(bc2)
             plain_norms = self._update_norms(update)
             self._add_weight_decay_(update)
             update_norms = self._update_norms(update)
