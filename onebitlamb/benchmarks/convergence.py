@@ -28,6 +28,8 @@ from onebitlamb.comm.launch import WorkerError
 PRESETS: Dict[str, List[str]] = {
     "b512": ["--global-batch", "512", "--steps", "128", "--eval-every", "16"],
     "b1024": ["--global-batch", "1024", "--steps", "400", "--eval-every", "50"],
+    # the paper's regime: a global batch of 4K sequences, as many samples as b1024
+    "b4096": ["--global-batch", "4096", "--steps", "100", "--eval-every", "20"],
     "demo": [],
 }
 # variant name -> (optimizer, flags)
@@ -44,13 +46,17 @@ VARIANTS: Dict[str, Tuple[str, List[str]]] = {
                                                                        "--update-guard", "4"]),
     "1bit-adam freeze 20%": ("onebitadam", ["--freeze-frac", "0.2"]),
     "1bit-adam auto (cap 50%)": ("onebitadam", ["--auto-freeze", "--freeze-frac", "0.5"]),
+    # at the learning rate that was 1-bit Adam's best on the b512 sweep
+    "1bit-adam auto (cap 50%), lr 2e-3": ("onebitadam", ["--auto-freeze", "--freeze-frac", "0.5", "--lr", "2e-3"]),
 }
 # what runs by default on each preset (the full cross product is hours on 2 cores)
 DEFAULT_PLAN: Dict[str, List[str]] = {
     "b512": ["lamb", "1bit-lamb freeze 20%", "1bit-lamb freeze 25%", "1bit-lamb freeze 20%, update space + guard",
              "1bit-lamb auto (cap 50%)", "1bit-lamb auto (cap 50%), update space + guard", "1bit-adam freeze 20%",
              "1bit-adam auto (cap 50%)"],
-    "b1024": ["lamb", "1bit-lamb freeze 20%", "1bit-lamb freeze 35%", "1bit-lamb auto (cap 50%)"],
+    "b1024": ["lamb", "1bit-lamb auto (cap 50%)", "1bit-adam auto (cap 50%), lr 2e-3", "1bit-lamb freeze 20%",
+              "1bit-lamb freeze 35%"],
+    "b4096": ["lamb", "1bit-lamb auto (cap 50%)", "1bit-adam auto (cap 50%), lr 2e-3"],
     "demo": ["lamb", "1bit-lamb freeze 35%", "1bit-lamb auto (cap 50%)", "1bit-adam auto (cap 50%)"],
 }
 # learning rates swept around the main job's (2e-2 for the LAMB family, 1e-3 for Adam), whose row

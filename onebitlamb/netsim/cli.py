@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-fraction", type=float, default=d.warmup_fraction,
                         help="share of warm-up steps for the end-to-end figure (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per launch (default %(default)s)")
+    parser.add_argument("--paired-rounds", type=int, default=d.paired_rounds,
+                        help="rounds of the interleaved loopback comparison, one step of every optimizer "
+                             "each (0: skip it); default %(default)s")
     parser.add_argument("--json", default=None, help="write the raw results and the summary here")
     parser.add_argument("--cleanup", action="store_true",
                         help="only remove namespaces left by killed runs (whose process is gone), then exit")
@@ -54,6 +57,8 @@ def settings_from_args(args) -> experiment.Settings:
         raise ValueError(f"--hosts must be >= 2 (there is nothing to communicate with one), got {args.hosts}")
     if args.warmup_steps < 1 or args.compression_steps < 1:
         raise ValueError("--warmup-steps and --compression-steps must be >= 1")
+    if args.paired_rounds < 0:
+        raise ValueError(f"--paired-rounds must be >= 0, got {args.paired_rounds}")
     heads = args.heads or max(2, args.hidden // 64)
     if args.hidden % heads:
         raise ValueError(f"--hidden {args.hidden} is not divisible by {heads} heads")
@@ -63,7 +68,7 @@ def settings_from_args(args) -> experiment.Settings:
         hosts=args.hosts, rates=[experiment.parse_rate(r) for r in args.rates.split(",") if r.strip()],
         optimizers=optimizers, model=model, batch=args.batch, warmup_steps=args.warmup_steps,
         compression_steps=args.compression_steps, threads=args.threads, burst_ms=args.burst_ms,
-        warmup_fraction=args.warmup_fraction, timeout_s=args.timeout)
+        warmup_fraction=args.warmup_fraction, timeout_s=args.timeout, paired_rounds=args.paired_rounds)
 
 
 def _raise_interrupt(signum, frame):

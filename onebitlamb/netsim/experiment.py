@@ -59,6 +59,7 @@ class Settings:
     burst_ms: float = 4.0
     warmup_fraction: float = 0.2
     timeout_s: float = 900.0
+    paired_rounds: int = 40
 
     def spec(self) -> dict:
         return {"model": dict(self.model), "batch": self.batch, "optimizers": list(self.optimizers),
@@ -85,7 +86,47 @@ def run_experiment(s: Settings, log=print) -> dict:
             out["rates"].append({"rate_bps": rate, "tbf": net.tbf, "ranks": ranks,
                                  "qdisc_drops": net.qdisc_drops(),
                                  "launch_tx_bytes": [(a - b).tx_bytes for a, b in zip(after, before)]})
+    if s.paired_rounds:
+        log(f"[netsim] loopback, interleaved: {s.paired_rounds} rounds of one step per optimizer")
+        out["paired"] = run_paired(s)
     out["elapsed_s"] = time.monotonic() - t0
+    return out
+
+
+def run_paired(s: Settings) -> List[dict]:
+    """Per rank: LAMB's and the 1-bit optimizers' compression-stage steps, interleaved on loopback
+    (``worker.paired_steps``)."""
+    from onebitlamb.comm.launch import spawn_local
+    from onebitlamb.netsim.worker import paired_steps
+
+    spec = dict(s.spec(), rounds=s.paired_rounds)
+    return spawn_local(paired_steps, s.hosts, (spec,), timeout_s=s.timeout_s,
+                       threads_per_worker=s.threads)
+
+
+def summarise_paired(per_rank: List[dict]) -> List[dict]:
+    """Per 1-bit optimizer: the median over rounds of LAMB's step time over its own (a step costs
+    what its slowest rank spends), with the quartiles of that ratio and the median times."""
+    def slowest(name):
+        return [max(ts) for ts in zip(*(r["step_times"][name] for r in per_rank))]
+
+    def median_opt(name):
+        return statistics.median(max(ts) for ts in zip(*(r["opt_step_times"][name] for r in per_rank)))
+
+    lamb = slowest("lamb")
+    out = []
+    for name in per_rank[0]["step_times"]:
+        if name == "lamb":
+            continue
+        ratios = sorted(a / b for a, b in zip(lamb, slowest(name)))
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        out.append({"optimizer": name, "rounds": len(ratios), "lamb_s": statistics.median(lamb),
+                    "onebit_s": statistics.median(slowest(name)), "lamb_opt_s": median_opt("lamb"),
+                    "onebit_opt_s": median_opt(name), "speedup_median": statistics.median(ratios),
+                    "speedup_q1": q[0], "speedup_q3": q[2],
+                    "faster_share": sum(r > 1 for r in ratios) / len(ratios),
+                    "lamb_bytes": per_rank[0]["step_bytes"]["lamb"],
+                    "onebit_bytes": per_rank[0]["step_bytes"][name]})
     return out
 
 
@@ -147,7 +188,8 @@ def summarise(raw: dict) -> dict:
                     "spread_s": max(max(p["step_times"]) - min(p["step_times"]) for p in per),
                     "qdisc_drops": entry["qdisc_drops"],
                 })
-    return {"calibration": calib, "rows": rows, "summary": _speedups(rows, s["warmup_fraction"])}
+    return {"calibration": calib, "rows": rows, "summary": _speedups(rows, s["warmup_fraction"]),
+            "paired": summarise_paired(raw["paired"]) if raw.get("paired") else []}
 
 
 def _speedups(rows: List[dict], w: float) -> List[dict]:
@@ -222,6 +264,18 @@ def format_tables(summary: dict, w: float) -> str:
               f"host byte rate {c['host_Bps'] / 1e6:.0f} MB/s (fp32 all-reduce {_ms(c['allreduce_unshaped_s'])} ms); "
               f"1-bit codec {_ms(c['codec_s'])} ms (compressed all-reduce {_ms(c['compressed_unshaped_s'])} ms). "
               f"Diffs beyond 20% are marked **."]
+    if summary.get("paired"):
+        lines += ["", "Loopback, interleaved (one launch; each round one step of every optimizer in rotating "
+                  "order, each after a barrier; a round's step is its slowest rank's): LAMB's step time over "
+                  "the 1-bit optimizer's compression-stage step, per round:", "",
+                  "| optimizer | rounds | LAMB step ms (optimizer.step) | compression step ms (optimizer.step) "
+                  "| speed-up median (quartiles) | rounds faster than LAMB | bytes per step vs LAMB |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for p in summary["paired"]:
+            lines.append(f"| {LABELS[p['optimizer']]} | {p['rounds']} | {_ms(p['lamb_s'])} ({_ms(p['lamb_opt_s'])}) "
+                         f"| {_ms(p['onebit_s'])} ({_ms(p['onebit_opt_s'])}) "
+                         f"| {p['speedup_median']:.3f}x ({p['speedup_q1']:.3f}-{p['speedup_q3']:.3f}) "
+                         f"| {100 * p['faster_share']:.0f}% | {p['lamb_bytes'] / max(p['onebit_bytes'], 1):.1f}x fewer |")
     return "\n".join(lines)
 
 
@@ -251,6 +305,10 @@ def check_targets(summary: dict) -> List[str]:
         if r["rate_bps"] == 1e9:
             out.append(f"{'met ' if r['over_compute_only'] <= 0.25 else 'MISSED'} compression step within 25% of "
                        f"compute-only at 1 Gbit/s: {100 * r['over_compute_only']:+.0f}%")
+    for p in summary.get("paired", []):
+        out.append(f"{'met ' if p['speedup_median'] >= 1.0 else 'MISSED'} {LABELS[p['optimizer']]} compression "
+                   f"step not slower than LAMB on loopback (interleaved, median of {p['rounds']} rounds): "
+                   f"{p['speedup_median']:.3f}x")
     for r in rows:
         if r["step_speedup"] < 1.0:
             out.append(f"MISSED {LABELS[r['optimizer']]} compression step slower than LAMB at "

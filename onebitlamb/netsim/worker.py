@@ -9,6 +9,9 @@ Jobs, in the order they run when present in the spec:
   full-size fp32 all-reduce and of a compressed all-reduce (host-side costs: copies, the codec);
 - ``collectives``: repeated ``all_reduce`` / ``compressed_allreduce`` calls on one buffer, with the
   bytes the library accounted and the bytes the interface counted (the wire-byte test);
+- ``paired_steps`` (not a spec job: run on loopback by ``spawn_local``): LAMB's and the 1-bit
+  optimizers' compression-stage steps interleaved in one launch, for a ratio that load drift
+  between launches cannot move;
 - ``train``: per optimizer, timed steps of the warm-up and the compression stage of the BERT
   pretraining workload on synthetic token batches, with per-stage wire and accounted bytes; just
   before, the same steps with no communication at all (each rank alone in a one-rank group, all
@@ -126,6 +129,55 @@ def train_one(name: str, spec: dict, rank: int, group, interface: Optional[str])
             "loss": float(loss),
         }
     return result
+
+
+def paired_steps(rank: int, world: int, spec: dict) -> dict:
+    """LAMB's step and each 1-bit optimizer's compression-stage step, interleaved in one launch.
+
+    Run under ``onebitlamb.comm.launch.spawn_local`` (plain loopback, no namespaces). One model
+    per optimizer, built alike; the 1-bit ones freeze after a few untimed warm-up steps. Each
+    round times one whole step of every optimizer (forward, backward, optimizer step), in an
+    order that rotates from round to round, each after a barrier: the machine's drift and the neighbours' load hit
+    all optimizers alike, so the per-round ratios compare like with like even where absolute
+    step times wander by 10-20% from one launch to the next.
+    """
+    from onebitlamb.train.model import build_model
+
+    group = dist.group.WORLD
+    cfg = _model_config(spec)
+    names = list(spec["optimizers"])
+    rounds, untimed = spec["rounds"], spec.get("paired_warmup_steps", 3)
+    # Step times do not depend on the learning rate; a small one keeps a freeze this early on
+    # random tokens from diverging (which would end the run with non-finite scales).
+    lr = spec.get("paired_lr", 1e-4)
+    runs = []
+    for name in names:
+        model = build_model(cfg, seed=spec.get("seed", 0))
+        model.train()
+        runs.append((name, model, make_optimizer(name, model.parameters(), lr, untimed, group)))
+    batches = _batches(cfg, spec["batch"], 4, seed=1000 * rank + 7)
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    opt_times: Dict[str, List[float]] = {name: [] for name in names}  # of which optimizer.step
+    step_bytes: Dict[str, int] = {}
+    for r in range(untimed + rounds):
+        for k in range(len(runs)):
+            name, model, opt = runs[(r + k) % len(runs)]
+            expected = WARMUP if name == "lamb" else COMPRESSION
+            if r >= untimed and opt.stage != expected:
+                raise RuntimeError(f"{name}: expected stage {expected} in round {r}, optimizer is in {opt.stage}")
+            batch = batches[r % len(batches)]
+            _barrier(group)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            model(**batch).loss.backward()
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            if r >= untimed:
+                times[name].append(t2 - t0)
+                opt_times[name].append(t2 - t1)
+                step_bytes[name] = opt.last_step_bytes
+    return {"step_times": times, "opt_step_times": opt_times, "step_bytes": step_bytes}
 
 
 def probe(spec: dict, group, numel: int) -> dict:
