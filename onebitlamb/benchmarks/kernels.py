@@ -7,7 +7,7 @@ Part 1, kernels, one thread (``torch.set_num_threads(1)``), fp32, best of severa
 yardstick is ``out.copy_(src)`` into a preallocated ``out`` (one read and one write of the
 buffer): every kernel here is memory bound, so its cost is best read as a multiple of a copy.
 
-- compress: ``collectives._compress_cpu_(error, buffer, packed)``, the worker's whole step 1 of
+- compress: ``collectives._compress_(error, buffer, packed, workspace)``, the worker's whole step 1 of
   ALGORITHM.md (error add, scale, sign, error update, pack);
 - decompress: ``unpack_signs(packed, numel, scale, out=out)`` into a preallocated ``out``;
 - whole compute of one rank for n = 4: everything ``compressed_allreduce`` computes, without the
@@ -28,6 +28,10 @@ network is a memory copy, so the time ratio here says little about a real networ
 ratio is the point.
 
 The results go to the ``kernels`` section of BENCHMARKS.md (``report.write_section``).
+
+With ``--device cuda``: part 1 only, on the GPU (the plain-torch path of the same functions,
+timed with a device synchronisation after each call), at 32M to 1G elements, into the
+``kernels-cuda`` section. A GPU's copy is so fast that kernel-launch latency shows at 32M.
 """
 from __future__ import annotations
 
@@ -48,24 +52,28 @@ FULL_SIZES = [1 * MB, 4 * MB, 16 * MB, 32 * MB, 64 * MB]
 QUICK_SIZES = [64 * 1024, 256 * 1024]
 FULL_ALLREDUCE_SIZES = [1 * MB, 16 * MB]
 QUICK_ALLREDUCE_SIZES = [64 * 1024]
+CUDA_SIZES = [32 * MB, 256 * MB, 1024 * MB]
 WORLD_SIZE = 4
 TARGET_SIZE = 32 * MB
 TARGETS = {"compress": 4.0, "decompress": 1.5, "whole": 6.0}
 
 
-def best_times(fns: Dict[str, Callable[[], object]], repeats: int, min_total_s: float) -> Dict[str, float]:
+def best_times(fns: Dict[str, Callable[[], object]], repeats: int, min_total_s: float,
+               sync: Callable[[], None] = lambda: None) -> Dict[str, float]:
     """The fastest run of each function, over at least ``repeats`` rounds (more while a round's
     runs total under ``min_total_s`` in all, up to 100 rounds), after one warm-up round. Each round
     runs every function once, so a burst of load from other processes hits all of them alike and
-    their ratios stay fair."""
+    their ratios stay fair. ``sync`` waits for queued device work (CUDA runs asynchronously)."""
     for fn in fns.values():
         fn()
+    sync()
     times: Dict[str, List[float]] = {name: [] for name in fns}
     total, rounds = 0.0, 0
     while rounds < repeats or (total < min_total_s and rounds < 100):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
+            sync()
             elapsed = time.perf_counter() - t0
             times[name].append(elapsed)
             total += elapsed
@@ -73,43 +81,56 @@ def best_times(fns: Dict[str, Callable[[], object]], repeats: int, min_total_s: 
     return {name: min(t) for name, t in times.items()}
 
 
-def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 2.0) -> Dict[str, float]:
-    """Seconds for the copy, compress, decompress and whole per-rank compute on ``numel`` fp32."""
-    from onebitlamb.comm.collectives import _add_signs_, _compress_cpu_
+def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 2.0,
+                 device: str = "cpu") -> Dict[str, float]:
+    """Seconds for the copy, compress, decompress and whole per-rank compute on ``numel`` fp32.
+
+    The whole compute follows ``compressed_allreduce`` step by step, message layout included
+    (sign rows with a trailing scale), with the packed signs this rank sent standing in for the
+    messages it would receive."""
+    from onebitlamb.comm.collectives import _add_signs_, _compress_, _read_scales, _scale_bytes
     from onebitlamb.compression.packing import unpack_signs
 
     if numel % (8 * n):
         raise ValueError(f"numel must be a multiple of 8n = {8 * n}, got {numel}")
+    dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
-    src = torch.randn(numel, generator=g)
-    out = torch.empty(numel)
-    packed = torch.empty(numel // 8, dtype=torch.uint8)
-    error = torch.zeros(numel)
+    src = torch.randn(numel, generator=g).to(dev)
+    out = torch.empty(numel, device=dev)
+    packed = torch.empty(numel // 8, dtype=torch.uint8, device=dev)
+    error = torch.zeros(numel, device=dev)
     chunk = numel // n
+    row = chunk // 8
     buffer = src.clone()
-    worker_error = torch.zeros(numel)
-    server_error = torch.zeros(chunk)
-    server_signs = torch.empty(chunk // 8, dtype=torch.uint8)
-    received = packed.view(n, chunk // 8)   # stands in for the all-to-all's output
-    gathered = packed.view(n, chunk // 8)   # stands in for the all-gather's output
+    worker_error = torch.zeros(numel, device=dev)
+    server_error = torch.zeros(chunk, device=dev)
+    messages = torch.empty(n, row + 4, dtype=torch.uint8, device=dev)  # stands in for both collectives'
+    server = torch.empty(row + 4, dtype=torch.uint8, device=dev)         # received rows
+    ws: Dict[str, torch.Tensor] = {}
 
-    def server_accumulate(s: float) -> None:
-        _add_signs_(server_error, received, torch.full((n,), s / n))
+    def server_accumulate(scales: torch.Tensor) -> None:
+        _add_signs_(server_error, messages[:, :row], scales / n)
 
     def whole() -> None:
-        s = _compress_cpu_(worker_error, buffer, packed)
-        server_accumulate(s)
-        s_server = _compress_cpu_(server_error, None, server_signs)
+        s = _compress_(worker_error, buffer, packed, ws)
+        messages[:, :row].copy_(packed.view(n, row))
+        messages[:, row:].copy_(_scale_bytes(s, dev))
+        server_accumulate(_read_scales(messages, row))
+        s_server = _compress_(server_error, None, server[:row], ws)
+        server[row:].copy_(_scale_bytes(s_server, dev))
+        scales = _read_scales(messages, row)
+        host_scales = scales.tolist() if dev.type == "cpu" else scales
         for j in range(n):
-            unpack_signs(gathered[j], chunk, s_server, out=buffer[j * chunk:(j + 1) * chunk])
+            unpack_signs(messages[j, :row], chunk, host_scales[j], out=buffer[j * chunk:(j + 1) * chunk])
 
+    fixed_scales = torch.full((n,), 1e-3, device=dev)
     times = best_times({
         "copy": lambda: out.copy_(src),
-        "compress": lambda: _compress_cpu_(error, src, packed),
+        "compress": lambda: _compress_(error, src, packed, ws),
         "decompress": lambda: unpack_signs(packed, numel, 0.5, out=out),
         "whole": whole,
-        "server_accumulate": lambda: server_accumulate(1e-3),
-    }, repeats, min_total_s)
+        "server_accumulate": lambda: server_accumulate(fixed_scales),
+    }, repeats, min_total_s, sync=torch.cuda.synchronize if dev.type == "cuda" else (lambda: None))
     del src, out, packed, error, buffer, worker_error
     return times
 
@@ -218,13 +239,40 @@ def render(kernels: Dict[int, Dict[str, float]], allreduce: Dict, command: str, 
     return "\n".join(lines) + "\n"
 
 
+def render_cuda(kernels: Dict[int, Dict[str, float]], command: str, repeats: int) -> str:
+    lines = [
+        "## Kernels on a GPU: 1-bit compression against a memory copy",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {machine_line()}, {torch.cuda.get_device_name()}",
+        "",
+        f"fp32, the plain-torch path (`_compress_torch_`, `unpack_signs`, `embedding_bag` server sum), best of at "
+        f"least {repeats} interleaved rounds, each call followed by `torch.cuda.synchronize()`. Columns as in the "
+        "CPU table: multiples of `out.copy_(src)` on the same number of elements; the copy's bandwidth counts "
+        "the bytes read and written.",
+        "",
+        "| elements | copy (ms) | copy GB/s | compress (x copy) | decompress (x copy) | whole, n=4 (x copy) "
+        "| of which server decode+add (x copy) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for numel, t in kernels.items():
+        c = t["copy"]
+        lines.append(f"| {_size_label(numel)} | {c * 1e3:.3f} | {8 * numel / c / 1e9:,.0f} | {t['compress'] / c:.2f} "
+                     f"| {t['decompress'] / c:.2f} | {t['whole'] / c:.2f} | {t['server_accumulate'] / c:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> str:
     parser = argparse.ArgumentParser(prog="python -m onebitlamb.benchmarks.kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, a smoke test")
     parser.add_argument("--results", type=Path, default=None,
                         help="markdown file to write the section into (default: BENCHMARKS.md)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: the kernels on the GPU, into the kernels-cuda section")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     if argv is None:  # run from the command line
         command = command_line()
     else:             # called from Python
@@ -233,6 +281,17 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     repeats = 3 if args.quick else 9
     iters = 3 if args.quick else 10
+    if args.device == "cuda":
+        kernels = {}
+        for numel in (QUICK_SIZES if args.quick else CUDA_SIZES):
+            kernels[numel] = t = kernel_times(numel, WORLD_SIZE, repeats, 0.01 if args.quick else 1.0, "cuda")
+            print(f"{_size_label(numel):>5}: copy {t['copy'] * 1e3:.3f} ms, compress {t['compress'] / t['copy']:.2f}x, "
+                  f"decompress {t['decompress'] / t['copy']:.2f}x, whole {t['whole'] / t['copy']:.2f}x", flush=True)
+        body = render_cuda(kernels, command, repeats)
+        path = write_section("kernels-cuda", body, args.results)
+        print(body)
+        print(f"written to {path}")
+        return body
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
