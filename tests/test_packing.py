@@ -6,6 +6,8 @@ hand, which is numpy's ``bitorder="big"``.
 """
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -212,3 +214,30 @@ def test_device_path_compressor_matches_the_cpu_compressor():
     assert torch.equal(p_cpu, p_torch)
     assert abs(s_cpu - s_torch) <= 1e-5 * s_cpu  # float32 vs float64 accumulation of the norm
     assert torch.allclose(e_cpu, e_torch, rtol=0, atol=1e-5 * s_cpu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_device_path_expansion_and_server_sum_match_the_cpu_tables(dtype):
+    """The bit-testing expansion and server sum that CUDA uses agree with the CPU's table
+    lookups (run here on CPU tensors)."""
+    from onebitlamb.comm.collectives import _add_signs_bits_, _add_signs_table_
+    from onebitlamb.compression.packing import expand_bits
+
+    gen = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (4, 1000), dtype=torch.uint8, generator=gen)
+    for scale in (0.375, torch.tensor(2.5)):
+        expected = unpack_signs(packed[0], 8000, scale, dtype=dtype)
+        got = torch.empty(8000, dtype=dtype)
+        expand_bits(packed[0], scale, got)
+        assert torch.equal(got, expected)
+    scales = torch.tensor([0.5, 0.25, 2.0, 1.0])
+    base = torch.randn(8000, generator=gen).to(dtype)
+    by_table, by_bits = base.clone(), base.clone()
+    _add_signs_table_(by_table, packed, scales)
+    _add_signs_bits_(by_bits, packed, scales)
+    # the table sums the ranks' signed scales first, the bits add them one by one: rounding only
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(by_bits.float(), by_table.float(), rtol=tol, atol=tol)
+    by_hand = base.float().numpy() + sum(s * (1 - 2 * np.unpackbits(packed[i].numpy()).astype(np.float32))
+                                         for i, s in enumerate(scales.tolist()))
+    assert torch.allclose(by_bits.float(), torch.from_numpy(by_hand), rtol=tol, atol=tol)

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from onebitlamb.comm.stats import (GLOBAL_STATS, CommStats, all_gather_bytes, all_to_all_bytes,
                                    allreduce_bytes)
-from onebitlamb.compression.packing import FLOAT_DTYPES, pack_signs, sign_table, unpack_signs
+from onebitlamb.compression.packing import (FLOAT_DTYPES, negative_bits, pack_signs, sign_table, signed_scales,
+                                             unpack_signs)
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -154,19 +155,24 @@ def _compress_(error, addend, packed, workspace):
 
 
 def _add_signs_(target: torch.Tensor, packed_rows: torch.Tensor, scales: torch.Tensor) -> None:
-    """``target += sum_i scales[i] * signs(packed_rows[i])``: the server's sum over ranks.
+    """``target += sum_i scales[i] * signs(packed_rows[i])``: the server's sum over ranks."""
+    if target.device.type == "cpu":
+        _add_signs_table_(target, packed_rows, scales)
+    else:
+        _add_signs_bits_(target, packed_rows, scales)
 
-    One ``embedding_bag`` does it 8 elements at a time: for each byte position, the bag holds
-    every rank's byte (offset into that rank's 256-row table of ``scale_i * ±1``) and sums their
-    rows, so the n expansions are gathered and added in one fused pass instead of n decodes each
-    written out and read back. On CPU it runs a cache-sized slice at a time.
-    """
+
+def _add_signs_table_(target: torch.Tensor, packed_rows: torch.Tensor, scales: torch.Tensor) -> None:
+    """The CPU path: one ``embedding_bag`` does it 8 elements at a time. For each byte position the
+    bag holds every rank's byte (offset into that rank's 256-row table of ``scale_i * ±1``) and
+    sums their rows, so the n expansions are gathered and added in one fused pass instead of n
+    decodes each written out and read back; a cache-sized slice at a time."""
     n, nbytes = packed_rows.shape
     device = target.device
     table = torch.cat([sign_table(s, target.dtype, device)
                        for s in (scales.tolist() if device.type == "cpu" else scales)])
     offsets = (torch.arange(n, device=device) * 256).view(1, n)
-    step = _CPU_SLICE // 8 if device.type == "cpu" else nbytes
+    step = _CPU_SLICE // 8
     index = torch.empty(min(step, nbytes), n, dtype=torch.long, device=device)
     rows = target.view(-1, 8)
     for start in range(0, nbytes, step):
@@ -175,6 +181,15 @@ def _add_signs_(target: torch.Tensor, packed_rows: torch.Tensor, scales: torch.T
         idx.copy_(packed_rows[:, start:stop].t())
         idx.add_(offsets)
         rows[start:stop].add_(torch.nn.functional.embedding_bag(idx, table, mode="sum"))
+
+
+def _add_signs_bits_(target: torch.Tensor, packed_rows: torch.Tensor, scales: torch.Tensor) -> None:
+    """The device path: per rank, test each bit and add ``±scale_i`` (elementwise kernels, which a
+    GPU runs far faster than the gather of table rows)."""
+    rows = target.view(-1, 8)
+    for i in range(packed_rows.shape[0]):
+        negative, positive = signed_scales(scales[i], target.dtype, target.device)
+        rows.add_(torch.where(negative_bits(packed_rows[i]), negative, positive))
 
 
 def _check(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, n: int) -> None:
