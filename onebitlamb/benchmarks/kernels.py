@@ -246,10 +246,12 @@ def render_cuda(kernels: Dict[int, Dict[str, float]], command: str, repeats: int
         f"Command: `{command}`  ",
         f"Machine: {machine_line()}, {torch.cuda.get_device_name()}",
         "",
-        f"fp32, the plain-torch path (`_compress_torch_`, `unpack_signs`, `embedding_bag` server sum), best of at "
-        f"least {repeats} interleaved rounds, each call followed by `torch.cuda.synchronize()`. Columns as in the "
-        "CPU table: multiples of `out.copy_(src)` on the same number of elements; the copy's bandwidth counts "
-        "the bytes read and written.",
+        f"fp32, the plain-torch path (`_compress_torch_`: add, norm, compare, pack by weighted sum, error update; "
+        f"expansion and server sum by testing bits and selecting `±scale`), best of at least {repeats} "
+        "interleaved rounds, each call followed by `torch.cuda.synchronize()`. Columns as in the CPU table: "
+        "multiples of `out.copy_(src)` on the same number of elements; the copy's bandwidth counts the bytes "
+        "read and written. Eager torch runs each of those steps as its own kernel, a full pass over memory "
+        "each: the compressor is 5 such passes' worth of bytes at best, and no fused kernel is built here.",
         "",
         "| elements | copy (ms) | copy GB/s | compress (x copy) | decompress (x copy) | whole, n=4 (x copy) "
         "| of which server decode+add (x copy) |",
