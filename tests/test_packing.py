@@ -241,3 +241,56 @@ def test_device_path_expansion_and_server_sum_match_the_cpu_tables(dtype):
     by_hand = base.float().numpy() + sum(s * (1 - 2 * np.unpackbits(packed[i].numpy()).astype(np.float32))
                                          for i, s in enumerate(scales.tolist()))
     assert torch.allclose(by_bits.float(), torch.from_numpy(by_hand), rtol=tol, atol=tol)
+
+
+def test_compiled_loops_match_the_numpy_path(monkeypatch):
+    """The fused C loops (used when gcc is there) and the numpy path give the same bits, the same
+    expansion and, up to float rounding, the same errors, scales and server sums."""
+    from onebitlamb.comm import collectives
+    from onebitlamb.compression import native
+
+    lib = native.load()
+    if lib is None:
+        pytest.skip(f"compiled loops unavailable: {native.unavailable_reason}")
+    gen = torch.Generator().manual_seed(5)
+    n = 3 * 131072 + 32 * 37                     # several numpy slices and a ragged last one
+    addend = torch.randn(n, generator=gen)
+    addend[::11] = 0.0
+    addend[1::13] = -0.0
+    error = 0.1 * torch.randn(n, generator=gen)
+    runs = {}
+    for path in ("native", "numpy"):
+        if path == "numpy":
+            monkeypatch.setattr(native, "load", lambda: None)
+        e, p = error.clone(), torch.empty(n // 8, dtype=torch.uint8)
+        s = collectives._compress_cpu_(e, addend, p)
+        out = unpack_signs(p, n, s)
+        target = torch.randn(n // 4, generator=torch.Generator().manual_seed(9))
+        sum_sq = collectives._add_signs_(target, p.view(4, -1), torch.tensor([0.5, -0.25, 2.0, 1e-3]))
+        runs[path] = (e, p, s, out, target, sum_sq)
+    e1, p1, s1, out1, t1, sq1 = runs["native"]
+    e2, p2, s2, out2, t2, sq2 = runs["numpy"]
+    assert torch.equal(p1, p2)
+    assert s1 == pytest.approx(s2, rel=1e-6)
+    assert torch.allclose(e1, e2, rtol=0, atol=1e-6 * s1)
+    assert torch.allclose(out1, out2, rtol=1e-6, atol=0)
+    assert torch.allclose(t1, t2, rtol=1e-6, atol=1e-6)
+    assert sq2 is None and sq1 == pytest.approx(float((t1.double() ** 2).sum()), rel=1e-9)
+    # the error update subtracted exactly the scale that was packed, sign by sign
+    signs = 1 - 2 * torch.from_numpy(np.unpackbits(p1.numpy()).astype(np.float32))
+    assert torch.equal(e1, (error + addend) - torch.tensor(s1, dtype=torch.float32) * signs)
+
+
+def test_compiled_loops_can_be_turned_off(monkeypatch, tmp_path):
+    from onebitlamb.compression import native
+
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setenv("ONEBITLAMB_NATIVE", "0")
+    assert native.load() is None and "ONEBITLAMB_NATIVE=0" in native.unavailable_reason
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setenv("ONEBITLAMB_NATIVE", "1")
+    monkeypatch.setenv("ONEBITLAMB_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("PATH", str(tmp_path))      # neither the named compiler nor cc can be found
+    assert native.load() is None and "no C compiler" in native.unavailable_reason

@@ -182,6 +182,14 @@ def _size_label(numel: int) -> str:
     return f"{numel // MB}M" if numel % MB == 0 else f"{numel // 1024}K"
 
 
+def _cpu_path() -> str:
+    from onebitlamb.compression import native
+
+    if native.load() is not None:
+        return "the fused C loops of `onebitlamb/compression/_native.c` (built with gcc on first use)"
+    return f"numpy, sliced to stay in cache (the compiled loops are {native.unavailable_reason})"
+
+
 def render(kernels: Dict[int, Dict[str, float]], allreduce: Dict, command: str, repeats: int,
            iters: int) -> str:
     lines = [
@@ -191,13 +199,15 @@ def render(kernels: Dict[int, Dict[str, float]], allreduce: Dict, command: str, 
         f"Machine: {machine_line()}, {os.cpu_count()} cores, load average at the end "
         f"{os.getloadavg()[0]:.1f} (other work shares the cores; best-of timings filter most of it)",
         "",
+        f"CPU loops: {_cpu_path()}.",
+        "",
         f"One thread, fp32, best of at least {repeats} interleaved rounds. Each kernel's time is given as a "
         "multiple of `out.copy_(src)` on the same number of elements. *Whole* is everything one "
         f"rank of an n = {WORLD_SIZE} compressed all-reduce computes (compress, server decode and "
         "accumulate, server compress, final expansion), without the collectives; the last column "
-        "is its server decode-and-accumulate part (for each byte position, one `embedding_bag` "
-        "gathers and sums the n ranks' table rows of 8 signed scales, a cache-sized slice at a "
-        "time): a gather bound by compute rather than memory bandwidth.",
+        "is its server decode-and-accumulate part (for each byte position, the n ranks' bytes "
+        "select rows of 8 signed scales from per-rank tables, summed in registers; it also yields "
+        "the server compressor's norm).",
         "",
         "| elements | copy (ms) | compress (x copy) | decompress (x copy) | whole, n=4 (x copy) "
         "| of which server decode+add (x copy) |",

@@ -27,14 +27,15 @@ import torch.distributed as dist
 
 from onebitlamb.comm.stats import (GLOBAL_STATS, CommStats, all_gather_bytes, all_to_all_bytes,
                                    allreduce_bytes)
+from onebitlamb.compression import native
 from onebitlamb.compression.packing import (FLOAT_DTYPES, negative_bits, pack_signs, sign_table, signed_scales,
                                              unpack_signs)
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-# Elements per slice of the CPU compressor: small enough that the passes over one slice stay in
-# a core's L2 cache, large enough that Python's per-slice overhead is a few percent.
-_CPU_SLICE = 65536
+# Elements per slice of the numpy compressor: small enough that the passes over one slice stay
+# in a core's L2 cache, large enough that Python's per-slice overhead is a few percent.
+_CPU_SLICE = 131072
 _SIGN_BIT = np.uint32(0x80000000)
 _SCALE_BYTES = 4  # a float32 scale rides at the end of each sign message
 
@@ -97,23 +98,34 @@ class _Workspace:
         return ws
 
 
-def _compress_cpu_(error: torch.Tensor, addend: Optional[torch.Tensor], packed: torch.Tensor) -> float:
+def _compress_cpu_(error: torch.Tensor, addend: Optional[torch.Tensor], packed: torch.Tensor,
+                   sum_sq: Optional[float] = None) -> float:
     """``error += addend``; pack sign(error) into ``packed``; ``error -= s * sign(error)``; return s.
 
-    float32 on CPU, sliced so each slice's four passes run from cache; the sum of squares is
-    accumulated in float64 across slices. The sign of the error update is taken from the same
-    boolean mask that is packed, so the error matches what was sent exactly, -0.0 included.
+    float32 on CPU. ``sum_sq``: the sum of squares of ``error`` when the caller already has it
+    (then ``addend`` must be None). With the compiled loops (``compression.native``): two fused
+    passes. Without: numpy, sliced so each slice's passes run from cache, the sum of squares
+    accumulated in float64 across slices. Either way the error update takes its sign from the same
+    comparison that is packed, so the error matches what was sent exactly, -0.0 included.
     """
     y_all = error.numpy()
     b_all = addend.numpy() if addend is not None else None
     out = packed.numpy()
     numel = y_all.size
-    sum_sq = 0.0
-    for i in range(0, numel, _CPU_SLICE):
-        y = y_all[i:i + _CPU_SLICE]
-        if b_all is not None:
-            np.add(b_all[i:i + _CPU_SLICE], y, out=y)
-        sum_sq += float(np.dot(y, y))
+    lib = native.load() if numel % 8 == 0 else None  # the compiled loops work a byte at a time
+    if lib is not None:
+        if sum_sq is None:
+            sum_sq = native.add_sumsq(lib, y_all, b_all)
+        scale = np.float32(math.sqrt(sum_sq / numel))
+        native.sign_pack_update(lib, y_all, out, float(scale))
+        return float(scale)
+    if sum_sq is None:
+        sum_sq = 0.0
+        for i in range(0, numel, _CPU_SLICE):
+            y = y_all[i:i + _CPU_SLICE]
+            if b_all is not None:
+                np.add(b_all[i:i + _CPU_SLICE], y, out=y)
+            sum_sq += float(np.dot(y, y))
     scale = np.float32(math.sqrt(sum_sq / numel))
     scale_bits = np.array([scale], dtype=np.float32).view(np.uint32)[0]
     mask = np.empty(min(_CPU_SLICE, numel), dtype=bool)
@@ -144,22 +156,28 @@ def _compress_torch_(error: torch.Tensor, addend: Optional[torch.Tensor], packed
     return scale
 
 
-def _compress_(error, addend, packed, workspace):
+def _compress_(error, addend, packed, workspace, sum_sq: Optional[float] = None):
     """Compress ``error (+ addend)`` into ``packed``; the scale as a 1-element float32 tensor."""
     if error.device.type == "cpu" and error.dtype == torch.float32:
-        return torch.tensor([_compress_cpu_(error, addend, packed)], dtype=torch.float32)
+        return torch.tensor([_compress_cpu_(error, addend, packed, sum_sq)], dtype=torch.float32)
     mask = workspace.get("mask")
     if mask is None or mask.numel() < error.numel():  # only the torch path needs this scratch
         mask = workspace["mask"] = torch.empty(error.numel(), dtype=torch.bool, device=error.device)
     return _compress_torch_(error, addend, packed, mask).reshape(1)
 
 
-def _add_signs_(target: torch.Tensor, packed_rows: torch.Tensor, scales: torch.Tensor) -> None:
-    """``target += sum_i scales[i] * signs(packed_rows[i])``: the server's sum over ranks."""
-    if target.device.type == "cpu":
-        _add_signs_table_(target, packed_rows, scales)
-    else:
+def _add_signs_(target: torch.Tensor, packed_rows: torch.Tensor, scales: torch.Tensor) -> Optional[float]:
+    """``target += sum_i scales[i] * signs(packed_rows[i])``: the server's sum over ranks. Returns
+    the sum of squares of the new target where it comes for free (the compiled loop computes it
+    while the values are in registers), else None."""
+    if target.device.type != "cpu":
         _add_signs_bits_(target, packed_rows, scales)
+        return None
+    lib = native.load() if target.dtype == torch.float32 else None
+    if lib is not None:
+        return native.add_signs_sumsq(lib, target.numpy(), packed_rows.numpy(), scales.numpy())
+    _add_signs_table_(target, packed_rows, scales)
+    return None
 
 
 def _add_signs_table_(target: torch.Tensor, packed_rows: torch.Tensor, scales: torch.Tensor) -> None:
@@ -271,8 +289,8 @@ def compressed_allreduce(
                                  f"values, or magnitudes above ~1e19 whose squares overflow float32")
 
     # Server: average this rank's chunk of everyone's signs, add the server error, compress again.
-    _add_signs_(server_error, recv[:, :row_signs], worker_scales / n)
-    server_scale = _compress_(server_error, None, server[:row_signs], ws)
+    server_sum_sq = _add_signs_(server_error, recv[:, :row_signs], worker_scales / n)
+    server_scale = _compress_(server_error, None, server[:row_signs], ws, server_sum_sq)
     server[row_signs:].copy_(_scale_bytes(server_scale, buffer.device))
     _all_gather_single(result.view(-1), server, group=group)
     stats.record("all_gather", all_gather_bytes(server.numel(), n))

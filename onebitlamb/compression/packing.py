@@ -5,10 +5,12 @@ Conventions (ALGORITHM.md): bit 1 means negative, bit 0 non-negative, so ``sign(
 all-reduce does not hide it, since a NaN makes the buffer's scale NaN (see ``comm``). Bits are
 packed most significant first (numpy's ``bitorder="big"``), the same on CPU and CUDA.
 
-Two implementations with identical results:
-- CPU: numpy's SIMD comparison into a reusable bool buffer, then ``packbits``; expansion is a
-  table lookup (each byte selects a row of 8 precomputed signed scales): one read of the packed
-  bytes and one write of the output, about as cheap as expansion can be.
+Implementations with identical bits:
+- CPU, float32, where gcc is available: the fused loops of ``_native.c`` (see ``native.py``),
+  which the compressed all-reduce also uses for its compressor and server sum;
+- CPU otherwise: numpy's SIMD comparison into a reusable bool buffer, then ``packbits``;
+  expansion is a table lookup (each byte selects a row of 8 precomputed signed scales): one read
+  of the packed bytes and one write of the output.
 - any other device (CUDA): the same maths in plain torch ops, no custom kernels. Expansion there
   tests each bit (a broadcast AND, a compare) and selects ``±scale`` with ``torch.where``: all
   elementwise and coalesced, where the table lookup would be a gather of 32-byte rows (measured
@@ -20,6 +22,8 @@ from typing import Optional
 
 import numpy as np
 import torch
+
+from onebitlamb.compression import native
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -123,6 +127,14 @@ def unpack_signs(
             tail = torch.empty(8, dtype=out.dtype, device=out.device)
             expand_bits(packed[full:], scale, tail)
             flat[full * 8:] = tail[: numel - full * 8]
+        return out
+    lib = native.load() if out.dtype == torch.float32 else None
+    if lib is not None:
+        s = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
+        if full:
+            native.expand(lib, packed[:full].numpy(), s, flat[: 8 * full].numpy())
+        if full * 8 < numel:
+            flat[full * 8:] = sign_table(s, out.dtype, packed.device)[int(packed[-1])][: numel - full * 8]
         return out
     table = sign_table(scale, out.dtype, packed.device)
     # Each byte selects a row of 8 signed scales. The byte indices are widened to int64 a slice
