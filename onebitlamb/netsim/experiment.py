@@ -59,7 +59,7 @@ class Settings:
     burst_ms: float = 4.0
     warmup_fraction: float = 0.2
     timeout_s: float = 900.0
-    paired_rounds: int = 40
+    paired_rounds: int = 100
 
     def spec(self) -> dict:
         return {"model": dict(self.model), "batch": self.batch, "optimizers": list(self.optimizers),
@@ -265,8 +265,8 @@ def format_tables(summary: dict, w: float) -> str:
               f"1-bit codec {_ms(c['codec_s'])} ms (compressed all-reduce {_ms(c['compressed_unshaped_s'])} ms). "
               f"Diffs beyond 20% are marked **."]
     if summary.get("paired"):
-        lines += ["", "Loopback, interleaved (one launch; each round one step of every optimizer in rotating "
-                  "order, each after a barrier; a round's step is its slowest rank's): LAMB's step time over "
+        lines += ["", "Loopback, interleaved (one launch; each round one step of every optimizer in an order "
+                  "drawn afresh, each after a barrier; a round's step is its slowest rank's): LAMB's step time over "
                   "the 1-bit optimizer's compression-stage step, per round:", "",
                   "| optimizer | rounds | LAMB step ms (optimizer.step) | compression step ms (optimizer.step) "
                   "| speed-up median (quartiles) | rounds faster than LAMB | bytes per step vs LAMB |",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -137,10 +138,11 @@ def paired_steps(rank: int, world: int, spec: dict) -> dict:
     Run under ``onebitlamb.comm.launch.spawn_local`` (plain loopback, no namespaces). One model
     per optimizer, built alike; the 1-bit ones freeze after a few untimed warm-up steps. Each
     round times one whole step of every optimizer (forward, backward, optimizer step), in an
-    order that rotates from round to round, each after a barrier: the machine's drift and the neighbours' load hit
-    all optimizers alike, so the per-round ratios compare like with like even where absolute
-    step times wander by 10-20% from one launch to the next.
+    order drawn afresh each round, each after a barrier: the machine's drift and the neighbours'
+    load hit all optimizers alike, so the per-round ratios compare like with like even where
+    absolute step times wander by 10-20% from one launch to the next.
     """
+
     from onebitlamb.train.model import build_model
 
     group = dist.group.WORLD
@@ -160,8 +162,11 @@ def paired_steps(rank: int, world: int, spec: dict) -> dict:
     opt_times: Dict[str, List[float]] = {name: [] for name in names}  # of which optimizer.step
     step_bytes: Dict[str, int] = {}
     for r in range(untimed + rounds):
-        for k in range(len(runs)):
-            name, model, opt = runs[(r + k) % len(runs)]
+        # a fresh order every round, the same on every rank: which step precedes which (and
+        # leaves its memory traffic in the caches) varies alike for all optimizers; a rotation
+        # would keep the cyclic order, so each would always follow the same neighbour
+        for k in random.Random(r).sample(range(len(runs)), len(runs)):
+            name, model, opt = runs[k]
             expected = WARMUP if name == "lamb" else COMPRESSION
             if r >= untimed and opt.stage != expected:
                 raise RuntimeError(f"{name}: expected stage {expected} in round {r}, optimizer is in {opt.stage}")
