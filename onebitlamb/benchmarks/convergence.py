@@ -60,8 +60,9 @@ DEFAULT_PLAN: Dict[str, List[str]] = {
     "demo": ["lamb", "1bit-lamb freeze 35%", "1bit-lamb auto (cap 50%)", "1bit-adam auto (cap 50%)"],
 }
 # learning rates swept around the main job's (2e-2 for the LAMB family, 1e-3 for Adam), whose row
-# is the variant's own: with it, three values per optimizer
-SWEEP = {"lamb": ["1e-2", "4e-2"], "onebitlamb": ["1e-2", "4e-2"], "onebitadam": ["5e-4", "2e-3"]}
+# is the variant's own: with it, three values per optimizer, four for Adam (whose best was at
+# the edge of the first sweep)
+SWEEP = {"lamb": ["1e-2", "4e-2"], "onebitlamb": ["1e-2", "4e-2"], "onebitadam": ["5e-4", "2e-3", "4e-3"]}
 
 
 def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) -> dict:
