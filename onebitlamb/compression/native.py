@@ -7,14 +7,16 @@ a plain C file needs only gcc (no Python or torch headers, no build step at inst
 machine without a compiler keeps the numpy path, which gives the same bits.
 
 The library is built with ``gcc -O3`` into ``$ONEBITLAMB_CACHE`` (default
-``~/.cache/onebitlamb``) under a name that holds a hash of the source, atomically, so concurrent
-workers never load a half-written file. ``ONEBITLAMB_NATIVE=0`` turns it off.
+``~/.cache/onebitlamb``) under a name that holds the machine type and a hash of the source,
+atomically, so concurrent workers never load a half-written file. ``ONEBITLAMB_NATIVE=0`` turns
+it off; a failed build (no compiler, a read-only cache) falls back to numpy.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -67,7 +69,8 @@ def load() -> Optional[ctypes.CDLL]:
         unavailable_reason = "turned off by ONEBITLAMB_NATIVE=0"
         return None
     digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
-    target = _cache_dir() / f"onebitlamb_native_{digest}.so"
+    # a home folder shared by machines of different kinds must not hand one the other's build
+    target = _cache_dir() / f"onebitlamb_native_{platform.machine()}_{digest}.so"
     try:
         if not target.exists():
             _build(target)
