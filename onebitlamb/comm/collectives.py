@@ -187,8 +187,7 @@ def _add_signs_table_(target: torch.Tensor, packed_rows: torch.Tensor, scales: t
     decodes each written out and read back; a cache-sized slice at a time."""
     n, nbytes = packed_rows.shape
     device = target.device
-    table = torch.cat([sign_table(s, target.dtype, device)
-                       for s in (scales.tolist() if device.type == "cpu" else scales)])
+    table = torch.cat([sign_table(s, target.dtype, device) for s in scales.tolist()])
     offsets = (torch.arange(n, device=device) * 256).view(1, n)
     step = _CPU_SLICE // 8
     index = torch.empty(min(step, nbytes), n, dtype=torch.long, device=device)
