@@ -6,6 +6,7 @@ from ALGORITHM.md. Per-layer quantities are float32 vectors with one entry per p
 """
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence
 
 import torch
@@ -107,6 +108,25 @@ def scaling_factors(max_denominator_ratio: torch.Tensor, plain_update_norms: tor
     r = torch.where(weight_decays > 0, r * rho + (1 - rho), r)
     r = r.clamp(factor_min, factor_max)
     return torch.minimum(torch.maximum(r, (1 - factor_threshold) * prev_factor), (1 + factor_threshold) * prev_factor)
+
+
+def update_fresh_variance_(v_fresh: torch.Tensor, m: torch.Tensor, m_prev: torch.Tensor, beta1: float,
+                           beta2: float) -> None:
+    """1-bit LAMB's fresh variance in place: ``v = b2 v + (1-b2) g^2`` with the averaged gradient
+    reconstructed from two momenta, ``g = (m - b1 m_prev) / (1 - b1)``; its division is folded into
+    the weight of ``g^2`` (one pass fewer). ``m_prev`` is overwritten."""
+    g_scaled = torch.add(m, m_prev, alpha=-beta1, out=m_prev)
+    v_fresh.mul_(beta2).addcmul_(g_scaled, g_scaled, value=(1 - beta2) / (1 - beta1) ** 2)
+
+
+def max_denominator_ratios(frozen_denominator: torch.Tensor, v_fresh: torch.Tensor, bias_correction2: float,
+                           eps: float, views_of: List[slice], out: torch.Tensor) -> torch.Tensor:
+    """Per layer, ``max(frozen_denominator / (sqrt(v_fresh / bc2) + eps))`` (``out``: scratch of the
+    flat size). Computed as ``sqrt(bc2) * den / (sqrt(v) + eps sqrt(bc2))``, a pass fewer."""
+    root = math.sqrt(bias_correction2)
+    torch.sqrt(v_fresh, out=out).add_(eps * root)
+    torch.div(frozen_denominator, out, out=out)
+    return segment_max(out, views_of) * root
 
 
 def segment_max(flat: torch.Tensor, views_of: List[slice]) -> torch.Tensor:

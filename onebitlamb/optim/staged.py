@@ -434,15 +434,9 @@ class StagedOptimizer(Optimizer):
         coeff = flat["frozen_coeff"]
         if self._fresh_variance:
             v_fresh = flat["exp_avg_sq_fresh"]
-            # the averaged gradient, reconstructed: g = (m - b1 m_prev) / (1 - b1), its division
-            # folded into the weight of g^2
-            g_scaled = torch.add(m, m_prev, alpha=-beta1, out=m_prev)
-            v_fresh.mul_(beta2).addcmul_(g_scaled, g_scaled, value=(1 - beta2) / (1 - beta1) ** 2)
-            ratio = self._buffer("ratio", d)
-            # den / (sqrt(v/bc2) + eps) = sqrt(bc2) den / (sqrt(v) + eps sqrt(bc2)): a pass fewer
-            torch.sqrt(v_fresh, out=ratio).add_(eps * math.sqrt(bc2))
-            torch.div(den, ratio, out=ratio)
-            max_ratio = F.segment_max(ratio, lay["slices"]) * math.sqrt(bc2)
+            F.update_fresh_variance_(v_fresh, m, m_prev, beta1, beta2)
+            max_ratio = F.max_denominator_ratios(den, v_fresh, bc2, eps, lay["slices"],
+                                                 out=self._buffer("ratio", d))
             plain_norms = self._update_norms(update)
             self._add_weight_decay_(update)
             update_norms = self._update_norms(update)
