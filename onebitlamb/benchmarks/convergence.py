@@ -41,6 +41,7 @@ VARIANTS: Dict[str, Tuple[str, List[str]]] = {
     "1bit-lamb freeze 20%, update space + guard": ("onebitlamb", ["--freeze-frac", "0.2", "--compression-space",
                                                                  "update", "--update-guard", "4"]),
     "1bit-lamb auto (cap 50%)": ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.5"]),
+    "1bit-lamb auto (cap 70%)": ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.7"]),
     "1bit-lamb auto (cap 50%), update space + guard": ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.5",
                                                                        "--compression-space", "update",
                                                                        "--update-guard", "4"]),
@@ -56,7 +57,8 @@ DEFAULT_PLAN: Dict[str, List[str]] = {
              "1bit-adam auto (cap 50%)"],
     "b1024": ["lamb", "1bit-lamb auto (cap 50%)", "1bit-adam auto (cap 50%), lr 2e-3", "1bit-lamb freeze 20%",
               "1bit-lamb freeze 35%"],
-    "b4096": ["lamb", "1bit-lamb auto (cap 50%)", "1bit-adam auto (cap 50%), lr 2e-3"],
+    # on 100 steps the plateau exit falls at 40-60% of the run: a later cap, at its cost in bytes
+    "b4096": ["lamb", "1bit-lamb auto (cap 50%)", "1bit-adam auto (cap 50%), lr 2e-3", "1bit-lamb auto (cap 70%)"],
     "demo": ["lamb", "1bit-lamb freeze 35%", "1bit-lamb auto (cap 50%)", "1bit-adam auto (cap 50%)"],
 }
 # learning rates swept around the main job's (2e-2 for the LAMB family, 1e-3 for Adam), whose row
