@@ -108,15 +108,15 @@ def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 2.0,
     server = torch.empty(row + 4, dtype=torch.uint8, device=dev)         # received rows
     ws: Dict[str, torch.Tensor] = {}
 
-    def server_accumulate(scales: torch.Tensor) -> None:
-        _add_signs_(server_error, messages[:, :row], scales / n)
+    def server_accumulate(scales: torch.Tensor):
+        return _add_signs_(server_error, messages[:, :row], scales / n)
 
     def whole() -> None:
         s = _compress_(worker_error, buffer, packed, ws)
         messages[:, :row].copy_(packed.view(n, row))
         messages[:, row:].copy_(_scale_bytes(s, dev))
-        server_accumulate(_read_scales(messages, row))
-        s_server = _compress_(server_error, None, server[:row], ws)
+        sum_sq = server_accumulate(_read_scales(messages, row))
+        s_server = _compress_(server_error, None, server[:row], ws, sum_sq)
         server[row:].copy_(_scale_bytes(s_server, dev))
         scales = _read_scales(messages, row)
         host_scales = scales.tolist() if dev.type == "cpu" else scales

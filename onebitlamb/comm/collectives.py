@@ -113,20 +113,12 @@ def _compress_cpu_(error: torch.Tensor, addend: Optional[torch.Tensor], packed: 
     out = packed.numpy()
     numel = y_all.size
     lib = native.load() if numel % 8 == 0 else None  # the compiled loops work a byte at a time
+    if sum_sq is None:
+        sum_sq = native.add_sumsq(lib, y_all, b_all) if lib is not None else _add_sumsq_numpy(y_all, b_all)
+    scale = np.float32(math.sqrt(sum_sq / numel))
     if lib is not None:
-        if sum_sq is None:
-            sum_sq = native.add_sumsq(lib, y_all, b_all)
-        scale = np.float32(math.sqrt(sum_sq / numel))
         native.sign_pack_update(lib, y_all, out, float(scale))
         return float(scale)
-    if sum_sq is None:
-        sum_sq = 0.0
-        for i in range(0, numel, _CPU_SLICE):
-            y = y_all[i:i + _CPU_SLICE]
-            if b_all is not None:
-                np.add(b_all[i:i + _CPU_SLICE], y, out=y)
-            sum_sq += float(np.dot(y, y))
-    scale = np.float32(math.sqrt(sum_sq / numel))
     scale_bits = np.array([scale], dtype=np.float32).view(np.uint32)[0]
     mask = np.empty(min(_CPU_SLICE, numel), dtype=bool)
     signed_scale = np.empty(min(_CPU_SLICE, numel), dtype=np.uint32)
@@ -139,6 +131,17 @@ def _compress_cpu_(error: torch.Tensor, addend: Optional[torch.Tensor], packed: 
         np.bitwise_or(q, scale_bits, out=q)               # ... on top of +scale: q = ±scale
         np.subtract(y, q.view(np.float32), out=y)
     return float(scale)
+
+
+def _add_sumsq_numpy(y_all: np.ndarray, b_all: Optional[np.ndarray]) -> float:
+    """``y += b`` (if given) a slice at a time; the sum of squares, accumulated in float64."""
+    sum_sq = 0.0
+    for i in range(0, y_all.size, _CPU_SLICE):
+        y = y_all[i:i + _CPU_SLICE]
+        if b_all is not None:
+            np.add(b_all[i:i + _CPU_SLICE], y, out=y)
+        sum_sq += float(np.dot(y, y))
+    return sum_sq
 
 
 def _compress_torch_(error: torch.Tensor, addend: Optional[torch.Tensor], packed: torch.Tensor,

@@ -32,12 +32,17 @@ static void init_reversed(void) {
  * the compiler can vectorise without reassociating (no -ffast-math). n is a multiple of 8. */
 double obl_add_sumsq(float *e, const float *b, int64_t n) {
     double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t i = 0; i < n; i += 8) {
-        for (int j = 0; j < 8; j++) {
-            float y = b ? e[i + j] + b[i + j] : e[i + j];
-            e[i + j] = y;
-            lanes[j] += (double)y * y;
+    if (b) {
+        for (int64_t i = 0; i < n; i += 8) {
+            for (int j = 0; j < 8; j++) {
+                float y = e[i + j] + b[i + j];
+                e[i + j] = y;
+                lanes[j] += (double)y * y;
+            }
         }
+    } else {
+        for (int64_t i = 0; i < n; i += 8)
+            for (int j = 0; j < 8; j++) lanes[j] += (double)e[i + j] * e[i + j];
     }
     double total = 0.0;
     for (int j = 0; j < 8; j++) total += lanes[j];
