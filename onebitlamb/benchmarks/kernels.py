@@ -182,6 +182,19 @@ def _size_label(numel: int) -> str:
     return f"{numel // MB}M" if numel % MB == 0 else f"{numel // 1024}K"
 
 
+def _ratio_table(kernels: Dict[int, Dict[str, float]], bandwidth: bool = False) -> List[str]:
+    """Markdown rows: each kernel's time as a multiple of the copy (and the copy's bandwidth)."""
+    columns = ["elements", "copy (ms)"] + (["copy GB/s"] if bandwidth else []) + [
+        "compress (x copy)", "decompress (x copy)", "whole, n=4 (x copy)", "of which server decode+add (x copy)"]
+    rows = ["| " + " | ".join(columns) + " |", "|" + "---:|" * len(columns)]
+    for numel, t in kernels.items():
+        c = t["copy"]
+        cells = [_size_label(numel), f"{c * 1e3:.3f}"] + ([f"{8 * numel / c / 1e9:,.0f}"] if bandwidth else [])
+        cells += [f"{t[k] / c:.2f}" for k in ("compress", "decompress", "whole", "server_accumulate")]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
 def _cpu_path() -> str:
     from onebitlamb.compression import native
 
@@ -209,15 +222,9 @@ def render(kernels: Dict[int, Dict[str, float]], allreduce: Dict, command: str, 
         "select rows of 8 signed scales from per-rank tables, summed in registers; it also yields "
         "the server compressor's norm).",
         "",
-        "| elements | copy (ms) | compress (x copy) | decompress (x copy) | whole, n=4 (x copy) "
-        "| of which server decode+add (x copy) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        *_ratio_table(kernels),
+        "",
     ]
-    for numel, t in kernels.items():
-        c = t["copy"]
-        lines.append(f"| {_size_label(numel)} | {c * 1e3:.3f} | {t['compress'] / c:.2f} | "
-                     f"{t['decompress'] / c:.2f} | {t['whole'] / c:.2f} | {t['server_accumulate'] / c:.2f} |")
-    lines.append("")
     if TARGET_SIZE in kernels:
         t = kernels[TARGET_SIZE]
         verdicts = []
@@ -263,14 +270,8 @@ def render_cuda(kernels: Dict[int, Dict[str, float]], command: str, repeats: int
         "read and written. Eager torch runs each of those steps as its own kernel, a full pass over memory "
         "each: the compressor is 5 such passes' worth of bytes at best, and no fused kernel is built here.",
         "",
-        "| elements | copy (ms) | copy GB/s | compress (x copy) | decompress (x copy) | whole, n=4 (x copy) "
-        "| of which server decode+add (x copy) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        *_ratio_table(kernels, bandwidth=True),
     ]
-    for numel, t in kernels.items():
-        c = t["copy"]
-        lines.append(f"| {_size_label(numel)} | {c * 1e3:.3f} | {8 * numel / c / 1e9:,.0f} | {t['compress'] / c:.2f} "
-                     f"| {t['decompress'] / c:.2f} | {t['whole'] / c:.2f} | {t['server_accumulate'] / c:.2f} |")
     return "\n".join(lines) + "\n"
 
 
