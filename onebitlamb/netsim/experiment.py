@@ -118,10 +118,11 @@ def summarise_paired(per_rank: List[dict]) -> List[dict]:
     for name in per_rank[0]["step_times"]:
         if name == "lamb":
             continue
-        ratios = sorted(a / b for a, b in zip(lamb, slowest(name)))
+        onebit = slowest(name)
+        ratios = sorted(a / b for a, b in zip(lamb, onebit))
         q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         out.append({"optimizer": name, "rounds": len(ratios), "lamb_s": statistics.median(lamb),
-                    "onebit_s": statistics.median(slowest(name)), "lamb_opt_s": median_opt("lamb"),
+                    "onebit_s": statistics.median(onebit), "lamb_opt_s": median_opt("lamb"),
                     "onebit_opt_s": median_opt(name), "speedup_median": statistics.median(ratios),
                     "speedup_q1": q[0], "speedup_q3": q[2],
                     "faster_share": sum(r > 1 for r in ratios) / len(ratios),
