@@ -44,10 +44,14 @@ def rel_err(a, b):
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("kind", ["lamb", "onebitlamb", "onebitadam"])
+@pytest.mark.parametrize("kind", ["lamb", "onebitlamb", "onebitadam", "onebitlamb-torch"])
 @pytest.mark.parametrize("bias_correction", [True, False])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
-def test_single_process_matches_reference(kind, bias_correction, weight_decay):
+def test_single_process_matches_reference(kind, bias_correction, weight_decay, monkeypatch):
+    if kind == "onebitlamb-torch":   # 1-bit LAMB without its compiled stage-2 loop (optim/native.py)
+        from onebitlamb.optim import native
+        monkeypatch.setattr(native, "usable", lambda *tensors: None)
+        kind = "onebitlamb"
     steps, freeze = 60, 20
     wds = [weight_decay, 0.0, weight_decay, weight_decay]
     params = [torch.nn.Parameter(t.clone()) for t in initial_params()]

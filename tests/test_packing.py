@@ -5,9 +5,9 @@ float (so 0, -0.0 and NaN are +1, bit 0), and bytes are assembled most significa
 hand, which is numpy's ``bitorder="big"``.
 """
 import math
+import shutil
 
 import numpy as np
-
 import pytest
 import torch
 
@@ -251,7 +251,7 @@ def test_compiled_loops_match_the_numpy_path(monkeypatch):
 
     lib = native.load()
     if lib is None:
-        pytest.skip(f"compiled loops unavailable: {native.unavailable_reason}")
+        pytest.skip(f"compiled loops unavailable: {native.LIBRARY.unavailable_reason}")
     gen = torch.Generator().manual_seed(5)
     n = 3 * 131072 + 32 * 37                     # several numpy slices and a ragged last one
     addend = torch.randn(n, generator=gen)
@@ -281,16 +281,26 @@ def test_compiled_loops_match_the_numpy_path(monkeypatch):
     assert torch.equal(e1, (error + addend) - torch.tensor(s1, dtype=torch.float32) * signs)
 
 
-def test_compiled_loops_can_be_turned_off(monkeypatch, tmp_path):
-    from onebitlamb.compression import native
+@pytest.mark.parametrize("module", ["onebitlamb.compression.native", "onebitlamb.optim.native"])
+def test_compiled_loops_can_be_turned_off(monkeypatch, tmp_path, module):
+    import importlib
 
-    monkeypatch.setattr(native, "_tried", False)
-    monkeypatch.setattr(native, "_lib", None)
+    from onebitlamb._cbuild import CLibrary
+
+    source = importlib.import_module(module).LIBRARY
+    library = CLibrary(source.source, source.declare)   # a fresh one: the module's stays loaded
     monkeypatch.setenv("ONEBITLAMB_NATIVE", "0")
-    assert native.load() is None and "ONEBITLAMB_NATIVE=0" in native.unavailable_reason
-    monkeypatch.setattr(native, "_tried", False)
+    assert library.load() is None and "ONEBITLAMB_NATIVE=0" in library.unavailable_reason
+    library.forget()
     monkeypatch.setenv("ONEBITLAMB_NATIVE", "1")
     monkeypatch.setenv("ONEBITLAMB_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))      # neither the named compiler nor cc can be found
-    assert native.load() is None and "no C compiler" in native.unavailable_reason
+    assert library.load() is None and "no C compiler" in library.unavailable_reason
+    library.forget()
+    monkeypatch.undo()
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc here to check the build itself")
+    monkeypatch.setenv("ONEBITLAMB_CACHE", str(tmp_path))
+    assert library.load() is not None, library.unavailable_reason   # built afresh into the new cache
+    assert len(list(tmp_path.glob("onebitlamb_*.so"))) == 1

@@ -200,7 +200,7 @@ def _cpu_path() -> str:
 
     if native.load() is not None:
         return "the fused C loops of `onebitlamb/compression/_native.c` (built with gcc on first use)"
-    return f"numpy, sliced to stay in cache (the compiled loops are {native.unavailable_reason})"
+    return f"numpy, sliced to stay in cache (the compiled loops are {native.LIBRARY.unavailable_reason})"
 
 
 def render(kernels: Dict[int, Dict[str, float]], allreduce: Dict, command: str, repeats: int,

@@ -11,6 +11,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from onebitlamb.optim import native
+
 
 def update_moments_(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta1: float, beta2: float) -> None:
     """Adam's moments in place: ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``."""
@@ -127,6 +129,33 @@ def max_denominator_ratios(frozen_denominator: torch.Tensor, v_fresh: torch.Tens
     torch.sqrt(v_fresh, out=out).add_(eps * root)
     torch.div(frozen_denominator, out, out=out)
     return segment_max(out, views_of) * root
+
+
+def fresh_variance_statistics_(v_fresh: torch.Tensor, m: torch.Tensor, m_prev: torch.Tensor,
+                                frozen_denominator: torch.Tensor, inverse_denominator: torch.Tensor,
+                                bias_correction1: float, bias_correction2: float, beta1: float, beta2: float,
+                                eps: float, views_of: List[slice], offsets: torch.Tensor, update: torch.Tensor,
+                                scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """All that 1-bit LAMB's stage 2 computes per element (ALGORITHM.md stage 2, steps 5-7), in one
+    pass where the compiled loop applies (contiguous float32 on the CPU; ``optim/native.py``).
+
+    Writes Adam's direction with the frozen denominator into ``update`` and updates ``v_fresh``
+    (``update_fresh_variance_``); returns per layer the largest ratio of the frozen denominator to
+    the fresh one (``max_denominator_ratios``) and the direction's norm, both float32 vectors.
+    ``inverse_denominator`` is ``1 / frozen_denominator``, ``offsets`` the layers' bounds (int64,
+    CPU), ``m_prev`` and ``scratch`` may be overwritten. The two paths agree up to float rounding.
+    """
+    lib = native.usable(v_fresh, m, m_prev, inverse_denominator, update)
+    if lib is not None:
+        root = math.sqrt(bias_correction2)
+        min_quotient, sum_sq = native.fresh_variance_stats_(
+            lib, v_fresh, m, m_prev, inverse_denominator, update, offsets, beta1, beta2,
+            weight=(1 - beta2) / (1 - beta1) ** 2, shift=eps * root, inv_bc1=1 / bias_correction1)
+        return root / min_quotient, sum_sq.sqrt().to(torch.float32)
+    adam_direction(m, frozen_denominator, bias_correction1, out=update)
+    update_fresh_variance_(v_fresh, m, m_prev, beta1, beta2)
+    max_ratio = max_denominator_ratios(frozen_denominator, v_fresh, bias_correction2, eps, views_of, out=scratch)
+    return max_ratio, norms([update[s] for s in views_of])
 
 
 def segment_max(flat: torch.Tensor, views_of: List[slice]) -> torch.Tensor:

@@ -100,6 +100,7 @@ class StagedOptimizer(Optimizer):
         return {
             "params": params, "groups": groups, "numels": numels,
             "slices": [slice(offsets[i], offsets[i + 1]) for i in range(len(params))],
+            "offsets": torch.tensor(offsets, dtype=torch.int64),
             "numel": offsets[-1],
             "device": params[0].device if params else torch.device("cpu"),
         }
@@ -276,6 +277,17 @@ class StagedOptimizer(Optimizer):
     def _update_norms(self, update: torch.Tensor) -> torch.Tensor:
         return F.norms([update[s] for s in self._layout["slices"]])
 
+    def _decayed_update_norms(self, update: torch.Tensor, plain_norms: torch.Tensor) -> torch.Tensor:
+        """The update's norms after weight decay, given those before: only the layers with weight
+        decay changed (biases and LayerNorms usually have none)."""
+        lay = self._layout
+        decayed = [i for i, gi in enumerate(lay["groups"]) if self.param_groups[gi]["weight_decay"] != 0]
+        if not decayed:
+            return plain_norms
+        norms = plain_norms.clone()
+        norms[decayed] = F.norms([update[lay["slices"][i]] for i in decayed]).to(norms.device)
+        return norms
+
     def _param_norms(self) -> torch.Tensor:
         return F.norms(self._layout["params"])
 
@@ -362,6 +374,14 @@ class StagedOptimizer(Optimizer):
             self._scratch["den_source"] = v_frozen
         return den
 
+    def _inverse_frozen_denominator(self) -> torch.Tensor:
+        """``1 / (sqrt(v_frozen) + eps)`` (derived from the state, cached)."""
+        den = self._frozen_denominator()
+        if self._scratch.get("inverse_source") is not self._flat["exp_avg_sq"]:
+            self._scratch["inverse_denominator"] = torch.reciprocal(den)
+            self._scratch["inverse_source"] = self._flat["exp_avg_sq"]
+        return self._scratch["inverse_denominator"]
+
     def _compression_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per element, what the momentum is multiplied by before compression, and what the
         decompressed result is multiplied by after (its inverse, times the momentum mask, so one
@@ -378,7 +398,7 @@ class StagedOptimizer(Optimizer):
         scratch = self._scratch
         if scratch.get("scale_source") is not source or scratch.get("mask_source") is not flat["momentum_mask"]:
             if self.defaults["compression_space"] == "update":
-                scale = torch.reciprocal(source)
+                scale = self._inverse_frozen_denominator()
                 unscale = source * flat["momentum_mask"]
             else:
                 numels = torch.tensor(self._layout["numels"], device=self._layout["device"])
@@ -430,16 +450,13 @@ class StagedOptimizer(Optimizer):
             m.mul_(flat["momentum_mask"])
         bc1, bc2 = self._bias_corrections()
         update = self._buffer("update", d)
-        F.adam_direction(m, den, bc1, out=update)
         coeff = flat["frozen_coeff"]
         if self._fresh_variance:
-            v_fresh = flat["exp_avg_sq_fresh"]
-            F.update_fresh_variance_(v_fresh, m, m_prev, beta1, beta2)
-            max_ratio = F.max_denominator_ratios(den, v_fresh, bc2, eps, lay["slices"],
-                                                 out=self._buffer("ratio", d))
-            plain_norms = self._update_norms(update)
+            max_ratio, plain_norms = F.fresh_variance_statistics_(
+                flat["exp_avg_sq_fresh"], m, m_prev, den, self._inverse_frozen_denominator(), bc1, bc2, beta1,
+                beta2, eps, lay["slices"], lay["offsets"], update, scratch=self._buffer("ratio", d))
             self._add_weight_decay_(update)
-            update_norms = self._update_norms(update)
+            update_norms = self._decayed_update_norms(update, plain_norms)
             factor = F.scaling_factors(max_ratio, plain_norms, update_norms,
                                        self._hyper("weight_decay"), flat["prev_factor"],
                                        self.defaults["factor_min"], self.defaults["factor_max"],
@@ -447,6 +464,7 @@ class StagedOptimizer(Optimizer):
             flat["prev_factor"] = factor
             coeff = coeff * factor
         else:
+            F.adam_direction(m, den, bc1, out=update)
             self._add_weight_decay_(update)
             update_norms = self._update_norms(update) if self.defaults.get("update_guard") else None
         self._apply_(update, self._guard_(coeff, update_norms))
