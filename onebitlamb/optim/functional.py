@@ -181,6 +181,20 @@ def settled(history: torch.Tensor, count: int, tolerance: float) -> bool:
     return spread is not None and spread <= tolerance
 
 
+def transient_passed(spread: Optional[float], peak: float, transient: Optional[float]) -> bool:
+    """The automatic freeze's second way out: the warm-up has been through its transient.
+
+    On the main job every preset shows one: some layers sit on a plateau with a tiny variance,
+    then leave it and their ``log ||v_hat||`` grows by 7-12 within a window; before it the spread
+    stays below about 2.2. Freezing before or during that rise fails (the frozen variance cannot
+    follow); freezing once it is over works, long before every layer has settled to
+    ``freeze_tolerance``. So: passed when the spread has once reached ``transient`` (``peak`` is
+    the largest spread seen so far) and has since fallen to half of that peak. ``transient=None``
+    turns this way out off.
+    """
+    return transient is not None and spread is not None and peak >= transient and spread <= peak / 2
+
+
 def window_spread(history: torch.Tensor, count: int) -> Optional[float]:
     """How far the least settled layer statistic moved over the window (max minus min, log
     scale); None until the window is full or while no layer has a gradient."""

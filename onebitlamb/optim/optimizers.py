@@ -17,7 +17,7 @@ def _is_int(value) -> bool:
 
 
 def _onebit_options(cls_name: str, freeze_step, min_freeze_step, max_freeze_step, freeze_window,
-                    freeze_tolerance, compression_space, update_guard) -> Dict[str, Any]:
+                    freeze_tolerance, freeze_transient, compression_space, update_guard) -> Dict[str, Any]:
     """Validate what 1-bit LAMB and 1-bit Adam share: when to freeze, where to compress, the guard."""
     if freeze_step is None:
         raise ValueError(
@@ -36,6 +36,9 @@ def _onebit_options(cls_name: str, freeze_step, min_freeze_step, max_freeze_step
             raise ValueError(f"Invalid freeze_window: {freeze_window!r} (must be an integer >= 1)")
         if not isinstance(freeze_tolerance, (int, float)) or not freeze_tolerance > 0:
             raise ValueError(f"Invalid freeze_tolerance: {freeze_tolerance!r} (must be > 0)")
+        if freeze_transient is not None and (not isinstance(freeze_transient, (int, float))
+                                             or not freeze_transient > 0):
+            raise ValueError(f"Invalid freeze_transient: {freeze_transient!r} (None, or a number > 0)")
     elif not _is_int(freeze_step) or freeze_step < 1:
         raise ValueError(f"Invalid freeze_step: {freeze_step!r} (must be an integer >= 1 or 'auto')")
     if compression_space not in COMPRESSION_SPACES:
@@ -43,7 +46,8 @@ def _onebit_options(cls_name: str, freeze_step, min_freeze_step, max_freeze_step
     if update_guard is not None and (not isinstance(update_guard, (int, float)) or not update_guard >= 1):
         raise ValueError(f"Invalid update_guard: {update_guard!r} (None, or a number >= 1)")
     return dict(min_freeze_step=min_freeze_step, max_freeze_step=max_freeze_step, freeze_window=freeze_window,
-                freeze_tolerance=freeze_tolerance, compression_space=compression_space, update_guard=update_guard)
+                freeze_tolerance=freeze_tolerance, freeze_transient=freeze_transient,
+                compression_space=compression_space, update_guard=update_guard)
 
 
 def _validate_lamb(min_coeff: float, max_coeff: float) -> None:
@@ -99,9 +103,10 @@ class OneBitLamb(StagedOptimizer):
                  factor_threshold: float = 0.1, compression_space: str = "momentum",
                  update_guard: Optional[float] = None, min_freeze_step: int = 1,
                  max_freeze_step: Optional[int] = None, freeze_window: int = 20,
-                 freeze_tolerance: float = 0.3, process_group: Optional[dist.ProcessGroup] = None) -> None:
+                 freeze_tolerance: float = 0.3, freeze_transient: Optional[float] = 5.0,
+                 process_group: Optional[dist.ProcessGroup] = None) -> None:
         onebit = _onebit_options(type(self).__name__, freeze_step, min_freeze_step, max_freeze_step,
-                                 freeze_window, freeze_tolerance, compression_space, update_guard)
+                                 freeze_window, freeze_tolerance, freeze_transient, compression_space, update_guard)
         validate_common(lr, betas, eps, weight_decay)
         _validate_lamb(min_coeff, max_coeff)
         if not 0.0 <= coeff_beta < 1.0:
@@ -132,9 +137,10 @@ class OneBitAdam(StagedOptimizer):
                  bias_correction: bool = True, compression_space: str = "momentum",
                  update_guard: Optional[float] = None, min_freeze_step: int = 1,
                  max_freeze_step: Optional[int] = None, freeze_window: int = 20,
-                 freeze_tolerance: float = 0.3, process_group: Optional[dist.ProcessGroup] = None) -> None:
+                 freeze_tolerance: float = 0.3, freeze_transient: Optional[float] = 5.0,
+                 process_group: Optional[dist.ProcessGroup] = None) -> None:
         onebit = _onebit_options(type(self).__name__, freeze_step, min_freeze_step, max_freeze_step,
-                                 freeze_window, freeze_tolerance, compression_space, update_guard)
+                                 freeze_window, freeze_tolerance, freeze_transient, compression_space, update_guard)
         validate_common(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, **onebit)

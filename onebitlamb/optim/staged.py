@@ -55,7 +55,8 @@ class StagedOptimizer(Optimizer):
     - ``_fresh_variance``: 1-bit LAMB's factor from a variance kept fresh after the freeze.
 
     ``freeze_step=None`` means warm-up forever (plain LAMB or Adam, full communication);
-    ``"auto"`` freezes once the warm-up has settled (see ``functional.settled``).
+    ``"auto"`` freezes once the warm-up has settled or has been through its transient (see
+    ``functional.settled`` and ``functional.transient_passed``).
     """
 
     _layerwise = True
@@ -130,6 +131,7 @@ class StagedOptimizer(Optimizer):
         if self.freeze_step == "auto":
             flat["freeze_history"] = torch.zeros(self.defaults["freeze_window"] + 1, L, **f32)
             flat["freeze_history_count"] = 0
+            flat["freeze_spread_peak"] = 0.0
 
     def _check_loaded_state(self) -> None:
         flat = self._flat
@@ -177,7 +179,8 @@ class StagedOptimizer(Optimizer):
     def freeze_spread(self) -> Optional[float]:
         """With ``freeze_step="auto"``, before the freeze: how far (log scale) the least settled
         layer's variance moved over the last ``freeze_window`` steps; the freeze comes when this is
-        at most ``freeze_tolerance``. None otherwise."""
+        at most ``freeze_tolerance``, or at most half its peak once that peak has reached
+        ``freeze_transient``. None otherwise."""
         if self.freeze_step != "auto" or "flat" not in self.state or self.stage != WARMUP:
             return None
         return F.window_spread(self._flat["freeze_history"], self._flat["freeze_history_count"])
@@ -299,9 +302,12 @@ class StagedOptimizer(Optimizer):
             return flat["step"] == self.freeze_step
         if flat["step"] >= self.defaults["max_freeze_step"]:
             return True
-        return (flat["step"] >= self.defaults["min_freeze_step"]
-                and F.settled(flat["freeze_history"], flat["freeze_history_count"],
-                              self.defaults["freeze_tolerance"]))
+        if flat["step"] < self.defaults["min_freeze_step"]:
+            return False
+        spread = F.window_spread(flat["freeze_history"], flat["freeze_history_count"])
+        return (F.settled(flat["freeze_history"], flat["freeze_history_count"], self.defaults["freeze_tolerance"])
+                or F.transient_passed(spread, flat.get("freeze_spread_peak", 0.0),
+                                      self.defaults["freeze_transient"]))
 
     def _record_warmup(self, coeff: torch.Tensor, param_norms: torch.Tensor, update_norms: torch.Tensor) -> None:
         """What the freeze and the guard need from a warm-up step, all from synchronized state:
@@ -317,6 +323,9 @@ class StagedOptimizer(Optimizer):
             hist.copy_(torch.roll(hist, -1, dims=0))
             hist[-1] = torch.log(v_norms)
             flat["freeze_history_count"] += 1
+            spread = F.window_spread(hist, flat["freeze_history_count"])
+            if spread is not None:
+                flat["freeze_spread_peak"] = max(flat.get("freeze_spread_peak", 0.0), spread)
 
     def _warmup_step(self, grads: torch.Tensor) -> None:
         """Stage 1 (all of LAMB): average the gradients, Adam moments, layer-wise trust ratio."""

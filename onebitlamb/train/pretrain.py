@@ -54,7 +54,7 @@ DEFAULTS = dict(
     weight_decay=0.01, clip=1.0, beta1=0.9, beta2=0.999, eps=1e-6, mask_prob=0.15,
     eval_every=32, eval_samples=512, ckpt_every=64,
     # 1-bit optimizers: freeze_frac is the freeze, or with auto_freeze the latest it may happen
-    auto_freeze=False, min_freeze_frac=0.05, freeze_window=20, freeze_tolerance=0.3,
+    auto_freeze=False, min_freeze_frac=0.05, freeze_window=20, freeze_tolerance=0.3, freeze_transient=5.0,
     compression_space="momentum", update_guard=0.0,
 )
 PRESETS = {
@@ -109,6 +109,7 @@ class TrainConfig:
     min_freeze_frac: float
     freeze_window: int
     freeze_tolerance: float
+    freeze_transient: float
     compression_space: str
     update_guard: float
     cache_dir: str = ""
@@ -164,7 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True
                  steps=int, lr=float, lr_lamb=float, lr_adam=float, warmup_frac=float, freeze_frac=float,
                  weight_decay=float, clip=float, beta1=float, beta2=float, eps=float, mask_prob=float,
                  eval_every=int, eval_samples=int, ckpt_every=int, min_freeze_frac=float, freeze_window=int,
-                 freeze_tolerance=float, compression_space=str, update_guard=float)
+                 freeze_tolerance=float, freeze_transient=float, compression_space=str, update_guard=float)
     helps = dict(workers="local worker processes (ignored under torchrun)",
                  lr="learning rate (default: --lr-lamb for (1-bit) LAMB, --lr-adam for 1-bit Adam)",
                  clip="max norm of each worker's local gradient, 0 = off",
@@ -172,8 +173,10 @@ def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True
                              "--auto-freeze: the latest the freeze may happen)",
                  min_freeze_frac="with --auto-freeze: the earliest the freeze may happen",
                  freeze_window="with --auto-freeze: steps over which the warm-up must have settled",
-                 freeze_tolerance="with --auto-freeze: how far (log scale) variance and trust ratio may move "
-                                  "over the window",
+                 freeze_tolerance="with --auto-freeze: how far (log scale) every layer's variance may move "
+                                  "over the window to count as settled",
+                 freeze_transient="with --auto-freeze: a spread this large marks the plateau exit; the freeze "
+                                  "comes once the spread is back to half its peak (0 = off)",
                  compression_space="1-bit optimizers: 'momentum' (the paper's) or 'update' (preconditioned)",
                  update_guard="1-bit optimizers: bound stage-2 relative steps to this multiple of the "
                               "warm-up's (0 = off)",
@@ -429,7 +432,8 @@ def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
     if cfg.auto_freeze:
         onebit.update(freeze_step="auto", max_freeze_step=cfg.freeze_step,
                       min_freeze_step=min(cfg.freeze_step, max(1, round(cfg.min_freeze_frac * cfg.steps))),
-                      freeze_window=cfg.freeze_window, freeze_tolerance=cfg.freeze_tolerance)
+                      freeze_window=cfg.freeze_window, freeze_tolerance=cfg.freeze_tolerance,
+                      freeze_transient=cfg.freeze_transient or None)
     else:
         onebit.update(freeze_step=cfg.freeze_step)
     cls = onebitlamb.OneBitLamb if cfg.optimizer == "onebitlamb" else onebitlamb.OneBitAdam
