@@ -377,6 +377,55 @@ def test_auto_freeze_waits_for_a_plateau_exit_and_respects_the_cap():
     assert capped.state["flat"]["frozen_at"] == 7
 
 
+def test_transient_criterion_by_hand():
+    from onebitlamb.optim.functional import transient_passed
+    assert not transient_passed(None, peak=12.0, transient=5.0)      # window not full
+    assert not transient_passed(1.0, peak=4.9, transient=5.0)        # no transient seen yet
+    assert not transient_passed(6.1, peak=12.0, transient=5.0)       # still above half the peak
+    assert transient_passed(6.0, peak=12.0, transient=5.0)
+    assert not transient_passed(0.1, peak=12.0, transient=None)      # turned off
+
+
+def _plateau_exit_run(transient, resume_at=None):
+    """Layer 0 sits on a plateau (gradients 1e-3) and leaves it over steps 30-40 (gradients grow
+    1000x); layer 1 drifts slowly all along. Returns the freeze step and the spread per step; with
+    ``resume_at``, the run continues from a checkpoint taken after that step, in a new optimizer."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(32))]
+    options = dict(lr=1e-3, freeze_step="auto", min_freeze_step=5, max_freeze_step=150, freeze_window=10,
+                   freeze_tolerance=0.2, freeze_transient=transient)
+    opt = onebitlamb.OneBitLamb(ps, **options)
+    gen = torch.Generator().manual_seed(1)
+    spreads = []
+    for t in range(1, 151):
+        ps[0].grad = 1e-3 * 1000 ** (min(max(t - 30, 0), 10) / 10) * (1 + 0.1 * torch.randn(64, generator=gen))
+        ps[1].grad = 0.97 ** t * (1 + 0.1 * torch.randn(32, generator=gen))
+        opt.step()
+        spreads.append(opt.freeze_spread)
+        if opt.stage == "compression":
+            break
+        if t == resume_at:
+            buffer = io.BytesIO()
+            torch.save(opt.state_dict(), buffer)
+            buffer.seek(0)
+            opt = onebitlamb.OneBitLamb(ps, **options)
+            opt.load_state_dict(torch.load(buffer))
+    return opt.state["flat"]["frozen_at"], spreads
+
+
+def test_auto_freeze_after_the_transient_and_not_before():
+    """With the transient rule the freeze comes once the plateau exit is over (its spread back to
+    half its peak), not on the plateau and not in the middle of the exit; without it, only when
+    every layer has settled, later. A checkpoint taken after the peak remembers it."""
+    frozen_at, spreads = _plateau_exit_run(transient=5.0)
+    peak = max(s for s in spreads if s is not None)
+    assert peak > 8 and 40 < frozen_at < 55, (frozen_at, peak)
+    assert spreads[-2] > peak / 2      # the step before the freeze was still above half the peak
+    assert _plateau_exit_run(transient=5.0, resume_at=frozen_at - 3)[0] == frozen_at
+    settled_at, _ = _plateau_exit_run(transient=None)
+    assert settled_at > frozen_at + 10, (settled_at, frozen_at)
+
+
 def test_update_guard_bounds_a_blow_up():
     """A gradient 1000x larger than in warm-up, after the freeze: with the guard the layer's step
     stays within update_guard times its warm-up relative step; without it, it does not."""
@@ -407,6 +456,7 @@ def test_update_guard_bounds_a_blow_up():
     ({"freeze_step": "auto", "max_freeze_step": 10, "min_freeze_step": 20}, "min_freeze_step"),
     ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_window": 0}, "freeze_window"),
     ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_tolerance": 0}, "freeze_tolerance"),
+    ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_transient": -1.0}, "freeze_transient"),
     ({"freeze_step": "sometime"}, "freeze_step"),
     ({"freeze_step": 5, "compression_space": "gradient"}, "compression_space"),
     ({"freeze_step": 5, "update_guard": 0.5}, "update_guard"),
