@@ -39,29 +39,9 @@ static inline void scalar_element(float *v, const float *m, const float *m_prev,
     *sq += (double)u * u;
 }
 
-/* One layer; returns its minimum quotient and writes its sum of squares. */
-static float layer_scalar(float *v, const float *m, const float *m_prev, const float *inv_den, float *update,
-                          int64_t begin, int64_t end, const params_t *p, double *sumsq) {
-    float lo[8];
-    double sq[8];
-    for (int j = 0; j < 8; j++) {
-        lo[j] = INFINITY;
-        sq[j] = 0.0;
-    }
-    for (int64_t i = begin; i < end; i++)
-        scalar_element(v, m, m_prev, inv_den, update, i, p, &lo[(i - begin) & 7], &sq[(i - begin) & 7]);
-    float least = lo[0];
-    double total = 0.0;
-    for (int j = 0; j < 8; j++) {
-        least = lo[j] < least ? lo[j] : least;
-        total += sq[j];
-    }
-    *sumsq = total;
-    return least;
-}
-
-#ifdef OBL_X86
-/* The tail of a layer (fewer than 8 elements) continues the lanes that the vector loop filled. */
+/* Elements [i, end) of the layer that starts at begin, into the lanes lo / sq (element k of the
+ * layer goes to lane k mod 8), then the lanes reduced in a fixed order: returns the layer's
+ * minimum quotient and writes its sum of squares. The vector versions call it for their tails. */
 static float finish(float *v, const float *m, const float *m_prev, const float *inv_den, float *update,
                     int64_t i, int64_t end, int64_t begin, const params_t *p, float *lo, double *sq,
                     double *sumsq) {
@@ -77,6 +57,18 @@ static float finish(float *v, const float *m, const float *m_prev, const float *
     return least;
 }
 
+static float layer_scalar(float *v, const float *m, const float *m_prev, const float *inv_den, float *update,
+                          int64_t begin, int64_t end, const params_t *p, double *sumsq) {
+    float lo[8];
+    double sq[8];
+    for (int j = 0; j < 8; j++) {
+        lo[j] = INFINITY;
+        sq[j] = 0.0;
+    }
+    return finish(v, m, m_prev, inv_den, update, begin, end, begin, p, lo, sq, sumsq);
+}
+
+#ifdef OBL_X86
 static float layer_sse2(float *v, const float *m, const float *m_prev, const float *inv_den, float *update,
                         int64_t begin, int64_t end, const params_t *p, double *sumsq) {
     const __m128 b1 = _mm_set1_ps(p->beta1), b2 = _mm_set1_ps(p->beta2), w = _mm_set1_ps(p->weight);
