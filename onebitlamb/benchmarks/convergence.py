@@ -58,7 +58,8 @@ DEFAULT_PLAN: Dict[str, List[str]] = {
              "1bit-adam auto (cap 75%)"],
     "b1024": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3", "1bit-lamb freeze 20%",
               "1bit-lamb freeze 35%"],
-    "b4096": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3"],
+    "b4096": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3", "1bit-lamb freeze 20%",
+              "1bit-lamb freeze 35%"],
     "demo": ["lamb", "1bit-lamb freeze 35%", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%)"],
 }
 # learning rates swept around the main job's (2e-2 for the LAMB family, 1e-3 for Adam), whose row
