@@ -22,6 +22,8 @@ def test_every_planned_row_is_a_valid_pretrain_command():
     sweep = [r for r in rows if r[0] == "b512" and r[1].startswith("lamb, lr")]
     assert [r[3][-1] for r in sweep] == convergence.SWEEP["lamb"]
     assert not any(", lr " in r[1] for r in convergence.plan(["b512"]))  # no sweep unless asked
+    only_lamb = convergence.plan(["b512"], sweep=["b512"], sweep_optimizers=["lamb"])
+    assert [r[1] for r in only_lamb if ", lr " in r[1]] == [f"lamb, lr {lr}" for lr in convergence.SWEEP["lamb"]]
 
 
 def test_table_gap_volume_and_divergence():

@@ -92,15 +92,17 @@ def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) 
         return json.load(f)
 
 
-def plan(presets: Sequence[str], sweep: Sequence[str] = ()) -> List[Tuple[str, str, str, List[str]]]:
+def plan(presets: Sequence[str], sweep: Sequence[str] = (),
+         sweep_optimizers: Sequence[str] = tuple(SWEEP)) -> List[Tuple[str, str, str, List[str]]]:
     """(preset, row label, optimizer, flags) for every run; the presets in ``sweep`` also get the
-    learning-rate sweep of each optimizer's main variant."""
+    learning-rate sweep of the main variant of each optimizer in ``sweep_optimizers``."""
     rows = []
     for preset in presets:
         for variant in DEFAULT_PLAN[preset]:
             optimizer, flags = VARIANTS[variant]
             rows.append((preset, variant, optimizer, PRESETS[preset] + flags))
-            if preset in sweep and variant in ("lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%)"):
+            if (preset in sweep and optimizer in sweep_optimizers
+                    and variant in ("lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%)")):
                 for lr in SWEEP[optimizer]:
                     rows.append((preset, f"{variant}, lr {lr}", optimizer, PRESETS[preset] + flags + ["--lr", lr]))
     return rows
@@ -138,11 +140,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--presets", nargs="+", choices=list(PRESETS), default=["b512", "demo"])
     parser.add_argument("--sweep", nargs="+", choices=list(PRESETS), default=[], metavar="PRESET",
                         help="also sweep each optimizer's learning rate on these presets")
+    parser.add_argument("--sweep-optimizers", nargs="+", choices=list(SWEEP), default=list(SWEEP),
+                        metavar="OPTIMIZER", help="sweep only these (default: all three; a sweep costs "
+                                                  "two to three runs per optimizer and preset)")
     parser.add_argument("--out", default="runs/convergence", help="run folders (reused to continue)")
     parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
     parser.add_argument("--list", action="store_true", help="print the runs and exit")
     args = parser.parse_args(argv)
-    rows = plan(args.presets, args.sweep)
+    rows = plan(args.presets, args.sweep, args.sweep_optimizers)
     if args.list:
         for preset, label, optimizer, flags in rows:
             print(f"{preset:6s} {label:50s} onebitlamb pretrain --preset demo --optimizer {optimizer} {' '.join(flags)}")
