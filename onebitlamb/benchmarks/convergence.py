@@ -38,6 +38,9 @@ VARIANTS: Dict[str, Tuple[str, List[str]]] = {
     "1bit-lamb freeze 20%": ("onebitlamb", ["--freeze-frac", "0.2"]),
     "1bit-lamb freeze 25%": ("onebitlamb", ["--freeze-frac", "0.25"]),
     "1bit-lamb freeze 35%": ("onebitlamb", ["--freeze-frac", "0.35"]),
+    # b1024: the step the automatic freeze chose there (79), by hand: how much of the difference
+    # to the 20% row (step 80) is the criterion, and how much the run's sensitivity to one step
+    "1bit-lamb freeze 19.75%": ("onebitlamb", ["--freeze-frac", "0.1975"]),
     "1bit-lamb freeze 20%, update space + guard": ("onebitlamb", ["--freeze-frac", "0.2", "--compression-space",
                                                                  "update", "--update-guard", "4"]),
     "1bit-lamb auto (cap 75%)": ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75"]),
@@ -57,7 +60,7 @@ DEFAULT_PLAN: Dict[str, List[str]] = {
              "1bit-lamb auto (cap 75%)", "1bit-lamb auto (cap 75%), update space + guard", "1bit-adam freeze 20%",
              "1bit-adam auto (cap 75%)"],
     "b1024": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3", "1bit-lamb freeze 20%",
-              "1bit-lamb freeze 35%"],
+              "1bit-lamb freeze 35%", "1bit-lamb freeze 19.75%"],
     "b4096": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3", "1bit-lamb freeze 20%",
               "1bit-lamb freeze 35%"],
     "demo": ["lamb", "1bit-lamb freeze 35%", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%)"],
