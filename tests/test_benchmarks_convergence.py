@@ -1,6 +1,8 @@
 """The convergence study's plan and table (the runs themselves are the main job, tested elsewhere)."""
 import math
 
+import pytest
+
 from onebitlamb.benchmarks import convergence
 
 
@@ -22,8 +24,12 @@ def test_every_planned_row_is_a_valid_pretrain_command():
     sweep = [r for r in rows if r[0] == "b512" and r[1].startswith("lamb, lr")]
     assert [r[3][-1] for r in sweep] == convergence.SWEEP["lamb"]
     assert not any(", lr " in r[1] for r in convergence.plan(["b512"]))  # no sweep unless asked
-    only_lamb = convergence.plan(["b512"], sweep=["b512"], sweep_optimizers=["lamb"])
-    assert [r[1] for r in only_lamb if ", lr " in r[1]] == [f"lamb, lr {lr}" for lr in convergence.SWEEP["lamb"]]
+    only_lamb = convergence.plan(["b512", "b4096"], sweep=["b512:lamb", "b4096:lamb,onebitlamb"])
+    assert [r[1] for r in only_lamb if r[0] == "b512" and ", lr " in r[1]] == ["lamb, lr 1e-2", "lamb, lr 4e-2"]
+    assert len([r for r in only_lamb if r[0] == "b4096"]) == len(convergence.plan(["b4096"])) + 4
+    for bad in (["b999"], ["b512:sgd"]):
+        with pytest.raises(ValueError, match="invalid sweep"):
+            convergence.plan(["b512"], sweep=bad)
 
 
 def test_table_gap_volume_and_divergence():

@@ -3,6 +3,7 @@
     python -m onebitlamb.benchmarks.convergence                    # the default study (~1 h on 2 cores)
     python -m onebitlamb.benchmarks.convergence --presets b512     # one preset
     python -m onebitlamb.benchmarks.convergence --sweep b512       # add the learning-rate sweep
+    python -m onebitlamb.benchmarks.convergence --presets b4096 --sweep b4096:lamb   # LAMB's only
     python -m onebitlamb.benchmarks.convergence --list             # what would run
 
 Every run is ``onebitlamb pretrain`` with the flags shown in the table (so any row can be rerun
@@ -95,16 +96,29 @@ def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) 
         return json.load(f)
 
 
-def plan(presets: Sequence[str], sweep: Sequence[str] = (),
-         sweep_optimizers: Sequence[str] = tuple(SWEEP)) -> List[Tuple[str, str, str, List[str]]]:
-    """(preset, row label, optimizer, flags) for every run; the presets in ``sweep`` also get the
-    learning-rate sweep of the main variant of each optimizer in ``sweep_optimizers``."""
+def parse_sweep(items: Sequence[str]) -> Dict[str, List[str]]:
+    """``["b512", "b4096:lamb"]`` -> which optimizers to sweep on which preset (all by default)."""
+    out: Dict[str, List[str]] = {}
+    for item in items:
+        preset, _, names = item.partition(":")
+        optimizers = names.split(",") if names else list(SWEEP)
+        if preset not in PRESETS or not all(o in SWEEP for o in optimizers):
+            raise ValueError(f"invalid sweep {item!r}: PRESET or PRESET:OPTIMIZER,... with PRESET in "
+                             f"{sorted(PRESETS)} and OPTIMIZER in {sorted(SWEEP)}")
+        out[preset] = optimizers
+    return out
+
+
+def plan(presets: Sequence[str], sweep: Sequence[str] = ()) -> List[Tuple[str, str, str, List[str]]]:
+    """(preset, row label, optimizer, flags) for every run; ``sweep`` (see ``parse_sweep``) adds
+    the learning-rate sweep of each chosen optimizer's main variant on its preset."""
+    swept = parse_sweep(sweep)
     rows = []
     for preset in presets:
         for variant in DEFAULT_PLAN[preset]:
             optimizer, flags = VARIANTS[variant]
             rows.append((preset, variant, optimizer, PRESETS[preset] + flags))
-            if (preset in sweep and optimizer in sweep_optimizers
+            if (optimizer in swept.get(preset, ())
                     and variant in ("lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%)")):
                 for lr in SWEEP[optimizer]:
                     rows.append((preset, f"{variant}, lr {lr}", optimizer, PRESETS[preset] + flags + ["--lr", lr]))
@@ -141,16 +155,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m onebitlamb.benchmarks.convergence",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", choices=list(PRESETS), default=["b512", "demo"])
-    parser.add_argument("--sweep", nargs="+", choices=list(PRESETS), default=[], metavar="PRESET",
-                        help="also sweep each optimizer's learning rate on these presets")
-    parser.add_argument("--sweep-optimizers", nargs="+", choices=list(SWEEP), default=list(SWEEP),
-                        metavar="OPTIMIZER", help="sweep only these (default: all three; a sweep costs "
-                                                  "two to three runs per optimizer and preset)")
+    parser.add_argument("--sweep", nargs="+", default=[], metavar="PRESET[:OPT,...]",
+                        help="also sweep the learning rate on these presets, of every optimizer or of those "
+                             "named (e.g. b4096:lamb; a sweep costs two or three runs per optimizer)")
     parser.add_argument("--out", default="runs/convergence", help="run folders (reused to continue)")
     parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
     parser.add_argument("--list", action="store_true", help="print the runs and exit")
     args = parser.parse_args(argv)
-    rows = plan(args.presets, args.sweep, args.sweep_optimizers)
+    try:
+        rows = plan(args.presets, args.sweep)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.list:
         for preset, label, optimizer, flags in rows:
             print(f"{preset:6s} {label:50s} onebitlamb pretrain --preset demo --optimizer {optimizer} {' '.join(flags)}")
