@@ -186,9 +186,9 @@ def transient_passed(spread: Optional[float], peak: float, transient: Optional[f
 
     On the main job every preset shows one: some layers sit on a plateau with a tiny variance,
     then leave it and their ``log ||v_hat||`` grows by 6-14 within a window; before it the spread
-    stayed below 2.9 in every run of the convergence study (docs/convergence.md). Freezing before or during that rise fails (the frozen variance cannot
-    follow); freezing once it is over works, long before every layer has settled to
-    ``freeze_tolerance``. So: passed when the spread has once reached ``transient`` (``peak`` is
+    stayed below 2.9 in every run of the convergence study (docs/convergence.md). Freezing before
+    or during that rise fails (the frozen variance cannot follow); freezing once it is over works,
+    long before every layer has settled to ``freeze_tolerance``. So: passed when the spread has once reached ``transient`` (``peak`` is
     the largest spread seen so far) and has since fallen to half of that peak. ``transient=None``
     turns this way out off.
     """
