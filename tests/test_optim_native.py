@@ -1,7 +1,8 @@
 """1-bit LAMB's fused stage-2 loop (optim/_native.c) against the torch path it replaces, and its
 instruction-set versions against each other. The optimizer itself is checked against the
 reference of ALGORITHM.md with and without the loop in test_optimizers.py."""
-import math
+import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -30,21 +31,21 @@ def _buffers(seed: int):
 
 
 def _run(path: str, seed: int = 0, bc1: float = 0.3, bc2: float = 0.02):
+    """``functional.fresh_variance_statistics_`` on fresh buffers, through the torch fallback
+    (``path="torch"``) or the compiled loop forced to one instruction set."""
     v, m, m_prev, den, offsets = _buffers(seed)
     update = torch.empty_like(m)
     slices = [slice(offsets[i], offsets[i + 1]) for i in range(len(SIZES))]
-    offsets_t = torch.tensor(offsets, dtype=torch.int64)
     if path == "torch":
-        F.adam_direction(m, den, bc1, out=update)
-        F.update_fresh_variance_(v, m, m_prev.clone(), BETA1, BETA2)
-        max_ratio = F.max_denominator_ratios(den, v, bc2, EPS, slices, out=torch.empty_like(m))
-        return v, update, max_ratio, F.norms([update[s] for s in slices])
-    lib = native.LIBRARY.load()
-    root = math.sqrt(bc2)
-    min_q, sum_sq = native.fresh_variance_stats_(lib, v, m, m_prev, torch.reciprocal(den), update, offsets_t,
-                                                 BETA1, BETA2, (1 - BETA2) / (1 - BETA1) ** 2, EPS * root,
-                                                 1 / bc1, isa=path)
-    return v, update, root / min_q, sum_sq.sqrt().float()
+        patch = mock.patch.object(native, "usable", lambda *tensors: None)
+    else:
+        patch = mock.patch.object(native, "fresh_variance_stats_",
+                                  functools.partial(native.fresh_variance_stats_, isa=path))
+    with patch:
+        max_ratio, norms = F.fresh_variance_statistics_(v, m, m_prev, den, torch.reciprocal(den), bc1, bc2, BETA1,
+                                                        BETA2, EPS, slices, torch.tensor(offsets), update,
+                                                        scratch=torch.empty_like(m))
+    return v, update, max_ratio, norms
 
 
 def _available_isas():
