@@ -6,30 +6,77 @@ import pytest
 from onebitlamb.benchmarks import convergence
 
 
-def test_every_planned_row_is_a_valid_pretrain_command():
+def _parses(optimizer, flags):
     import argparse
 
     from onebitlamb.train import pretrain
 
+    parser = argparse.ArgumentParser()
+    pretrain.add_arguments(parser)
+    return pretrain.config_from_args(parser.parse_args(["--preset", "demo", "--optimizer", optimizer, "--out", "x",
+                                                        *flags]))
+
+
+def test_every_planned_row_is_a_valid_pretrain_command():
     rows = convergence.plan(list(convergence.PRESETS), sweep=list(convergence.PRESETS))
     assert {r[0] for r in rows} == set(convergence.PRESETS)
-    for preset, label, optimizer, flags in rows:
-        parser = argparse.ArgumentParser()
-        pretrain.add_arguments(parser)
-        args = parser.parse_args(["--preset", "demo", "--optimizer", optimizer, "--out", "x", *flags])
-        cfg = pretrain.config_from_args(args)
+    for preset, label, optimizer, flags, swept in rows:
+        cfg = _parses(optimizer, flags)
         assert cfg.optimizer == optimizer
         if "auto" in label:
             assert cfg.auto_freeze
-    sweep = [r for r in rows if r[0] == "b512" and r[1].startswith("lamb, lr")]
-    assert [r[3][-1] for r in sweep] == convergence.SWEEP["lamb"]
-    assert not any(", lr " in r[1] for r in convergence.plan(["b512"]))  # no sweep unless asked
-    only_lamb = convergence.plan(["b512", "b4096"], sweep=["b512:lamb", "b4096:lamb,onebitlamb"])
-    assert [r[1] for r in only_lamb if r[0] == "b512" and ", lr " in r[1]] == ["lamb, lr 1e-2", "lamb, lr 4e-2"]
-    assert len([r for r in only_lamb if r[0] == "b4096"]) == len(convergence.plan(["b4096"])) + 4
+        # every swept row at another rate is a valid command too, at that rate and no other
+        label2, flags2 = convergence.with_rate(label, flags, 0.5 * cfg.lr)
+        assert _parses(optimizer, flags2).lr == 0.5 * cfg.lr and flags2.count("--lr") == 1
+        assert convergence.own_rate(optimizer, flags) == cfg.lr
+    # one swept row per optimizer and preset when all are asked for; none unless asked
+    assert sum(r[4] for r in rows) == 3 * len(convergence.PRESETS)
+    assert not any(r[4] for r in convergence.plan(["b512"]))
+    only_lamb = convergence.plan(["b512", "b4096"], sweep=["b512:lamb", "b4096:lamb,onebitadam"])
+    assert [r[1] for r in only_lamb if r[4]] == ["lamb", "lamb", "1bit-adam auto (cap 75%), lr 2e-3"]
     for bad in (["b999"], ["b512:sgd"]):
         with pytest.raises(ValueError, match="invalid sweep"):
             convergence.plan(["b512"], sweep=bad)
+
+
+def test_rate_labels():
+    assert [convergence.format_rate(r) for r in (0.02, 0.01, 5e-4, 0.004, 0.16)] == ["2e-2", "1e-2", "5e-4", "4e-3",
+                                                                                      "1.6e-1"]
+    label, flags = convergence.with_rate("1bit-adam auto (cap 75%), lr 2e-3", ["--steps", "9", "--lr", "2e-3"], 1e-3)
+    assert label == "1bit-adam auto (cap 75%), lr 1e-3" and flags == ["--steps", "9", "--lr", "1e-3"]
+
+
+@pytest.mark.parametrize("best_rate, expected", [
+    (2e-2, [1e-2, 2e-2, 4e-2]),                    # best in the middle: three runs
+    (5e-2, [1e-2, 2e-2, 4e-2, 8e-2]),              # best at the top edge: one more above
+    (1e-3, [2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2]),     # keeps going down, at most five rates
+    (None, [5e-3, 1e-2, 2e-2, 4e-2]),              # NaN above 2e-2 counts as the worst; best 1e-2
+])
+def test_sweep_goes_outwards_while_the_best_is_at_an_edge(best_rate, expected):
+    ran = []
+
+    def loss_at(rate):
+        ran.append(rate)
+        if best_rate is None:
+            return math.nan if rate > 2e-2 else 5.0 + abs(math.log(rate / 1e-2))
+        return (math.log(rate) - math.log(best_rate)) ** 2
+
+    rates = convergence.sweep_rates(2e-2, loss_at)
+    assert rates == pytest.approx(expected)
+    assert len(set(ran)) == len(expected)  # the caller caches; the sweep asks only for the rates it lists
+
+
+def test_sweep_table_compares_best_against_best():
+    def row(label, sweep, rate, loss):
+        return {"preset": "b512", "label": label, "flags": [], "loss": loss, "freeze": None, "bytes": 100,
+                "sweep": sweep, "rate": rate}
+
+    results = [row("lamb", "lamb", 2e-2, 5.0), row("lamb, lr 1e-2", "lamb", 1e-2, 4.0),
+               row("lamb, lr 4e-2", "lamb", 4e-2, math.nan), row("1bit", "1bit", 2e-2, 4.4),
+               row("1bit, lr 1e-2", "1bit", 1e-2, 4.6)]
+    table = convergence.render(results, "cmd")
+    assert "| b512 | lamb | 1e-2: 4.000, 2e-2: 5.000, 4e-2: NaN | 1e-2 | 4.000 | - |" in table
+    assert "| b512 | 1bit | 1e-2: 4.600, 2e-2: 4.400 | 2e-2 | 4.400 | +10.0% |" in table
 
 
 def test_table_gap_volume_and_divergence():

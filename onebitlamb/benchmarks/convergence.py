@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from onebitlamb.benchmarks.report import command_line, machine_line, write_section
 from onebitlamb.comm.launch import WorkerError
@@ -66,10 +67,36 @@ DEFAULT_PLAN: Dict[str, List[str]] = {
               "1bit-lamb freeze 35%"],
     "demo": ["lamb", "1bit-lamb freeze 35%", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%)"],
 }
-# learning rates swept around the main job's (2e-2 for the LAMB family, 1e-3 for Adam), whose row
-# is the variant's own: with it, three values per optimizer, four for Adam (whose best was at
-# the edge of the first sweep)
-SWEEP = {"lamb": ["1e-2", "4e-2"], "onebitlamb": ["1e-2", "4e-2"], "onebitadam": ["5e-4", "2e-3", "4e-3"]}
+# The learning-rate sweep of a variant starts at half and twice its own rate (the main job's: 2e-2 for
+# the LAMB family, 1e-3 for 1-bit Adam, or the row's --lr) and goes one more factor of 2 outwards
+# while the best rate is at an edge, so that the best ends between two worse ones (or at the limit).
+SWEEP_FACTOR = 2.0
+SWEEP_MAX_RATES = 5
+# the variant swept for each optimizer (the one the headline comparison uses)
+SWEPT = {"lamb": ("lamb",), "onebitlamb": ("1bit-lamb auto (cap 75%)",),
+         "onebitadam": ("1bit-adam auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3")}
+
+
+def format_rate(rate: float) -> str:
+    """0.02 -> "2e-2" (the form of the --lr flags and run folders)."""
+    mantissa, exponent = f"{rate:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def sweep_rates(base: float, loss_at: Callable[[float], float]) -> List[float]:
+    """The rates swept around ``base``, lowest first; ``loss_at(rate)`` runs one (NaN: diverged,
+    counts as the worst). Half and twice ``base`` first, then one more factor outwards while the best
+    is the lowest or the highest rate tried, up to ``SWEEP_MAX_RATES`` rates."""
+    rates = [base / SWEEP_FACTOR, base, base * SWEEP_FACTOR]
+    while True:
+        losses = [loss_at(rate) for rate in rates]
+        best = min(range(len(rates)), key=lambda i: losses[i] if losses[i] == losses[i] else math.inf)
+        if len(rates) >= SWEEP_MAX_RATES or 0 < best < len(rates) - 1:
+            return rates
+        if best == 0:
+            rates.insert(0, rates[0] / SWEEP_FACTOR)
+        else:
+            rates.append(rates[-1] * SWEEP_FACTOR)
 
 
 def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) -> dict:
@@ -101,28 +128,41 @@ def parse_sweep(items: Sequence[str]) -> Dict[str, List[str]]:
     out: Dict[str, List[str]] = {}
     for item in items:
         preset, _, names = item.partition(":")
-        optimizers = names.split(",") if names else list(SWEEP)
-        if preset not in PRESETS or not all(o in SWEEP for o in optimizers):
+        optimizers = names.split(",") if names else list(SWEPT)
+        if preset not in PRESETS or not all(o in SWEPT for o in optimizers):
             raise ValueError(f"invalid sweep {item!r}: PRESET or PRESET:OPTIMIZER,... with PRESET in "
-                             f"{sorted(PRESETS)} and OPTIMIZER in {sorted(SWEEP)}")
+                             f"{sorted(PRESETS)} and OPTIMIZER in {sorted(SWEPT)}")
         out[preset] = optimizers
     return out
 
 
-def plan(presets: Sequence[str], sweep: Sequence[str] = ()) -> List[Tuple[str, str, str, List[str]]]:
-    """(preset, row label, optimizer, flags) for every run; ``sweep`` (see ``parse_sweep``) adds
-    the learning-rate sweep of each chosen optimizer's main variant on its preset."""
+def plan(presets: Sequence[str], sweep: Sequence[str] = ()) -> List[Tuple[str, str, str, List[str], bool]]:
+    """(preset, row label, optimizer, flags, swept) for every run of the default plan; ``swept``
+    marks the rows whose learning rate ``sweep`` (see ``parse_sweep``) asks to sweep."""
     swept = parse_sweep(sweep)
     rows = []
     for preset in presets:
         for variant in DEFAULT_PLAN[preset]:
             optimizer, flags = VARIANTS[variant]
-            rows.append((preset, variant, optimizer, PRESETS[preset] + flags))
-            if (optimizer in swept.get(preset, ())
-                    and variant in ("lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%)")):
-                for lr in SWEEP[optimizer]:
-                    rows.append((preset, f"{variant}, lr {lr}", optimizer, PRESETS[preset] + flags + ["--lr", lr]))
+            rows.append((preset, variant, optimizer, PRESETS[preset] + flags,
+                         optimizer in swept.get(preset, ()) and variant in SWEPT[optimizer]))
     return rows
+
+
+def with_rate(label: str, flags: Sequence[str], rate: float) -> Tuple[str, List[str]]:
+    """A row's label and flags at another learning rate (replacing its own --lr, if any)."""
+    stem = label.split(", lr ")[0]
+    kept = [f for i, f in enumerate(flags) if f != "--lr" and (i == 0 or flags[i - 1] != "--lr")]
+    return f"{stem}, lr {format_rate(rate)}", kept + ["--lr", format_rate(rate)]
+
+
+def own_rate(optimizer: str, flags: Sequence[str]) -> float:
+    """The learning rate a row runs at: its --lr, or the main job's default for the optimizer."""
+    from onebitlamb.train.pretrain import DEFAULTS
+
+    if "--lr" in flags:
+        return float(flags[list(flags).index("--lr") + 1])
+    return DEFAULTS["lr_adam"] if optimizer == "onebitadam" else DEFAULTS["lr_lamb"]
 
 
 def render(results: List[dict], command: str) -> str:
@@ -148,6 +188,28 @@ def render(results: List[dict], command: str) -> str:
         loss = f"{r['loss']:.3f}" if r["loss"] == r["loss"] else "diverged (NaN)"
         lines.append(f"| {r['preset']} | {r['label']} | `{' '.join(r['flags'])}` | {r['freeze'] or '-'} | {loss} "
                      f"| {gap} | {volume} |")
+    sweeps: Dict[Tuple[str, str], List[dict]] = {}
+    for r in results:
+        if r.get("sweep"):
+            sweeps.setdefault((r["preset"], r["sweep"]), []).append(r)
+    if not sweeps:
+        return "\n".join(lines)
+    lines += [
+        "",
+        "Learning-rate sweeps (half and twice each row's own rate, extended by factors of 2 while the best "
+        "was at an edge); the gap is against LAMB at its own best rate on the same preset, where swept.",
+        "",
+        "| preset | run | held-out loss at each rate | best rate | best loss | vs best LAMB |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    best = {key: min(rows, key=lambda r: r["loss"] if r["loss"] == r["loss"] else math.inf)
+            for key, rows in sweeps.items()}
+    for (preset, stem), rows in sweeps.items():
+        tried = ", ".join(f"{format_rate(r['rate'])}: " + (f"{r['loss']:.3f}" if r["loss"] == r["loss"] else "NaN")
+                          for r in sorted(rows, key=lambda r: r["rate"]))
+        top, ref = best[(preset, stem)], best.get((preset, "lamb"))
+        gap = f"{100 * (top['loss'] / ref['loss'] - 1):+.1f}%" if ref and stem != "lamb" else "-"
+        lines.append(f"| {preset} | {stem} | {tried} | {format_rate(top['rate'])} | {top['loss']:.3f} | {gap} |")
     return "\n".join(lines)
 
 
@@ -157,7 +219,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--presets", nargs="+", choices=list(PRESETS), default=["b512", "demo"])
     parser.add_argument("--sweep", nargs="+", default=[], metavar="PRESET[:OPT,...]",
                         help="also sweep the learning rate on these presets, of every optimizer or of those "
-                             "named (e.g. b4096:lamb; a sweep costs two or three runs per optimizer)")
+                             "named (e.g. b4096:lamb; a sweep costs two to four runs per optimizer)")
     parser.add_argument("--out", default="runs/convergence", help="run folders (reused to continue)")
     parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
     parser.add_argument("--list", action="store_true", help="print the runs and exit")
@@ -167,22 +229,42 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if args.list:
-        for preset, label, optimizer, flags in rows:
+        for preset, label, optimizer, flags, swept in rows:
             print(f"{preset:6s} {label:50s} onebitlamb pretrain --preset demo --optimizer {optimizer} {' '.join(flags)}")
+            if swept:
+                rate = own_rate(optimizer, flags)
+                print(f"{'':6s}   + --lr {format_rate(rate / SWEEP_FACTOR)} and {format_rate(rate * SWEEP_FACTOR)}, "
+                      f"and further out while the best rate is at an edge")
         return 0
     cache = os.path.join(args.out, "cache")
-    results = []
-    for i, (preset, label, optimizer, flags) in enumerate(rows):
+    results: List[dict] = []
+
+    def record(preset: str, label: str, optimizer: str, flags: List[str], sweep: Optional[str]) -> float:
         folder = os.path.join(args.out, preset, label.replace(" ", "_").replace(",", "").replace("%", "pct")
                               .replace("(", "").replace(")", ""))
         t0 = time.perf_counter()
-        print(f"[{i + 1}/{len(rows)}] {preset}: {label}", file=sys.stderr, flush=True)
+        print(f"[{len(results) + 1}] {preset}: {label}", file=sys.stderr, flush=True)
         m = run_one(folder, optimizer, flags, cache)
         print(f"    held-out loss {m['final_eval_loss']:.4f}, freeze {m.get('freeze_step')}, "
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         results.append({"preset": preset, "label": label, "flags": flags, "loss": m["final_eval_loss"],
-                        "freeze": m.get("freeze_step"), "bytes": m["bytes_sent_per_rank"]})
-        body = render(results, command_line(argv))
+                        "freeze": m.get("freeze_step"), "bytes": m["bytes_sent_per_rank"], "sweep": sweep,
+                        "rate": own_rate(optimizer, flags)})
+        return m["final_eval_loss"]
+
+    for preset, label, optimizer, flags, swept in rows:
+        stem = label.split(", lr ")[0] if swept else None
+        base = own_rate(optimizer, flags)
+        losses = {base: record(preset, label, optimizer, flags, stem)}
+        if swept:
+            def loss_at(rate: float) -> float:
+                if rate not in losses:
+                    rate_label, rate_flags = with_rate(label, flags, rate)
+                    losses[rate] = record(preset, rate_label, optimizer, rate_flags, stem)
+                return losses[rate]
+
+            sweep_rates(base, loss_at)
+    body = render(results, command_line(argv))
     print(body)
     write_section("convergence", body, args.results)
     return 0
