@@ -342,17 +342,18 @@ def test_auto_freeze_same_step_on_all_ranks_guard_and_exact_resume():
 
 
 def test_settled_criterion_by_hand():
-    from onebitlamb.optim.functional import settled
+    from onebitlamb.optim.functional import settled, window_spread
     flat = torch.zeros(5, 4)
-    assert settled(flat, count=5, tolerance=0.1)
-    assert not settled(flat, count=4, tolerance=0.1)  # the window is not full yet
+    assert settled(window_spread(flat, count=5), tolerance=0.1)
+    assert window_spread(flat, count=4) is None and not settled(None, tolerance=0.1)  # the window is not full yet
     drifting = flat.clone()
     drifting[:, 2] = torch.tensor([0.0, 0.1, 0.2, 0.3, 0.4])  # one layer still moving by 0.4
-    assert not settled(drifting, count=9, tolerance=0.1)
-    assert settled(drifting, count=9, tolerance=0.5)
+    assert window_spread(drifting, count=9) == pytest.approx(0.4)
+    assert not settled(window_spread(drifting, count=9), tolerance=0.1)
+    assert settled(window_spread(drifting, count=9), tolerance=0.5)
     no_gradient_yet = flat.clone()
     no_gradient_yet[0, 1] = -float("inf")  # log of a zero variance: ignored
-    assert settled(no_gradient_yet, count=5, tolerance=0.1)
+    assert settled(window_spread(no_gradient_yet, count=5), tolerance=0.1)
 
 
 def test_auto_freeze_waits_for_a_plateau_exit_and_respects_the_cap():

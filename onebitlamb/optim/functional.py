@@ -163,12 +163,12 @@ def segment_max(flat: torch.Tensor, views_of: List[slice]) -> torch.Tensor:
     return torch.stack([flat[s].max() for s in views_of]).to(torch.float32)
 
 
-def settled(history: torch.Tensor, count: int, tolerance: float) -> bool:
+def settled(spread: Optional[float], tolerance: float) -> bool:
     """The automatic freeze criterion: has the warm-up left its early transient?
 
-    ``history`` holds, for the last ``W + 1`` warm-up steps, each layer's ``log ||v_hat||``
-    (synchronized, so every rank decides alike). Settled when every layer's has moved by at most
-    ``tolerance`` (max minus min, in log space) over the window. A layer still on the early
+    ``spread`` is ``window_spread`` of the last ``W + 1`` warm-up steps' per-layer
+    ``log ||v_hat||`` (synchronized, so every rank decides alike). Settled when every layer's has
+    moved by at most ``tolerance`` (max minus min, in log space) over the window. A layer still on the early
     plateau, or leaving it, has a variance that grows by orders of magnitude and holds the freeze
     back; layers with no gradient yet (``log 0``) are ignored until they have one.
 
@@ -177,7 +177,6 @@ def settled(history: torch.Tensor, count: int, tolerance: float) -> bool:
     long after the variance had settled, so requiring it to settle too never let the freeze
     happen before the cap (docs/convergence.md).
     """
-    spread = window_spread(history, count)
     return spread is not None and spread <= tolerance
 
 
@@ -188,9 +187,9 @@ def transient_passed(spread: Optional[float], peak: float, transient: Optional[f
     then leave it and their ``log ||v_hat||`` grows by 6-14 within a window; before it the spread
     stayed below 2.9 in every run of the convergence study (docs/convergence.md). Freezing before
     or during that rise fails (the frozen variance cannot follow); freezing once it is over works,
-    long before every layer has settled to ``freeze_tolerance``. So: passed when the spread has once reached ``transient`` (``peak`` is
-    the largest spread seen so far) and has since fallen to half of that peak. ``transient=None``
-    turns this way out off.
+    long before every layer has settled to ``freeze_tolerance``. So: passed when the spread has
+    once reached ``transient`` (``peak`` is the largest spread seen so far) and has since fallen to
+    half of that peak. ``transient=None`` turns this way out off.
     """
     return transient is not None and spread is not None and peak >= transient and spread <= peak / 2
 

@@ -305,7 +305,7 @@ class StagedOptimizer(Optimizer):
         if flat["step"] < self.defaults["min_freeze_step"]:
             return False
         spread = F.window_spread(flat["freeze_history"], flat["freeze_history_count"])
-        return (F.settled(flat["freeze_history"], flat["freeze_history_count"], self.defaults["freeze_tolerance"])
+        return (F.settled(spread, self.defaults["freeze_tolerance"])
                 or F.transient_passed(spread, flat.get("freeze_spread_peak", 0.0),
                                       self.defaults["freeze_transient"]))
 
