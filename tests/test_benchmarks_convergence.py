@@ -18,25 +18,40 @@ def _parses(optimizer, flags):
 
 
 def test_every_planned_row_is_a_valid_pretrain_command():
-    rows = convergence.plan(list(convergence.PRESETS), sweep=list(convergence.PRESETS))
-    assert {r[0] for r in rows} == set(convergence.PRESETS)
-    for preset, label, optimizer, flags, swept in rows:
-        cfg = _parses(optimizer, flags)
-        assert cfg.optimizer == optimizer
-        if "auto" in label:
+    everything = list(convergence.PRESETS)
+    rows = convergence.plan(everything, sweep=everything, seeds=[f"{p}:3" for p in everything])
+    assert {r.preset for r in rows} == set(convergence.PRESETS)
+    for row in rows:
+        cfg = _parses(row.optimizer, row.flags)
+        assert cfg.optimizer == row.optimizer and cfg.seed == row.seed
+        if "auto" in row.label:
             assert cfg.auto_freeze
-        # every swept row at another rate is a valid command too, at that rate and no other
-        label2, flags2 = convergence.with_rate(label, flags, 0.5 * cfg.lr)
-        assert _parses(optimizer, flags2).lr == 0.5 * cfg.lr and flags2.count("--lr") == 1
-        assert convergence.own_rate(optimizer, flags) == cfg.lr
+        # every row at another rate is a valid command too, at that rate and no other
+        label2, flags2 = convergence.with_rate(row.label, row.flags, 0.5 * cfg.lr)
+        assert _parses(row.optimizer, flags2).lr == 0.5 * cfg.lr and flags2.count("--lr") == 1
+        assert convergence.own_rate(row.optimizer, row.flags) == cfg.lr
     # one swept row per optimizer and preset when all are asked for; none unless asked
-    assert sum(r[4] for r in rows) == 3 * len(convergence.PRESETS)
-    assert not any(r[4] for r in convergence.plan(["b512"]))
+    assert sum(r.swept for r in rows) == 3 * len(convergence.PRESETS)
+    assert not any(r.swept for r in convergence.plan(["b512"]))
     only_lamb = convergence.plan(["b512", "b4096"], sweep=["b512:lamb", "b4096:lamb,onebitadam"])
-    assert [r[1] for r in only_lamb if r[4]] == ["lamb", "lamb", "1bit-adam auto (cap 75%), lr 2e-3"]
+    assert [r.label for r in only_lamb if r.swept] == ["lamb", "lamb", "1bit-adam auto (cap 75%), lr 2e-3"]
     for bad in (["b999"], ["b512:sgd"]):
         with pytest.raises(ValueError, match="invalid sweep"):
             convergence.plan(["b512"], sweep=bad)
+
+
+def test_seeds_repeat_the_seeded_rows_at_new_seeds():
+    default = convergence.plan(["b1024"])
+    assert {r.seed for r in default} == {1234} == {_parses(r.optimizer, r.flags).seed for r in default}
+    rows = convergence.plan(["b1024", "demo"], seeds=["b1024:3"])
+    extra = [r for r in rows if r.seed != 1234]
+    assert len(rows) == len(default) + len(convergence.plan(["demo"])) + 2 * len(convergence.SEEDED["b1024"])
+    assert {(r.variant, r.seed) for r in extra} == {(v, s) for v in convergence.SEEDED["b1024"] for s in (1235, 1236)}
+    assert len({r.label for r in rows if r.preset == "b1024"}) == len([r for r in rows if r.preset == "b1024"])
+    assert convergence.plan(["b1024"], seeds=["b1024:1"]) == default
+    for bad in (["b1024"], ["b1024:0"], ["b999:2"], ["b1024:x"]):
+        with pytest.raises(ValueError, match="invalid seeds"):
+            convergence.plan(["b1024"], seeds=bad)
 
 
 def test_rate_labels():
@@ -89,3 +104,16 @@ def test_table_gap_volume_and_divergence():
     table = convergence.render(results, "cmd")
     assert "| b512 | 1bit | `--freeze-frac 0.2` | 26 | 5.500 | +10.0% | 3.20x less |" in table
     assert "diverged (NaN)" in table
+
+
+def test_seed_table_pairs_each_run_with_lamb_at_its_seed():
+    def row(variant, seed, loss):
+        label = variant if seed == 1234 else f"{variant}, seed {seed}"
+        return {"preset": "b1024", "label": label, "flags": [], "loss": loss, "freeze": None, "bytes": 100,
+                "variant": variant, "seed": seed}
+
+    results = [row("lamb", 1234, 5.0), row("auto", 1234, 5.5), row("lamb", 1235, 4.0), row("auto", 1235, 4.0)]
+    table = convergence.render(results, "cmd")
+    assert "| b1024 | auto, seed 1235 | `` | - | 4.000 | +0.0% | 1.00x less |" in table  # against LAMB at 1235
+    assert "| b1024 | auto | 1234: 5.500, 1235: 4.000 | 4.750 | +10.0%, +0.0% | +5.0% |" in table
+    assert "| b1024 | lamb | 1234: 5.000, 1235: 4.000 | 4.500 | - | - |" in table

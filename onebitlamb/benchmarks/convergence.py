@@ -4,11 +4,12 @@
     python -m onebitlamb.benchmarks.convergence --presets b512     # one preset
     python -m onebitlamb.benchmarks.convergence --sweep b512       # add the learning-rate sweep
     python -m onebitlamb.benchmarks.convergence --presets b4096 --sweep b4096:lamb   # LAMB's only
+    python -m onebitlamb.benchmarks.convergence --presets b1024 --seeds b1024:3      # 3 seeds
     python -m onebitlamb.benchmarks.convergence --list             # what would run
 
 Every run is ``onebitlamb pretrain`` with the flags shown in the table (so any row can be rerun
 by hand), on 4 local workers, the same seed, data order and model (BERT hidden 128, 2 layers,
-sequence 64, vocab 4096). The presets are the configurations of the convergence issue: the
+sequence 64, vocab 4096), except the rows ``--seeds`` adds at other seeds. The presets are the configurations of the convergence issue: the
 paper's 15-25% freeze fails at laptop scale, a later one (or the automatic freeze) does not.
 Results go to ``--out`` (one folder per run, reused when it already holds a finished run, so an
 interrupted study continues) and to the "convergence" section of BENCHMARKS.md.
@@ -21,7 +22,7 @@ import math
 import os
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from onebitlamb.benchmarks.report import command_line, machine_line, write_section
 from onebitlamb.comm.launch import WorkerError
@@ -67,6 +68,17 @@ DEFAULT_PLAN: Dict[str, List[str]] = {
               "1bit-lamb freeze 35%"],
     "demo": ["lamb", "1bit-lamb freeze 35%", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%)"],
 }
+# The rows repeated at more seeds with --seeds: LAMB, the automatic freeze and the best hand-picked
+# freeze of the default plan, whose differences on b1024 and demo are within one seed's noise (on
+# b1024 one step of freeze, 79 or 80, moved the loss by 2.8%)
+SEEDED: Dict[str, List[str]] = {
+    "b512": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-lamb freeze 20%"],
+    "b1024": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-lamb freeze 20%"],
+    "b4096": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-lamb freeze 20%"],
+    "demo": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-lamb freeze 35%"],
+}
+DEFAULT_SEED = 1234  # the main job's (pretrain.DEFAULTS["seed"]), so the default plan is seed 1234
+
 # The learning-rate sweep of a variant starts at half and twice its own rate (the main job's: 2e-2 for
 # the LAMB family, 1e-3 for 1-bit Adam, or the row's --lr) and goes one more factor of 2 outwards
 # while the best rate is at an edge, so that the best ends between two worse ones (or at the limit).
@@ -123,6 +135,17 @@ def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) 
         return json.load(f)
 
 
+class Row(NamedTuple):
+    """One run of the study: ``onebitlamb pretrain --preset demo --optimizer OPTIMIZER FLAGS``."""
+    preset: str
+    label: str                  # the table's row name, also the run folder's
+    optimizer: str
+    flags: List[str]
+    variant: str                # the VARIANTS entry it runs (at another rate or seed for sweeps and repeats)
+    seed: int = DEFAULT_SEED
+    swept: bool = False         # sweep its learning rate too
+
+
 def parse_sweep(items: Sequence[str]) -> Dict[str, List[str]]:
     """``["b512", "b4096:lamb"]`` -> which optimizers to sweep on which preset (all by default)."""
     out: Dict[str, List[str]] = {}
@@ -136,16 +159,33 @@ def parse_sweep(items: Sequence[str]) -> Dict[str, List[str]]:
     return out
 
 
-def plan(presets: Sequence[str], sweep: Sequence[str] = ()) -> List[Tuple[str, str, str, List[str], bool]]:
-    """(preset, row label, optimizer, flags, swept) for every run of the default plan; ``swept``
-    marks the rows whose learning rate ``sweep`` (see ``parse_sweep``) asks to sweep."""
-    swept = parse_sweep(sweep)
+def parse_seeds(items: Sequence[str]) -> Dict[str, int]:
+    """``["b1024:3"]`` -> how many seeds to run the preset's SEEDED rows with (the default's included)."""
+    out: Dict[str, int] = {}
+    for item in items:
+        preset, _, count = item.partition(":")
+        if preset not in PRESETS or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"invalid seeds {item!r}: PRESET:N with PRESET in {sorted(PRESETS)} and N >= 1")
+        out[preset] = int(count)
+    return out
+
+
+def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str] = ()) -> List[Row]:
+    """Every run of the default plan on ``presets``; ``sweep`` (see ``parse_sweep``) marks the rows
+    whose learning rate to sweep, ``seeds`` (see ``parse_seeds``) repeats the SEEDED rows at more
+    seeds (DEFAULT_SEED + 1, + 2, ...)."""
+    swept, seeded = parse_sweep(sweep), parse_seeds(seeds)
     rows = []
     for preset in presets:
         for variant in DEFAULT_PLAN[preset]:
             optimizer, flags = VARIANTS[variant]
-            rows.append((preset, variant, optimizer, PRESETS[preset] + flags,
-                         optimizer in swept.get(preset, ()) and variant in SWEPT[optimizer]))
+            rows.append(Row(preset, variant, optimizer, PRESETS[preset] + flags, variant,
+                            swept=optimizer in swept.get(preset, ()) and variant in SWEPT[optimizer]))
+        for seed in range(DEFAULT_SEED + 1, DEFAULT_SEED + seeded.get(preset, 1)):
+            for variant in SEEDED[preset]:
+                optimizer, flags = VARIANTS[variant]
+                rows.append(Row(preset, f"{variant}, seed {seed}", optimizer,
+                                PRESETS[preset] + flags + ["--seed", str(seed)], variant, seed=seed))
     return rows
 
 
@@ -165,6 +205,14 @@ def own_rate(optimizer: str, flags: Sequence[str]) -> float:
     return DEFAULTS["lr_adam"] if optimizer == "onebitadam" else DEFAULTS["lr_lamb"]
 
 
+def _gap(loss: float, ref: float) -> str:
+    return f"{100 * (loss / ref - 1):+.1f}%"
+
+
+def _loss(loss: float) -> str:
+    return f"{loss:.3f}" if loss == loss else "NaN"
+
+
 def render(results: List[dict], command: str) -> str:
     lines = [
         "## Convergence: held-out MLM loss at equal samples",
@@ -173,43 +221,73 @@ def render(results: List[dict], command: str) -> str:
         f"Machine: {machine_line()}",
         "",
         "Each row is `onebitlamb pretrain --preset demo --optimizer OPT FLAGS` on 4 local workers; the gap "
-        "is against LAMB on the same preset. Volume is the whole run's bytes per worker against LAMB's "
-        "(fp32 all-reduce every step). A model that knows only token frequencies scores about 6.07.",
+        "is against LAMB on the same preset and seed. Volume is the whole run's bytes per worker against "
+        "LAMB's (fp32 all-reduce every step). A model that knows only token frequencies scores about 6.07.",
         "",
         "| preset | run | flags | freeze step | held-out loss | vs LAMB | volume vs LAMB |",
         "|---|---|---|---:|---:|---:|---:|",
     ]
-    lamb = {r["preset"]: r for r in results if r["label"] == "lamb"}
+
+    def key(r: dict) -> Tuple[str, int]:
+        return r["preset"], r.get("seed", DEFAULT_SEED)
+
+    # LAMB at its own rate (not a rate a sweep added), per preset and seed
+    lamb = {key(r): r for r in results if r.get("variant", r["label"]) == "lamb" and not r.get("added_by_sweep")}
     for r in results:
-        ref = lamb.get(r["preset"])
-        gap = (f"{100 * (r['loss'] / ref['loss'] - 1):+.1f}%" if ref and r is not ref and r["loss"] == r["loss"]
-               else "-")
+        ref = lamb.get(key(r))
+        gap = _gap(r["loss"], ref["loss"]) if ref and r is not ref and r["loss"] == r["loss"] else "-"
         volume = f"{ref['bytes'] / r['bytes']:.2f}x less" if ref and r is not ref and r["bytes"] else "-"
         loss = f"{r['loss']:.3f}" if r["loss"] == r["loss"] else "diverged (NaN)"
         lines.append(f"| {r['preset']} | {r['label']} | `{' '.join(r['flags'])}` | {r['freeze'] or '-'} | {loss} "
                      f"| {gap} | {volume} |")
+
     sweeps: Dict[Tuple[str, str], List[dict]] = {}
     for r in results:
         if r.get("sweep"):
             sweeps.setdefault((r["preset"], r["sweep"]), []).append(r)
-    if not sweeps:
-        return "\n".join(lines)
-    lines += [
-        "",
-        "Learning-rate sweeps (half and twice each row's own rate, extended by factors of 2 while the best "
-        "was at an edge); the gap is against LAMB at its own best rate on the same preset, where swept.",
-        "",
-        "| preset | run | held-out loss at each rate | best rate | best loss | vs best LAMB |",
-        "|---|---|---|---:|---:|---:|",
-    ]
-    best = {key: min(rows, key=lambda r: r["loss"] if r["loss"] == r["loss"] else math.inf)
-            for key, rows in sweeps.items()}
-    for (preset, stem), rows in sweeps.items():
-        tried = ", ".join(f"{format_rate(r['rate'])}: " + (f"{r['loss']:.3f}" if r["loss"] == r["loss"] else "NaN")
-                          for r in sorted(rows, key=lambda r: r["rate"]))
-        top, ref = best[(preset, stem)], best.get((preset, "lamb"))
-        gap = f"{100 * (top['loss'] / ref['loss'] - 1):+.1f}%" if ref and stem != "lamb" else "-"
-        lines.append(f"| {preset} | {stem} | {tried} | {format_rate(top['rate'])} | {top['loss']:.3f} | {gap} |")
+    if sweeps:
+        lines += [
+            "",
+            "Learning-rate sweeps (half and twice each row's own rate, extended by factors of 2 while the best "
+            "was at an edge); the gap is against LAMB at its own best rate on the same preset, where swept.",
+            "",
+            "| preset | run | held-out loss at each rate | best rate | best loss | vs best LAMB |",
+            "|---|---|---|---:|---:|---:|",
+        ]
+        best = {k: min(rows, key=lambda r: r["loss"] if r["loss"] == r["loss"] else math.inf)
+                for k, rows in sweeps.items()}
+        for (preset, stem), rows in sweeps.items():
+            tried = ", ".join(f"{format_rate(r['rate'])}: {_loss(r['loss'])}" for r in sorted(rows, key=lambda r: r["rate"]))
+            top, ref = best[(preset, stem)], best.get((preset, "lamb"))
+            gap = _gap(top["loss"], ref["loss"]) if ref and stem != "lamb" else "-"
+            lines.append(f"| {preset} | {stem} | {tried} | {format_rate(top['rate'])} | {_loss(top['loss'])} | {gap} |")
+
+    repeats: Dict[Tuple[str, str], Dict[int, dict]] = {}
+    for r in results:
+        if r.get("seed", DEFAULT_SEED) != DEFAULT_SEED:
+            repeats.setdefault((r["preset"], r["variant"]), {})
+    for r in results:
+        if (r["preset"], r.get("variant")) in repeats and not r.get("added_by_sweep"):
+            repeats[(r["preset"], r["variant"])][r.get("seed", DEFAULT_SEED)] = r
+    if repeats:
+        lines += [
+            "",
+            "Seeds (model initialisation, data order and held-out batch all follow `--seed`); the gaps are "
+            "against LAMB at the same seed, then their mean.",
+            "",
+            "| preset | run | held-out loss per seed | mean | vs LAMB per seed | mean gap |",
+            "|---|---|---|---:|---|---:|",
+        ]
+        for (preset, variant), by_seed in repeats.items():
+            seeds = sorted(by_seed)
+            losses = [by_seed[s]["loss"] for s in seeds]
+            per_seed = ", ".join(f"{s}: {_loss(by_seed[s]['loss'])}" for s in seeds)
+            gaps = [100 * (by_seed[s]["loss"] / lamb[(preset, s)]["loss"] - 1) for s in seeds
+                    if (preset, s) in lamb and variant != "lamb"]
+            gap_text = ", ".join(f"{g:+.1f}%" for g in gaps) if gaps else "-"
+            mean_gap = f"{sum(gaps) / len(gaps):+.1f}%" if gaps else "-"
+            lines.append(f"| {preset} | {variant} | {per_seed} | {_loss(sum(losses) / len(losses))} | {gap_text} "
+                         f"| {mean_gap} |")
     return "\n".join(lines)
 
 
@@ -220,47 +298,52 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--sweep", nargs="+", default=[], metavar="PRESET[:OPT,...]",
                         help="also sweep the learning rate on these presets, of every optimizer or of those "
                              "named (e.g. b4096:lamb; a sweep costs two to four runs per optimizer)")
+    parser.add_argument("--seeds", nargs="+", default=[], metavar="PRESET:N",
+                        help="also run LAMB, the automatic and the best hand-picked freeze of the preset at "
+                             "N seeds in all (e.g. b1024:3; N-1 more runs of each)")
     parser.add_argument("--out", default="runs/convergence", help="run folders (reused to continue)")
     parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
     parser.add_argument("--list", action="store_true", help="print the runs and exit")
     args = parser.parse_args(argv)
     try:
-        rows = plan(args.presets, args.sweep)
+        rows = plan(args.presets, args.sweep, args.seeds)
     except ValueError as exc:
         parser.error(str(exc))
     if args.list:
-        for preset, label, optimizer, flags, swept in rows:
-            print(f"{preset:6s} {label:50s} onebitlamb pretrain --preset demo --optimizer {optimizer} {' '.join(flags)}")
-            if swept:
-                rate = own_rate(optimizer, flags)
+        for row in rows:
+            print(f"{row.preset:6s} {row.label:50s} onebitlamb pretrain --preset demo --optimizer {row.optimizer} "
+                  f"{' '.join(row.flags)}")
+            if row.swept:
+                rate = own_rate(row.optimizer, row.flags)
                 print(f"{'':6s}   + --lr {format_rate(rate / SWEEP_FACTOR)} and {format_rate(rate * SWEEP_FACTOR)}, "
                       f"and further out while the best rate is at an edge")
         return 0
     cache = os.path.join(args.out, "cache")
     results: List[dict] = []
 
-    def record(preset: str, label: str, optimizer: str, flags: List[str], sweep: Optional[str]) -> float:
-        folder = os.path.join(args.out, preset, label.replace(" ", "_").replace(",", "").replace("%", "pct")
-                              .replace("(", "").replace(")", ""))
+    def record(row: Row, sweep: Optional[str], added_by_sweep: bool = False) -> float:
+        folder = os.path.join(args.out, row.preset, row.label.replace(" ", "_").replace(",", "")
+                              .replace("%", "pct").replace("(", "").replace(")", ""))
         t0 = time.perf_counter()
-        print(f"[{len(results) + 1}] {preset}: {label}", file=sys.stderr, flush=True)
-        m = run_one(folder, optimizer, flags, cache)
+        print(f"[{len(results) + 1}] {row.preset}: {row.label}", file=sys.stderr, flush=True)
+        m = run_one(folder, row.optimizer, row.flags, cache)
         print(f"    held-out loss {m['final_eval_loss']:.4f}, freeze {m.get('freeze_step')}, "
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        results.append({"preset": preset, "label": label, "flags": flags, "loss": m["final_eval_loss"],
+        results.append({"preset": row.preset, "label": row.label, "flags": row.flags, "loss": m["final_eval_loss"],
                         "freeze": m.get("freeze_step"), "bytes": m["bytes_sent_per_rank"], "sweep": sweep,
-                        "rate": own_rate(optimizer, flags)})
+                        "rate": own_rate(row.optimizer, row.flags), "variant": row.variant, "seed": row.seed,
+                        "added_by_sweep": added_by_sweep})
         return m["final_eval_loss"]
 
-    for preset, label, optimizer, flags, swept in rows:
-        stem = label.split(", lr ")[0] if swept else None
-        base = own_rate(optimizer, flags)
-        losses = {base: record(preset, label, optimizer, flags, stem)}
-        if swept:
-            def loss_at(rate: float) -> float:
+    for row in rows:
+        stem = row.label.split(", lr ")[0] if row.swept else None
+        base = own_rate(row.optimizer, row.flags)
+        losses = {base: record(row, stem)}
+        if row.swept:
+            def loss_at(rate: float, row: Row = row) -> float:
                 if rate not in losses:
-                    rate_label, rate_flags = with_rate(label, flags, rate)
-                    losses[rate] = record(preset, rate_label, optimizer, rate_flags, stem)
+                    label, flags = with_rate(row.label, row.flags, rate)
+                    losses[rate] = record(row._replace(label=label, flags=flags), stem, added_by_sweep=True)
                 return losses[rate]
 
             sweep_rates(base, loss_at)
