@@ -117,3 +117,27 @@ def test_seed_table_pairs_each_run_with_lamb_at_its_seed():
     assert "| b1024 | auto, seed 1235 | `` | - | 4.000 | +0.0% | 1.00x less |" in table  # against LAMB at 1235
     assert "| b1024 | auto | 1234: 5.500, 1235: 4.000 | 4.750 | +10.0%, +0.0% | +5.0% |" in table
     assert "| b1024 | lamb | 1234: 5.000, 1235: 4.000 | 4.500 | - | - |" in table
+
+
+def test_a_diverged_run_is_recorded_and_not_rerun(tmp_path, monkeypatch):
+    from onebitlamb.comm.launch import WorkerError
+    from onebitlamb.train import pretrain
+
+    calls = []
+
+    def diverging(cfg):
+        calls.append(cfg.out)
+        raise WorkerError("rank 1 raised:\nFloatingPointError: the momentum holds NaN or inf")
+
+    monkeypatch.setattr(pretrain, "train", diverging)
+    first = convergence.run_one(str(tmp_path / "run"), "lamb", ["--steps", "4"], str(tmp_path / "cache"))
+    again = convergence.run_one(str(tmp_path / "run"), "lamb", ["--steps", "4"], str(tmp_path / "cache"))
+    assert len(calls) == 1 and math.isnan(first["final_eval_loss"]) and math.isnan(again["final_eval_loss"])
+    assert "NaN or inf" in again["diverged"]
+
+    def failing(cfg):
+        raise WorkerError("rank 0 raised:\nValueError: something else")
+
+    monkeypatch.setattr(pretrain, "train", failing)
+    with pytest.raises(WorkerError, match="something else"):  # only a divergence counts as a result
+        convergence.run_one(str(tmp_path / "other"), "lamb", ["--steps", "4"], str(tmp_path / "cache"))

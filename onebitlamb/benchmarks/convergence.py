@@ -112,11 +112,15 @@ def sweep_rates(base: float, loss_at: Callable[[float], float]) -> List[float]:
 
 
 def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) -> dict:
-    """One ``onebitlamb pretrain`` run (skipped when ``out_dir`` already holds its metrics)."""
+    """One ``onebitlamb pretrain`` run (skipped when ``out_dir`` already holds its metrics, or the
+    record of its divergence)."""
     from onebitlamb.train import pretrain
 
     metrics_path = os.path.join(out_dir, "metrics.json")
-    if not os.path.exists(metrics_path):
+    diverged_path = os.path.join(out_dir, "diverged.json")
+    if os.path.exists(diverged_path):
+        metrics_path = diverged_path
+    elif not os.path.exists(metrics_path):
         parser = argparse.ArgumentParser()
         pretrain.add_arguments(parser)
         args = parser.parse_args(["--preset", "demo", "--optimizer", optimizer, "--out", out_dir,
@@ -126,9 +130,14 @@ def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) 
         except WorkerError as exc:
             if "FloatingPointError" not in str(exc):
                 raise
-            # the 1-bit all-reduce refuses a NaN/inf momentum on every rank: the run diverged
-            return {"final_eval_loss": float("nan"), "freeze_step": None, "bytes_sent_per_rank": 0,
-                    "diverged": str(exc).strip().splitlines()[-1]}
+            # the 1-bit all-reduce refuses a NaN/inf momentum on every rank: the run diverged (kept,
+            # so that rendering the table again does not rerun it)
+            diverged = {"final_eval_loss": float("nan"), "freeze_step": None, "bytes_sent_per_rank": 0,
+                        "diverged": str(exc).strip().splitlines()[-1]}
+            os.makedirs(out_dir, exist_ok=True)
+            with open(diverged_path, "w") as f:
+                json.dump(diverged, f)
+            return diverged
         if not result["completed"]:
             raise RuntimeError(f"run in {out_dir} did not complete")
     with open(metrics_path) as f:
