@@ -245,7 +245,8 @@ def render(results: List[dict], command: str) -> str:
     for r in results:
         ref = lamb.get(key(r))
         gap = _gap(r["loss"], ref["loss"]) if ref and r is not ref and r["loss"] == r["loss"] else "-"
-        volume = f"{ref['bytes'] / r['bytes']:.2f}x less" if ref and r is not ref and r["bytes"] else "-"
+        volume = (f"{ref['bytes'] / r['bytes']:.2f}x less" if ref and r is not ref and r["bytes"]
+                  and r["bytes"] != ref["bytes"] else "-")
         loss = f"{r['loss']:.3f}" if r["loss"] == r["loss"] else "diverged (NaN)"
         lines.append(f"| {r['preset']} | {r['label']} | `{' '.join(r['flags'])}` | {r['freeze'] or '-'} | {loss} "
                      f"| {gap} | {volume} |")
