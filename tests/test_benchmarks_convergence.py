@@ -1,5 +1,6 @@
 """The convergence study's plan and table (the runs themselves are the main job, tested elsewhere)."""
 import math
+import os
 
 import pytest
 
@@ -141,3 +142,24 @@ def test_a_diverged_run_is_recorded_and_not_rerun(tmp_path, monkeypatch):
     monkeypatch.setattr(pretrain, "train", failing)
     with pytest.raises(WorkerError, match="something else"):  # only a divergence counts as a result
         convergence.run_one(str(tmp_path / "other"), "lamb", ["--steps", "4"], str(tmp_path / "cache"))
+
+
+def test_a_finished_run_is_reused_only_with_the_same_settings(tmp_path, monkeypatch):
+    import dataclasses
+    import json
+
+    from onebitlamb.train import pretrain
+
+    def fake_train(cfg):  # what the main job leaves behind, without the hours of training
+        os.makedirs(cfg.out, exist_ok=True)
+        with open(os.path.join(cfg.out, "metrics.json"), "w") as f:
+            json.dump({"final_eval_loss": 4.5, "config": dataclasses.asdict(cfg)}, f)
+        return {"completed": True}
+
+    monkeypatch.setattr(pretrain, "train", fake_train)
+    folder, cache = str(tmp_path / "run"), str(tmp_path / "cache")
+    assert convergence.run_one(folder, "onebitadam", ["--lr", "1e-3"], cache)["final_eval_loss"] == 4.5
+    monkeypatch.setattr(pretrain, "train", None)  # from here on nothing may train
+    assert convergence.run_one(folder, "onebitadam", ["--lr", "1e-3"], cache)["final_eval_loss"] == 4.5
+    with pytest.raises(ValueError, match=r"other settings.*'lr': \(0.001, 0.002\)"):
+        convergence.run_one(folder, "onebitadam", ["--lr", "2e-3"], cache)

@@ -94,6 +94,32 @@ def test_resume_is_bit_identical(compared, tmp_path, corpus_dir):
     assert a["bytes_curve"] == b["bytes_curve"] and a["train_loss"] == b["train_loss"]
 
 
+def test_changed_settings_ignores_only_what_the_run_does_not_read():
+    import dataclasses
+
+    from onebitlamb.train import pretrain
+
+    def cfg(*flags):
+        import argparse
+
+        parser = argparse.ArgumentParser()
+        pretrain.add_arguments(parser)
+        return pretrain.config_from_args(parser.parse_args(["--preset", "tiny", "--out", "a", *flags]))
+
+    def changed(saved_flags, now_flags):
+        return set(pretrain.changed_settings(cfg(*now_flags), dataclasses.asdict(cfg(*saved_flags))))
+
+    auto = ["--optimizer", "onebitlamb", "--auto-freeze"]
+    assert changed(auto + ["--freeze-tolerance", "0.25"], auto) == {"freeze_tolerance"}
+    assert changed(auto + ["--lr", "1e-2"], auto + ["--out", "b", "--no-progress"]) == {"lr"}
+    fixed = ["--optimizer", "onebitlamb"]
+    assert changed(fixed + ["--freeze-tolerance", "0.25"], fixed) == set()  # a fixed freeze never reads it
+    assert changed(fixed + ["--freeze-frac", "0.2"], fixed) == {"freeze_frac"}
+    lamb = ["--optimizer", "lamb"]
+    assert changed(lamb + ["--freeze-frac", "0.2", "--update-guard", "4"], lamb) == set()  # LAMB never freezes
+    assert changed(lamb + ["--seed", "7"], lamb) == {"seed"}
+
+
 def test_torchrun_launch_matches_local_launch(compared, tmp_path, corpus_dir):
     """Under torchrun the ranks come from the environment; the numbers are those of the local launcher."""
     out, cache, _ = compared

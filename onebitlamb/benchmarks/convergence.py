@@ -17,6 +17,7 @@ interrupted study continues) and to the "convergence" section of BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -113,33 +114,40 @@ def sweep_rates(base: float, loss_at: Callable[[float], float]) -> List[float]:
 
 def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) -> dict:
     """One ``onebitlamb pretrain`` run (skipped when ``out_dir`` already holds its metrics, or the
-    record of its divergence)."""
+    record of its divergence, from a run with the same settings)."""
     from onebitlamb.train import pretrain
 
+    parser = argparse.ArgumentParser()
+    pretrain.add_arguments(parser)
+    cfg = pretrain.config_from_args(parser.parse_args(["--preset", "demo", "--optimizer", optimizer, "--out", out_dir,
+                                                       "--cache-dir", cache_dir, "--no-progress", *flags]))
     metrics_path = os.path.join(out_dir, "metrics.json")
     diverged_path = os.path.join(out_dir, "diverged.json")
-    if os.path.exists(diverged_path):
-        metrics_path = diverged_path
-    elif not os.path.exists(metrics_path):
-        parser = argparse.ArgumentParser()
-        pretrain.add_arguments(parser)
-        args = parser.parse_args(["--preset", "demo", "--optimizer", optimizer, "--out", out_dir,
-                                  "--cache-dir", cache_dir, "--no-progress", *flags])
-        try:
-            result = pretrain.train(pretrain.config_from_args(args))
-        except WorkerError as exc:
-            if "FloatingPointError" not in str(exc):
-                raise
-            # the 1-bit all-reduce refuses a NaN/inf momentum on every rank: the run diverged (kept,
-            # so that rendering the table again does not rerun it)
-            diverged = {"final_eval_loss": float("nan"), "freeze_step": None, "bytes_sent_per_rank": 0,
-                        "diverged": str(exc).strip().splitlines()[-1]}
-            os.makedirs(out_dir, exist_ok=True)
-            with open(diverged_path, "w") as f:
-                json.dump(diverged, f)
-            return diverged
-        if not result["completed"]:
-            raise RuntimeError(f"run in {out_dir} did not complete")
+    for path in (diverged_path, metrics_path):
+        if os.path.exists(path):
+            with open(path) as f:
+                saved = json.load(f)
+            changed = pretrain.changed_settings(cfg, saved["config"])
+            if changed:
+                # a default of the main job or the study's flags moved since: never show that run as this one
+                raise ValueError(f"{out_dir} holds a run with other settings (saved, now): {changed}; move it "
+                                 f"away to rerun")
+            return saved
+    try:
+        result = pretrain.train(cfg)
+    except WorkerError as exc:
+        if "FloatingPointError" not in str(exc):
+            raise
+        # the 1-bit all-reduce refuses a NaN/inf momentum on every rank: the run diverged (kept, so
+        # that rendering the table again does not rerun it)
+        diverged = {"final_eval_loss": float("nan"), "freeze_step": None, "bytes_sent_per_rank": 0,
+                    "diverged": str(exc).strip().splitlines()[-1], "config": dataclasses.asdict(cfg)}
+        os.makedirs(out_dir, exist_ok=True)
+        with open(diverged_path, "w") as f:
+            json.dump(diverged, f)
+        return diverged
+    if not result["completed"]:
+        raise RuntimeError(f"run in {out_dir} did not complete")
     with open(metrics_path) as f:
         return json.load(f)
 
@@ -196,6 +204,11 @@ def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str]
                 rows.append(Row(preset, f"{variant}, seed {seed}", optimizer,
                                 PRESETS[preset] + flags + ["--seed", str(seed)], variant, seed=seed))
     return rows
+
+
+def folder_name(label: str) -> str:
+    """A row's run folder: "1bit-lamb auto (cap 75%), lr 1e-2" -> "1bit-lamb_auto_cap_75pct_lr_1e-2"."""
+    return label.replace(" ", "_").replace(",", "").replace("%", "pct").replace("(", "").replace(")", "")
 
 
 def with_rate(label: str, flags: Sequence[str], rate: float) -> Tuple[str, List[str]]:
@@ -332,8 +345,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results: List[dict] = []
 
     def record(row: Row, sweep: Optional[str], added_by_sweep: bool = False) -> float:
-        folder = os.path.join(args.out, row.preset, row.label.replace(" ", "_").replace(",", "")
-                              .replace("%", "pct").replace("(", "").replace(")", ""))
+        folder = os.path.join(args.out, row.preset, folder_name(row.label))
         t0 = time.perf_counter()
         print(f"[{len(results) + 1}] {row.preset}: {row.label}", file=sys.stderr, flush=True)
         m = run_one(folder, row.optimizer, row.flags, cache)

@@ -588,10 +588,27 @@ def check_resumable(cfg: TrainConfig, saved: Optional[dict] = None) -> None:
         if folder is None:
             return
         saved = torch.load(os.path.join(cfg.out, folder, "trainer.pt"), map_location="cpu", weights_only=False)["config"]
-    now = dataclasses.asdict(cfg)
-    changed = {k: (saved.get(k), v) for k, v in now.items() if k not in RESUMABLE_CHANGES and saved.get(k) != v}
+    changed = changed_settings(cfg, saved)
     if changed:
         raise ValueError(f"--resume with different settings than the checkpoint in {cfg.out} (saved, now): {changed}")
+
+
+# Settings only the 1-bit optimizers read, and of those, the ones only the automatic freeze reads
+ONEBIT_SETTINGS = {"freeze_frac", "compression_space", "update_guard"}
+AUTO_FREEZE_SETTINGS = {"min_freeze_frac", "freeze_window", "freeze_tolerance", "freeze_transient"}
+
+
+def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
+    """The settings (name: (saved, now)) in which ``cfg`` differs from a saved run's config, other
+    than those that cannot change its numbers: RESUMABLE_CHANGES, and the settings its optimizer
+    or freeze mode does not read (so a LAMB run stays valid when a 1-bit default moves)."""
+    ignored = set(RESUMABLE_CHANGES)
+    if cfg.optimizer == "lamb":
+        ignored |= ONEBIT_SETTINGS | AUTO_FREEZE_SETTINGS | {"auto_freeze"}
+    elif not cfg.auto_freeze:
+        ignored |= AUTO_FREEZE_SETTINGS
+    now = dataclasses.asdict(cfg)
+    return {k: (saved.get(k), v) for k, v in now.items() if k not in ignored and saved.get(k) != v}
 
 
 def _read_pointer(out: str) -> Optional[str]:
