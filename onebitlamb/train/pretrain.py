@@ -51,7 +51,7 @@ DEFAULTS = dict(
     vocab_size=4096, seq_len=64, hidden=128, layers=2, heads=2, intermediate=512, dropout=0.0,
     workers=4, micro_batch=16, global_batch=256, steps=512,
     # 1-bit Adam's rate from the convergence study's sweeps on this model: best at 2e-3 on global
-    # batches of 256 and 512 (half and twice it worse), and 2e-3 beat 1e-3 on 4096 (docs/convergence.md)
+    # batches of 256, 512 and 4096, half and twice it worse on each (docs/convergence.md)
     lr=None, lr_lamb=2e-2, lr_adam=2e-3, warmup_frac=0.1, freeze_frac=0.35,
     weight_decay=0.01, clip=1.0, beta1=0.9, beta2=0.999, eps=1e-6, mask_prob=0.15,
     eval_every=32, eval_samples=512, ckpt_every=64,
