@@ -9,8 +9,9 @@
 
 Every run is ``onebitlamb pretrain`` with the flags shown in the table (so any row can be rerun
 by hand), on 4 local workers, the same seed, data order and model (BERT hidden 128, 2 layers,
-sequence 64, vocab 4096), except the rows ``--seeds`` adds at other seeds. The presets are the configurations of the convergence issue: the
-paper's 15-25% freeze fails at laptop scale, a later one (or the automatic freeze) does not.
+sequence 64, vocab 4096), except the rows ``--seeds`` adds at other seeds. The presets are the
+configurations of the convergence issue: the paper's 15-25% freeze fails at laptop scale, a
+later one (or the automatic freeze) does not.
 Results go to ``--out`` (one folder per run, reused when it already holds a finished run, so an
 interrupted study continues) and to the "convergence" section of BENCHMARKS.md.
 """
@@ -63,8 +64,8 @@ VARIANTS: Dict[str, Tuple[str, List[str]]] = {
 # (the full cross product is hours on 2 cores):
 DEFAULT_PLAN: Dict[str, List[str]] = {
     "b512": ["lamb", "1bit-lamb freeze 20%", "1bit-lamb freeze 25%", "1bit-lamb freeze 20%, update space + guard",
-             "1bit-lamb auto (cap 75%)", "1bit-lamb auto (cap 75%), update space + guard", "1bit-adam freeze 20%, lr 1e-3",
-             "1bit-adam auto (cap 75%), lr 1e-3"],
+             "1bit-lamb auto (cap 75%)", "1bit-lamb auto (cap 75%), update space + guard",
+             "1bit-adam freeze 20%, lr 1e-3", "1bit-adam auto (cap 75%), lr 1e-3"],
     "b1024": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3", "1bit-lamb freeze 20%",
               "1bit-lamb freeze 35%", "1bit-lamb freeze 19.75%"],
     "b4096": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3", "1bit-lamb freeze 20%",
@@ -85,9 +86,9 @@ SEEDED: Dict[str, List[str]] = {
 }
 DEFAULT_SEED = 1234  # the main job's (pretrain.DEFAULTS["seed"]), so the default plan is seed 1234
 
-# The learning-rate sweep of a variant starts at half and twice its own rate (the main job's: 2e-2 for
-# the LAMB family, 1e-3 for 1-bit Adam, or the row's --lr) and goes one more factor of 2 outwards
-# while the best rate is at an edge, so that the best ends between two worse ones (or at the limit).
+# The learning-rate sweep of a variant starts at half and twice its own rate (its --lr, or the main
+# job's default) and goes one more factor of 2 outwards while the best rate is at an edge, so that
+# the best ends between two worse ones (or at the limit).
 SWEEP_FACTOR = 2.0
 SWEEP_MAX_RATES = 5
 # the variant swept for each optimizer (the one the headline comparison uses)
@@ -285,7 +286,8 @@ def render(results: List[dict], command: str) -> str:
         best = {k: min(rows, key=lambda r: r["loss"] if r["loss"] == r["loss"] else math.inf)
                 for k, rows in sweeps.items()}
         for (preset, stem), rows in sweeps.items():
-            tried = ", ".join(f"{format_rate(r['rate'])}: {_loss(r['loss'])}" for r in sorted(rows, key=lambda r: r["rate"]))
+            tried = ", ".join(f"{format_rate(r['rate'])}: {_loss(r['loss'])}"
+                              for r in sorted(rows, key=lambda r: r["rate"]))
             top, ref = best[(preset, stem)], best.get((preset, "lamb"))
             gap = _gap(top["loss"], ref["loss"]) if ref and stem != "lamb" else "-"
             lines.append(f"| {preset} | {stem} | {tried} | {format_rate(top['rate'])} | {_loss(top['loss'])} | {gap} |")
