@@ -168,9 +168,9 @@ def settled(spread: Optional[float], tolerance: float) -> bool:
 
     ``spread`` is ``window_spread`` of the last ``W + 1`` warm-up steps' per-layer
     ``log ||v_hat||`` (synchronized, so every rank decides alike). Settled when every layer's has
-    moved by at most ``tolerance`` (max minus min, in log space) over the window. A layer still on the early
-    plateau, or leaving it, has a variance that grows by orders of magnitude and holds the freeze
-    back; layers with no gradient yet (``log 0``) are ignored until they have one.
+    moved by at most ``tolerance`` (max minus min, in log space) over the window. A layer still on
+    the early plateau, or leaving it, has a variance that grows by orders of magnitude and holds
+    the freeze back; layers with no gradient yet (``log 0``) are ignored until they have one.
 
     The trust ratio is deliberately not part of the test: measured on the main job (BERT, batch
     512), the most mobile layer's trust ratio kept moving by a factor of about 3-4 over 20 steps
