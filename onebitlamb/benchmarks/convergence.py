@@ -118,15 +118,22 @@ def sweep_rates(base: float, loss_at: Callable[[float], float]) -> List[float]:
             rates.append(rates[-1] * SWEEP_FACTOR)
 
 
+def pretrain_config(optimizer: str, flags: Sequence[str], out_dir: str = "", cache_dir: str = ""):
+    """The main job's configuration for ``onebitlamb pretrain --preset demo --optimizer OPTIMIZER FLAGS``."""
+    from onebitlamb.train import pretrain
+
+    parser = argparse.ArgumentParser()
+    pretrain.add_arguments(parser)
+    return pretrain.config_from_args(parser.parse_args(["--preset", "demo", "--optimizer", optimizer, "--out", out_dir,
+                                                        "--cache-dir", cache_dir, "--no-progress", *flags]))
+
+
 def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) -> dict:
     """One ``onebitlamb pretrain`` run (skipped when ``out_dir`` already holds its metrics, or the
     record of its divergence, from a run with the same settings)."""
     from onebitlamb.train import pretrain
 
-    parser = argparse.ArgumentParser()
-    pretrain.add_arguments(parser)
-    cfg = pretrain.config_from_args(parser.parse_args(["--preset", "demo", "--optimizer", optimizer, "--out", out_dir,
-                                                       "--cache-dir", cache_dir, "--no-progress", *flags]))
+    cfg = pretrain_config(optimizer, flags, out_dir, cache_dir)
     metrics_path = os.path.join(out_dir, "metrics.json")
     diverged_path = os.path.join(out_dir, "diverged.json")
     for path in (diverged_path, metrics_path):
@@ -226,11 +233,7 @@ def with_rate(label: str, flags: Sequence[str], rate: float) -> Tuple[str, List[
 
 def own_rate(optimizer: str, flags: Sequence[str]) -> float:
     """The learning rate a row runs at: its --lr, or the main job's default for the optimizer."""
-    from onebitlamb.train.pretrain import DEFAULTS
-
-    if "--lr" in flags:
-        return float(flags[list(flags).index("--lr") + 1])
-    return DEFAULTS["lr_adam"] if optimizer == "onebitadam" else DEFAULTS["lr_lamb"]
+    return pretrain_config(optimizer, flags).lr
 
 
 def _gap(loss: float, ref: float) -> str:
