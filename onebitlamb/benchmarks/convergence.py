@@ -5,6 +5,7 @@
     python -m onebitlamb.benchmarks.convergence --sweep b512       # add the learning-rate sweep
     python -m onebitlamb.benchmarks.convergence --presets b4096 --sweep b4096:lamb   # LAMB's only
     python -m onebitlamb.benchmarks.convergence --presets b1024 --seeds b1024:3      # 3 seeds
+    python -m onebitlamb.benchmarks.convergence --presets b1024 --freeze-steps b1024:72,76   # fixed freezes
     python -m onebitlamb.benchmarks.convergence --list             # what would run
 
 Every run is ``onebitlamb pretrain`` with the flags shown in the table (so any row can be rerun
@@ -200,11 +201,37 @@ def parse_seeds(items: Sequence[str]) -> Dict[str, int]:
     return out
 
 
-def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str] = ()) -> List[Row]:
+def parse_freeze_steps(items: Sequence[str]) -> Dict[str, List[int]]:
+    """``["b1024:72,76"]`` -> the fixed freeze steps to run 1-bit LAMB with on the preset."""
+    out: Dict[str, List[int]] = {}
+    for item in items:
+        preset, _, steps = item.partition(":")
+        numbers = steps.split(",")
+        if preset not in PRESETS or not all(n.isdigit() and int(n) >= 1 for n in numbers):
+            raise ValueError(f"invalid freeze steps {item!r}: PRESET:STEP,... with PRESET in {sorted(PRESETS)} "
+                             f"and every STEP >= 1")
+        total = pretrain_config("onebitlamb", PRESETS[preset]).steps
+        late = [int(n) for n in numbers if int(n) >= total]
+        if late:
+            raise ValueError(f"invalid freeze steps {item!r}: {late} not before the last step of {preset} ({total})")
+        out[preset] = sorted({int(n) for n in numbers})
+    return out
+
+
+def freeze_step_variant(step: int, steps: int) -> Tuple[str, str, List[str]]:
+    """1-bit LAMB frozen by hand at ``step`` of ``steps``: its variant name, optimizer and flags."""
+    # step / steps is exact enough that the main job's round(frac * steps) gives the step back
+    return f"1bit-lamb freeze step {step}", "onebitlamb", ["--freeze-frac", repr(step / steps)]
+
+
+def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str] = (),
+         freeze_steps: Sequence[str] = ()) -> List[Row]:
     """Every run of the default plan on ``presets``; ``sweep`` (see ``parse_sweep``) marks the rows
     whose learning rate to sweep, ``seeds`` (see ``parse_seeds``) repeats the SEEDED rows at more
-    seeds (DEFAULT_SEED + 1, + 2, ...)."""
+    seeds (DEFAULT_SEED + 1, + 2, ...), ``freeze_steps`` (see ``parse_freeze_steps``) adds 1-bit LAMB
+    frozen at those steps, at every seed the preset runs."""
     swept, seeded = parse_sweep(sweep), parse_seeds(seeds)
+    scanned = parse_freeze_steps(freeze_steps)
     rows = []
     for preset in presets:
         for variant in DEFAULT_PLAN[preset]:
@@ -216,6 +243,13 @@ def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str]
                 optimizer, flags = VARIANTS[variant]
                 rows.append(Row(preset, f"{variant}, seed {seed}", optimizer,
                                 PRESETS[preset] + flags + ["--seed", str(seed)], variant, seed=seed))
+        total = pretrain_config("onebitlamb", PRESETS[preset]).steps
+        for seed in range(DEFAULT_SEED, DEFAULT_SEED + seeded.get(preset, 1)):
+            for step in scanned.get(preset, ()):
+                variant, optimizer, flags = freeze_step_variant(step, total)
+                label = variant if seed == DEFAULT_SEED else f"{variant}, seed {seed}"
+                seed_flags = [] if seed == DEFAULT_SEED else ["--seed", str(seed)]
+                rows.append(Row(preset, label, optimizer, PRESETS[preset] + flags + seed_flags, variant, seed=seed))
     return rows
 
 
@@ -234,6 +268,14 @@ def with_rate(label: str, flags: Sequence[str], rate: float) -> Tuple[str, List[
 def own_rate(optimizer: str, flags: Sequence[str]) -> float:
     """The learning rate a row runs at: its --lr, or the main job's default for the optimizer."""
     return pretrain_config(optimizer, flags).lr
+
+
+def is_plain_freeze(row: Row) -> bool:
+    """1-bit LAMB at its own rate and options, frozen by hand (the rows a freeze-step table compares)."""
+    extra = list(row.flags[len(PRESETS[row.preset]):])
+    if row.seed != DEFAULT_SEED:
+        extra = extra[:-2]  # "--seed N"
+    return row.optimizer == "onebitlamb" and len(extra) == 2 and extra[0] == "--freeze-frac"
 
 
 def _gap(loss: float, ref: float) -> str:
@@ -321,6 +363,34 @@ def render(results: List[dict], command: str) -> str:
             mean_gap = f"{sum(gaps) / len(gaps):+.1f}%" if gaps else "-"
             lines.append(f"| {preset} | {variant} | {per_seed} | {_loss(sum(losses) / len(losses))} | {gap_text} "
                          f"| {mean_gap} |")
+
+    scanned = sorted({r["preset"] for r in results if r.get("variant", "").startswith("1bit-lamb freeze step ")})
+    if scanned:
+        lines += ["", "1-bit LAMB frozen by hand at each step (every plain fixed freeze of the preset, whatever its "
+                  "row) and the automatic freeze, per seed; the gap is against LAMB at the same seed."]
+    for preset in scanned:
+        seeds = sorted({r.get("seed", DEFAULT_SEED) for r in results if r["preset"] == preset})
+        lines += ["", "| preset | freeze | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+                  "|---|---|" + "---|" * len(seeds)]
+        by_step: Dict[object, Dict[int, dict]] = {}
+        for r in results:
+            if r["preset"] != preset or r.get("added_by_sweep"):
+                continue
+            if r.get("plain_freeze"):
+                by_step.setdefault(r["freeze"], {})[r.get("seed", DEFAULT_SEED)] = r
+            elif r.get("variant") == "1bit-lamb auto (cap 75%)":
+                by_step.setdefault("auto", {})[r.get("seed", DEFAULT_SEED)] = r
+
+        def cell(r: Optional[dict], seed: int, name_step: bool) -> str:
+            if r is None:
+                return "-"
+            ref = lamb.get((preset, seed))
+            text = (f"step {r['freeze']}: " if name_step else "") + _loss(r["loss"])
+            return text + (f" ({_gap(r['loss'], ref['loss'])})" if ref and r["loss"] == r["loss"] else "")
+
+        for step in sorted((s for s in by_step if s != "auto"), key=int) + (["auto"] if "auto" in by_step else []):
+            lines.append(f"| {preset} | {step if step == 'auto' else f'step {step}'} | "
+                         + " | ".join(cell(by_step[step].get(s), s, step == "auto") for s in seeds) + " |")
     return "\n".join(lines)
 
 
@@ -334,12 +404,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seeds", nargs="+", default=[], metavar="PRESET:N",
                         help="also run LAMB, the automatic and the best hand-picked freeze of the preset at "
                              "N seeds in all (e.g. b1024:3; N-1 more runs of each)")
+    parser.add_argument("--freeze-steps", nargs="+", default=[], metavar="PRESET:STEP,...",
+                        help="also run 1-bit LAMB frozen at these steps, at every seed of the preset (e.g. "
+                             "b1024:72,76,82); a table sets them beside the automatic freeze")
     parser.add_argument("--out", default="runs/convergence", help="run folders (reused to continue)")
     parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
     parser.add_argument("--list", action="store_true", help="print the runs and exit")
     args = parser.parse_args(argv)
     try:
-        rows = plan(args.presets, args.sweep, args.seeds)
+        rows = plan(args.presets, args.sweep, args.seeds, args.freeze_steps)
     except ValueError as exc:
         parser.error(str(exc))
     if args.list:
@@ -364,7 +437,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results.append({"preset": row.preset, "label": row.label, "flags": row.flags, "loss": m["final_eval_loss"],
                         "freeze": m.get("freeze_step"), "bytes": m["bytes_sent_per_rank"], "sweep": sweep,
                         "rate": own_rate(row.optimizer, row.flags), "variant": row.variant, "seed": row.seed,
-                        "added_by_sweep": added_by_sweep})
+                        "added_by_sweep": added_by_sweep, "plain_freeze": is_plain_freeze(row)})
         return m["final_eval_loss"]
 
     for row in rows:
