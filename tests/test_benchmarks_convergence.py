@@ -163,3 +163,54 @@ def test_a_finished_run_is_reused_only_with_the_same_settings(tmp_path, monkeypa
     assert convergence.run_one(folder, "onebitadam", ["--lr", "1e-3"], cache)["final_eval_loss"] == 4.5
     with pytest.raises(ValueError, match=r"other settings.*'lr': \(0.001, 0.002\)"):
         convergence.run_one(folder, "onebitadam", ["--lr", "2e-3"], cache)
+
+
+def test_freeze_steps_run_plain_1bit_lamb_at_each_step_and_seed():
+    rows = convergence.plan(["b1024"], seeds=["b1024:2"], freeze_steps=["b1024:86,72"])
+    scan = [r for r in rows if r.variant.startswith(convergence.FREEZE_STEP_VARIANT)]
+    assert [(r.label, r.seed) for r in scan] == [("1bit-lamb freeze step 72", 1234), ("1bit-lamb freeze step 86", 1234),
+                                                 ("1bit-lamb freeze step 72, seed 1235", 1235),
+                                                 ("1bit-lamb freeze step 86, seed 1235", 1235)]
+    for row in scan:
+        cfg = _parses(row.optimizer, row.flags)
+        assert not cfg.auto_freeze and cfg.seed == row.seed and cfg.steps == 400
+        assert cfg.freeze_step == int(row.variant.split()[-1])
+    # every step of a long run maps back to itself through the main job's freeze_frac
+    for step in range(1, 400):
+        _, optimizer, flags = convergence.freeze_step_variant(step, 400)
+        assert _parses(optimizer, convergence.PRESETS["b1024"] + flags).freeze_step == step
+    # which rows the freeze-step table takes: 1-bit LAMB frozen by hand at its own rate and options
+    plain = {r.label for r in rows if convergence.is_plain_freeze(r)}
+    assert plain == {r.label for r in scan} | {"1bit-lamb freeze 20%", "1bit-lamb freeze 35%", "1bit-lamb freeze 19.75%",
+                                               "1bit-lamb freeze 20%, seed 1235"}
+    assert not any(convergence.is_plain_freeze(r) for r in convergence.plan(["b512"]) if "update space" in r.label)
+    for bad in (["b1024"], ["b1024:0"], ["b1024:7x"], ["b999:5"], ["b1024:400"]):
+        with pytest.raises(ValueError, match="invalid freeze steps"):
+            convergence.plan(["b1024"], freeze_steps=bad)
+
+
+def test_freeze_step_table_sets_fixed_freezes_beside_auto_per_seed():
+    def row(variant, seed, loss, freeze=None, plain=False):
+        label = variant if seed == 1234 else f"{variant}, seed {seed}"
+        return {"preset": "b1024", "label": label, "flags": [], "loss": loss, "freeze": freeze, "bytes": 100,
+                "variant": variant, "seed": seed, "plain_freeze": plain}
+
+    results = [row("lamb", 1234, 5.0), row("lamb", 1235, 4.0),
+               row("1bit-lamb auto (cap 75%)", 1234, 4.5, freeze=79), row("1bit-lamb auto (cap 75%)", 1235, 4.2, 83),
+               row("1bit-lamb freeze 20%", 1234, 5.5, 80, True), row("1bit-lamb freeze 20%", 1235, 4.4, 80, True),
+               row("1bit-lamb freeze step 72", 1234, 6.0, 72, True),
+               row("1bit-lamb freeze step 72", 1235, math.nan, 72, True),
+               row("1bit-lamb freeze 35%", 1234, 4.75, 140, True)]
+    table = convergence.render(results, "cmd")
+    assert "| preset | freeze | seed 1234 | seed 1235 | mean gap |" in table
+    assert "| b1024 | step 72 | 6.000 (+20.0%) | NaN | - |" in table  # a diverged run has no mean
+    assert "| b1024 | step 80 | 5.500 (+10.0%) | 4.400 (+10.0%) | +10.0% |" in table
+    assert "| b1024 | step 140 | 4.750 (-5.0%) | - | - |" in table
+    assert "| b1024 | auto | step 79: 4.500 (-10.0%) | step 83: 4.200 (+5.0%) | -2.5% |" in table
+    lines = table.splitlines()
+    assert lines.index("| b1024 | step 72 | 6.000 (+20.0%) | NaN | - |") < lines.index(
+        "| b1024 | step 140 | 4.750 (-5.0%) | - | - |") < lines.index(
+        "| b1024 | auto | step 79: 4.500 (-10.0%) | step 83: 4.200 (+5.0%) | -2.5% |")
+    # the scanned steps stay out of the seed table, the seeded rows do not
+    assert "| b1024 | 1bit-lamb freeze step 72 | 1234:" not in table
+    assert "| b1024 | 1bit-lamb freeze 20% | 1234: 5.500, 1235: 4.400 | 4.950 | +10.0%, +10.0% | +10.0% |" in table

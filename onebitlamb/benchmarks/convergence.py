@@ -218,10 +218,13 @@ def parse_freeze_steps(items: Sequence[str]) -> Dict[str, List[int]]:
     return out
 
 
+FREEZE_STEP_VARIANT = "1bit-lamb freeze step "
+
+
 def freeze_step_variant(step: int, steps: int) -> Tuple[str, str, List[str]]:
     """1-bit LAMB frozen by hand at ``step`` of ``steps``: its variant name, optimizer and flags."""
     # step / steps is exact enough that the main job's round(frac * steps) gives the step back
-    return f"1bit-lamb freeze step {step}", "onebitlamb", ["--freeze-frac", repr(step / steps)]
+    return f"{FREEZE_STEP_VARIANT}{step}", "onebitlamb", ["--freeze-frac", repr(step / steps)]
 
 
 def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str] = (),
@@ -339,7 +342,8 @@ def render(results: List[dict], command: str) -> str:
 
     repeats: Dict[Tuple[str, str], Dict[int, dict]] = {}
     for r in results:
-        if r.get("seed", DEFAULT_SEED) != DEFAULT_SEED:
+        # (fixed freeze steps have a table of their own)
+        if r.get("seed", DEFAULT_SEED) != DEFAULT_SEED and not r.get("variant", "").startswith(FREEZE_STEP_VARIANT):
             repeats.setdefault((r["preset"], r["variant"]), {})
     for r in results:
         if (r["preset"], r.get("variant")) in repeats and not r.get("added_by_sweep"):
@@ -364,14 +368,14 @@ def render(results: List[dict], command: str) -> str:
             lines.append(f"| {preset} | {variant} | {per_seed} | {_loss(sum(losses) / len(losses))} | {gap_text} "
                          f"| {mean_gap} |")
 
-    scanned = sorted({r["preset"] for r in results if r.get("variant", "").startswith("1bit-lamb freeze step ")})
+    scanned = sorted({r["preset"] for r in results if r.get("variant", "").startswith(FREEZE_STEP_VARIANT)})
     if scanned:
         lines += ["", "1-bit LAMB frozen by hand at each step (every plain fixed freeze of the preset, whatever its "
-                  "row) and the automatic freeze, per seed; the gap is against LAMB at the same seed."]
+                  "row) and the automatic freeze, per seed; the gaps are against LAMB at the same seed, then their mean."]
     for preset in scanned:
         seeds = sorted({r.get("seed", DEFAULT_SEED) for r in results if r["preset"] == preset})
-        lines += ["", "| preset | freeze | " + " | ".join(f"seed {s}" for s in seeds) + " |",
-                  "|---|---|" + "---|" * len(seeds)]
+        lines += ["", "| preset | freeze | " + " | ".join(f"seed {s}" for s in seeds) + " | mean gap |",
+                  "|---|---|" + "---|" * len(seeds) + "---:|"]
         by_step: Dict[object, Dict[int, dict]] = {}
         for r in results:
             if r["preset"] != preset or r.get("added_by_sweep"):
@@ -389,8 +393,12 @@ def render(results: List[dict], command: str) -> str:
             return text + (f" ({_gap(r['loss'], ref['loss'])})" if ref and r["loss"] == r["loss"] else "")
 
         for step in sorted((s for s in by_step if s != "auto"), key=int) + (["auto"] if "auto" in by_step else []):
+            gaps = [100 * (r["loss"] / lamb[(preset, s)]["loss"] - 1) for s, r in by_step[step].items()
+                    if (preset, s) in lamb and r["loss"] == r["loss"]]
+            mean_gap = f"{sum(gaps) / len(gaps):+.1f}%" if gaps and len(gaps) == len(seeds) else "-"
             lines.append(f"| {preset} | {step if step == 'auto' else f'step {step}'} | "
-                         + " | ".join(cell(by_step[step].get(s), s, step == "auto") for s in seeds) + " |")
+                         + " | ".join(cell(by_step[step].get(s), s, step == "auto") for s in seeds)
+                         + f" | {mean_gap} |")
     return "\n".join(lines)
 
 
