@@ -246,10 +246,9 @@ def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str]
                 optimizer, flags = VARIANTS[variant]
                 rows.append(Row(preset, f"{variant}, seed {seed}", optimizer,
                                 PRESETS[preset] + flags + ["--seed", str(seed)], variant, seed=seed))
-        total = pretrain_config("onebitlamb", PRESETS[preset]).steps
         for seed in range(DEFAULT_SEED, DEFAULT_SEED + seeded.get(preset, 1)):
             for step in scanned.get(preset, ()):
-                variant, optimizer, flags = freeze_step_variant(step, total)
+                variant, optimizer, flags = freeze_step_variant(step, pretrain_config("onebitlamb", PRESETS[preset]).steps)
                 label = variant if seed == DEFAULT_SEED else f"{variant}, seed {seed}"
                 seed_flags = [] if seed == DEFAULT_SEED else ["--seed", str(seed)]
                 rows.append(Row(preset, label, optimizer, PRESETS[preset] + flags + seed_flags, variant, seed=seed))
