@@ -235,6 +235,13 @@ def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str]
     frozen at those steps, at every seed the preset runs."""
     swept, seeded = parse_sweep(sweep), parse_seeds(seeds)
     scanned = parse_freeze_steps(freeze_steps)
+    def at_seed(preset: str, variant: str, optimizer: str, flags: List[str], seed: int) -> Row:
+        # the default seed's rows keep their plain label and flags: their run folders predate --seeds
+        if seed == DEFAULT_SEED:
+            return Row(preset, variant, optimizer, PRESETS[preset] + flags, variant)
+        return Row(preset, f"{variant}, seed {seed}", optimizer, PRESETS[preset] + flags + ["--seed", str(seed)],
+                   variant, seed=seed)
+
     rows = []
     for preset in presets:
         for variant in DEFAULT_PLAN[preset]:
@@ -243,15 +250,11 @@ def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str]
                             swept=optimizer in swept.get(preset, ()) and variant in SWEPT[optimizer]))
         for seed in range(DEFAULT_SEED + 1, DEFAULT_SEED + seeded.get(preset, 1)):
             for variant in SEEDED[preset]:
-                optimizer, flags = VARIANTS[variant]
-                rows.append(Row(preset, f"{variant}, seed {seed}", optimizer,
-                                PRESETS[preset] + flags + ["--seed", str(seed)], variant, seed=seed))
+                rows.append(at_seed(preset, variant, *VARIANTS[variant], seed))
         for seed in range(DEFAULT_SEED, DEFAULT_SEED + seeded.get(preset, 1)):
             for step in scanned.get(preset, ()):
-                variant, optimizer, flags = freeze_step_variant(step, pretrain_config("onebitlamb", PRESETS[preset]).steps)
-                label = variant if seed == DEFAULT_SEED else f"{variant}, seed {seed}"
-                seed_flags = [] if seed == DEFAULT_SEED else ["--seed", str(seed)]
-                rows.append(Row(preset, label, optimizer, PRESETS[preset] + flags + seed_flags, variant, seed=seed))
+                steps = pretrain_config("onebitlamb", PRESETS[preset]).steps
+                rows.append(at_seed(preset, *freeze_step_variant(step, steps), seed))
     return rows
 
 
