@@ -220,6 +220,15 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
+def _leave_together() -> None:
+    """At exit under torchrun: wait for every rank, then tear the group down. Rank 0 writes the
+    results after the last step while the others are done; a rank that tore gloo down meanwhile
+    once aborted at exit ("terminate called without an active exception") and failed the launch."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run one pretraining job to its end (or to a stop); returns rank 0's summary."""
     if under_torchrun():
@@ -233,7 +242,7 @@ def train(cfg: TrainConfig) -> dict:
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-            atexit.register(dist.destroy_process_group)
+            atexit.register(_leave_together)
         dist.barrier()  # rank 0 has written the corpus cache (shared folder assumed)
         if cfg.resume:
             check_resumable(cfg)
