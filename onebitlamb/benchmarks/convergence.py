@@ -235,6 +235,7 @@ def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str]
     frozen at those steps, at every seed the preset runs."""
     swept, seeded = parse_sweep(sweep), parse_seeds(seeds)
     scanned = parse_freeze_steps(freeze_steps)
+
     def at_seed(preset: str, variant: str, optimizer: str, flags: List[str], seed: int) -> Row:
         # the default seed's rows keep their plain label and flags: their run folders predate --seeds
         if seed == DEFAULT_SEED:
@@ -251,10 +252,11 @@ def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str]
         for seed in range(DEFAULT_SEED + 1, DEFAULT_SEED + seeded.get(preset, 1)):
             for variant in SEEDED[preset]:
                 rows.append(at_seed(preset, variant, *VARIANTS[variant], seed))
-        for seed in range(DEFAULT_SEED, DEFAULT_SEED + seeded.get(preset, 1)):
-            for step in scanned.get(preset, ()):
-                steps = pretrain_config("onebitlamb", PRESETS[preset]).steps
-                rows.append(at_seed(preset, *freeze_step_variant(step, steps), seed))
+        if preset in scanned:
+            steps = pretrain_config("onebitlamb", PRESETS[preset]).steps
+            for seed in range(DEFAULT_SEED, DEFAULT_SEED + seeded.get(preset, 1)):
+                for step in scanned[preset]:
+                    rows.append(at_seed(preset, *freeze_step_variant(step, steps), seed))
     return rows
 
 
