@@ -214,3 +214,26 @@ def test_freeze_step_table_sets_fixed_freezes_beside_auto_per_seed():
     # the scanned steps stay out of the seed table, the seeded rows do not
     assert "| b1024 | 1bit-lamb freeze step 72 | 1234:" not in table
     assert "| b1024 | 1bit-lamb freeze 20% | 1234: 5.500, 1235: 4.400 | 4.950 | +10.0%, +10.0% | +10.0% |" in table
+
+
+def test_auto_is_set_against_the_hand_picked_freeze_seed_by_seed():
+    def row(variant, seed, loss):
+        label = variant if seed == 1234 else f"{variant}, seed {seed}"
+        return {"preset": "demo", "label": label, "flags": [], "loss": loss, "freeze": None, "bytes": 100,
+                "variant": variant, "seed": seed}
+
+    auto, picked = convergence.SEEDED["demo"][:2]
+    results = [row("lamb", s, 5.0) for s in (1234, 1235, 1236)]
+    results += [row(auto, 1234, 4.4), row(picked, 1234, 4.0), row(auto, 1235, 4.0), row(picked, 1235, 5.0),
+                row(auto, 1236, 5.0), row(picked, 1236, 5.0)]
+    table = convergence.render(results, "cmd")
+    assert f"| demo | {picked} | 1234: +10.0%, 1235: -20.0%, 1236: +0.0% | -3.3% | 2 of 3 |" in table
+    # a diverged run loses its seed and leaves no mean
+    results[3] = row(auto, 1234, math.nan)
+    assert f"| demo | {picked} | 1234: auto diverged, 1235: -20.0%, 1236: +0.0% | - | 2 of 3 |" in convergence.render(
+        results, "cmd")
+    results[3], results[4] = row(auto, 1234, 4.4), row(picked, 1234, math.nan)
+    assert f"| demo | {picked} | 1234: hand-picked diverged, 1235: -20.0%, 1236: +0.0% | - | 3 of 3 |" in (
+        convergence.render(results, "cmd"))
+    # one seed is the main table's business, not this one's
+    assert "auto vs it per seed" not in convergence.render(results[:3] + results[3:5], "cmd")

@@ -293,6 +293,36 @@ def _loss(loss: float) -> str:
     return f"{loss:.3f}" if loss == loss else "NaN"
 
 
+def _auto_against_hand_picked(repeats: Dict[Tuple[str, str], Dict[int, dict]]) -> List[str]:
+    """The issue's question on each seeded preset, at the seeds both ran: is the automatic freeze at
+    least as good as the best hand-picked one (SEEDED's first two rows)? A diverged run counts as lost."""
+    lines: List[str] = []
+    for preset, (auto, picked, *_) in SEEDED.items():
+        auto_runs, picked_runs = repeats.get((preset, auto), {}), repeats.get((preset, picked), {})
+        seeds = sorted(set(auto_runs) & set(picked_runs))
+        if len(seeds) < 2:
+            continue
+        cells, gaps, no_worse = [], [], 0
+        for seed in seeds:
+            ours, theirs = auto_runs[seed]["loss"], picked_runs[seed]["loss"]
+            if ours != ours:
+                cells.append(f"{seed}: auto diverged")
+            elif theirs != theirs:
+                cells.append(f"{seed}: hand-picked diverged")
+                no_worse += 1
+            else:
+                gaps.append(100 * (ours / theirs - 1))
+                cells.append(f"{seed}: {gaps[-1]:+.1f}%")
+                no_worse += gaps[-1] <= 0
+        mean = f"{sum(gaps) / len(gaps):+.1f}%" if len(gaps) == len(seeds) else "-"
+        lines.append(f"| {preset} | {picked} | {', '.join(cells)} | {mean} | {no_worse} of {len(seeds)} |")
+    if not lines:
+        return []
+    return ["", "The automatic freeze against the hand-picked one at the same seed (negative: auto ahead).", "",
+            "| preset | hand-picked | auto vs it per seed | mean | auto no worse at |",
+            "|---|---|---|---:|---:|", *lines]
+
+
 def render(results: List[dict], command: str) -> str:
     lines = [
         "## Convergence: held-out MLM loss at equal samples",
@@ -371,6 +401,7 @@ def render(results: List[dict], command: str) -> str:
             mean_gap = f"{sum(gaps) / len(gaps):+.1f}%" if gaps else "-"
             lines.append(f"| {preset} | {variant} | {per_seed} | {_loss(sum(losses) / len(losses))} | {gap_text} "
                          f"| {mean_gap} |")
+        lines += _auto_against_hand_picked(repeats)
 
     scanned = sorted({r["preset"] for r in results if r.get("variant", "").startswith(FREEZE_STEP_VARIANT)})
     if scanned:
