@@ -385,16 +385,19 @@ def test_transient_criterion_by_hand():
     assert not transient_passed(6.1, peak=12.0, transient=5.0)       # still above half the peak
     assert transient_passed(6.0, peak=12.0, transient=5.0)
     assert not transient_passed(0.1, peak=12.0, transient=None)      # turned off
+    assert not transient_passed(2.6, peak=12.0, transient=5.0, end=2.5)  # below half the peak, not below end
+    assert transient_passed(2.5, peak=12.0, transient=5.0, end=2.5)
+    assert not transient_passed(1.0, peak=4.9, transient=5.0, end=2.5)   # still no transient
 
 
-def _plateau_exit_run(transient, resume_at=None):
+def _plateau_exit_run(transient, resume_at=None, end=None):
     """Layer 0 sits on a plateau (gradients 1e-3) and leaves it over steps 30-40 (gradients grow
     1000x); layer 1 drifts slowly all along. Returns the freeze step and the spread per step; with
     ``resume_at``, the run continues from a checkpoint taken after that step, in a new optimizer."""
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(32))]
     options = dict(lr=1e-3, freeze_step="auto", min_freeze_step=5, max_freeze_step=150, freeze_window=10,
-                   freeze_tolerance=0.2, freeze_transient=transient)
+                   freeze_tolerance=0.2, freeze_transient=transient, freeze_transient_end=end)
     opt = onebitlamb.OneBitLamb(ps, **options)
     gen = torch.Generator().manual_seed(1)
     spreads = []
@@ -425,6 +428,17 @@ def test_auto_freeze_after_the_transient_and_not_before():
     assert _plateau_exit_run(transient=5.0, resume_at=frozen_at - 3)[0] == frozen_at
     settled_at, _ = _plateau_exit_run(transient=None)
     assert settled_at > frozen_at + 10, (settled_at, frozen_at)
+
+
+def test_auto_freeze_after_the_transient_waits_for_an_absolute_end():
+    """With freeze_transient_end the freeze after the transient waits until the spread is back to
+    that value, not to half the peak: later, while the layers still moved more than the end."""
+    half_peak_at, _ = _plateau_exit_run(transient=5.0)
+    frozen_at, spreads = _plateau_exit_run(transient=5.0, end=1.0)
+    assert frozen_at > half_peak_at, (frozen_at, half_peak_at)
+    after_peak = spreads[spreads.index(max(s for s in spreads if s is not None)):-1]
+    assert min(after_peak) > 1.0, after_peak  # up to the step before the freeze, still moving more than that
+    assert _plateau_exit_run(transient=5.0, resume_at=frozen_at - 3, end=1.0)[0] == frozen_at
 
 
 def test_update_guard_bounds_a_blow_up():
@@ -458,6 +472,8 @@ def test_update_guard_bounds_a_blow_up():
     ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_window": 0}, "freeze_window"),
     ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_tolerance": 0}, "freeze_tolerance"),
     ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_transient": -1.0}, "freeze_transient"),
+    ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_transient_end": 0}, "freeze_transient_end"),
+    ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_transient_end": 5.0}, "freeze_transient_end: 5.0"),
     ({"freeze_step": "sometime"}, "freeze_step"),
     ({"freeze_step": 5, "compression_space": "gradient"}, "compression_space"),
     ({"freeze_step": 5, "update_guard": 0.5}, "update_guard"),

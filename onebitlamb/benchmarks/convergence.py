@@ -50,6 +50,9 @@ VARIANTS: Dict[str, Tuple[str, List[str]]] = {
     "1bit-lamb freeze 20%, update space + guard": ("onebitlamb", ["--freeze-frac", "0.2", "--compression-space",
                                                                  "update", "--update-guard", "4"]),
     "1bit-lamb auto (cap 75%)": ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75"]),
+    # the transient rule with an absolute end (docs/convergence.md, "A spike on the plateau")
+    "1bit-lamb auto (cap 75%), transient end 2.5": ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75",
+                                                                    "--freeze-transient-end", "2.5"]),
     "1bit-lamb auto (cap 75%), update space + guard": ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75",
                                                                        "--compression-space", "update",
                                                                        "--update-guard", "4"]),
@@ -66,14 +69,15 @@ VARIANTS: Dict[str, Tuple[str, List[str]]] = {
 DEFAULT_PLAN: Dict[str, List[str]] = {
     "b512": ["lamb", "1bit-lamb freeze 20%", "1bit-lamb freeze 25%", "1bit-lamb freeze 20%, update space + guard",
              "1bit-lamb auto (cap 75%)", "1bit-lamb auto (cap 75%), update space + guard",
-             "1bit-adam freeze 20%, lr 1e-3", "1bit-adam auto (cap 75%), lr 1e-3"],
+             "1bit-adam freeze 20%, lr 1e-3", "1bit-adam auto (cap 75%), lr 1e-3",
+             "1bit-lamb auto (cap 75%), transient end 2.5"],
     "b1024": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3", "1bit-lamb freeze 20%",
-              "1bit-lamb freeze 35%", "1bit-lamb freeze 19.75%"],
+              "1bit-lamb freeze 35%", "1bit-lamb freeze 19.75%", "1bit-lamb auto (cap 75%), transient end 2.5"],
     "b4096": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3", "1bit-lamb freeze 20%",
-              "1bit-lamb freeze 35%"],
+              "1bit-lamb freeze 35%", "1bit-lamb auto (cap 75%), transient end 2.5"],
     # with the 35% rows: `make demo` (onebitlamb compare --preset demo) at the main job's defaults
     "demo": ["lamb", "1bit-lamb freeze 35%", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 1e-3",
-             "1bit-adam freeze 35%, lr 2e-3"],
+             "1bit-adam freeze 35%, lr 2e-3", "1bit-lamb auto (cap 75%), transient end 2.5"],
 }
 # The rows repeated at more seeds with --seeds: the automatic freeze, the best hand-picked freeze of
 # the default plan (their differences on b1024 and demo are within one seed's noise: on b1024 one
@@ -81,9 +85,9 @@ DEFAULT_PLAN: Dict[str, List[str]] = {
 # "is auto as good as the best hand-picked freeze" without LAMB)
 SEEDED: Dict[str, List[str]] = {
     "b512": ["1bit-lamb auto (cap 75%)", "1bit-lamb freeze 20%", "lamb"],
-    "b1024": ["1bit-lamb auto (cap 75%)", "1bit-lamb freeze 20%", "lamb"],
+    "b1024": ["1bit-lamb auto (cap 75%)", "1bit-lamb freeze 20%", "lamb", "1bit-lamb auto (cap 75%), transient end 2.5"],
     "b4096": ["1bit-lamb auto (cap 75%)", "1bit-lamb freeze 20%", "lamb"],
-    "demo": ["1bit-lamb auto (cap 75%)", "1bit-lamb freeze 35%", "lamb"],
+    "demo": ["1bit-lamb auto (cap 75%)", "1bit-lamb freeze 35%", "lamb", "1bit-lamb auto (cap 75%), transient end 2.5"],
 }
 DEFAULT_SEED = 1234  # the main job's (pretrain.DEFAULTS["seed"]), so the default plan is seed 1234
 

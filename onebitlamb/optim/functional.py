@@ -180,7 +180,8 @@ def settled(spread: Optional[float], tolerance: float) -> bool:
     return spread is not None and spread <= tolerance
 
 
-def transient_passed(spread: Optional[float], peak: float, transient: Optional[float]) -> bool:
+def transient_passed(spread: Optional[float], peak: float, transient: Optional[float],
+                     end: Optional[float] = None) -> bool:
     """The automatic freeze's second way out: the warm-up has been through its transient.
 
     On the main job every preset shows one: some layers sit on a plateau with a tiny variance,
@@ -189,9 +190,17 @@ def transient_passed(spread: Optional[float], peak: float, transient: Optional[f
     or during that rise fails (the frozen variance cannot follow); freezing once it is over works,
     long before every layer has settled to ``freeze_tolerance``. So: passed when the spread has
     once reached ``transient`` (``peak`` is the largest spread seen so far) and has since fallen to
-    half of that peak. ``transient=None`` turns this way out off.
+    ``end``, or with ``end=None`` to half of that peak. ``transient=None`` turns this way out off.
+
+    Half the peak is relative: a tall peak lets the freeze come while the layers still move a lot.
+    A one-step gradient spike on the plateau makes such a peak (its jump stays in the window for
+    exactly a window, then leaves it), and at one seed of the main job the freeze then came while
+    the attention layers' variance still grew by e^4 per window, still 8 below its later level
+    (docs/convergence.md). An absolute ``end`` waits until that growth has slowed.
     """
-    return transient is not None and spread is not None and peak >= transient and spread <= peak / 2
+    if transient is None or spread is None or peak < transient:
+        return False
+    return spread <= (peak / 2 if end is None else end)
 
 
 def window_spread(history: torch.Tensor, count: int) -> Optional[float]:

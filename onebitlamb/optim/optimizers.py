@@ -17,7 +17,8 @@ def _is_int(value) -> bool:
 
 
 def _onebit_options(cls_name: str, freeze_step, min_freeze_step, max_freeze_step, freeze_window,
-                    freeze_tolerance, freeze_transient, compression_space, update_guard) -> Dict[str, Any]:
+                    freeze_tolerance, freeze_transient, freeze_transient_end, compression_space,
+                    update_guard) -> Dict[str, Any]:
     """Validate what 1-bit LAMB and 1-bit Adam share: when to freeze, where to compress, the guard."""
     if freeze_step is None:
         raise ValueError(
@@ -39,6 +40,11 @@ def _onebit_options(cls_name: str, freeze_step, min_freeze_step, max_freeze_step
         if freeze_transient is not None and (not isinstance(freeze_transient, (int, float))
                                              or not freeze_transient > 0):
             raise ValueError(f"Invalid freeze_transient: {freeze_transient!r} (None, or a number > 0)")
+        if freeze_transient_end is not None and (
+                not isinstance(freeze_transient_end, (int, float)) or not freeze_transient_end > 0
+                or (freeze_transient is not None and not freeze_transient_end < freeze_transient)):
+            raise ValueError(f"Invalid freeze_transient_end: {freeze_transient_end!r} (None, or a number > 0 "
+                             f"and below freeze_transient={freeze_transient!r})")
     elif not _is_int(freeze_step) or freeze_step < 1:
         raise ValueError(f"Invalid freeze_step: {freeze_step!r} (must be an integer >= 1 or 'auto')")
     if compression_space not in COMPRESSION_SPACES:
@@ -47,6 +53,7 @@ def _onebit_options(cls_name: str, freeze_step, min_freeze_step, max_freeze_step
         raise ValueError(f"Invalid update_guard: {update_guard!r} (None, or a number >= 1)")
     return dict(min_freeze_step=min_freeze_step, max_freeze_step=max_freeze_step, freeze_window=freeze_window,
                 freeze_tolerance=freeze_tolerance, freeze_transient=freeze_transient,
+                freeze_transient_end=freeze_transient_end,
                 compression_space=compression_space, update_guard=update_guard)
 
 
@@ -104,9 +111,11 @@ class OneBitLamb(StagedOptimizer):
                  update_guard: Optional[float] = None, min_freeze_step: int = 1,
                  max_freeze_step: Optional[int] = None, freeze_window: int = 20,
                  freeze_tolerance: float = 0.3, freeze_transient: Optional[float] = 5.0,
+                 freeze_transient_end: Optional[float] = None,
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
         onebit = _onebit_options(type(self).__name__, freeze_step, min_freeze_step, max_freeze_step,
-                                 freeze_window, freeze_tolerance, freeze_transient, compression_space, update_guard)
+                                 freeze_window, freeze_tolerance, freeze_transient, freeze_transient_end,
+                                 compression_space, update_guard)
         validate_common(lr, betas, eps, weight_decay)
         _validate_lamb(min_coeff, max_coeff)
         if not 0.0 <= coeff_beta < 1.0:
@@ -138,9 +147,11 @@ class OneBitAdam(StagedOptimizer):
                  update_guard: Optional[float] = None, min_freeze_step: int = 1,
                  max_freeze_step: Optional[int] = None, freeze_window: int = 20,
                  freeze_tolerance: float = 0.3, freeze_transient: Optional[float] = 5.0,
+                 freeze_transient_end: Optional[float] = None,
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
         onebit = _onebit_options(type(self).__name__, freeze_step, min_freeze_step, max_freeze_step,
-                                 freeze_window, freeze_tolerance, freeze_transient, compression_space, update_guard)
+                                 freeze_window, freeze_tolerance, freeze_transient, freeze_transient_end,
+                                 compression_space, update_guard)
         validate_common(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, **onebit)

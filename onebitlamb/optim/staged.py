@@ -179,8 +179,8 @@ class StagedOptimizer(Optimizer):
     def freeze_spread(self) -> Optional[float]:
         """With ``freeze_step="auto"``, before the freeze: how far (log scale) the least settled
         layer's variance moved over the last ``freeze_window`` steps; the freeze comes when this is
-        at most ``freeze_tolerance``, or at most half its peak once that peak has reached
-        ``freeze_transient``. None otherwise."""
+        at most ``freeze_tolerance``, or at most ``freeze_transient_end`` (default: half its peak)
+        once that peak has reached ``freeze_transient``. None otherwise."""
         if self.freeze_step != "auto" or "flat" not in self.state or self.stage != WARMUP:
             return None
         return F.window_spread(self._flat["freeze_history"], self._flat["freeze_history_count"])
@@ -307,7 +307,7 @@ class StagedOptimizer(Optimizer):
         spread = F.window_spread(flat["freeze_history"], flat["freeze_history_count"])
         return (F.settled(spread, self.defaults["freeze_tolerance"])
                 or F.transient_passed(spread, flat.get("freeze_spread_peak", 0.0),
-                                      self.defaults["freeze_transient"]))
+                                      self.defaults["freeze_transient"], self.defaults["freeze_transient_end"]))
 
     def _record_warmup(self, coeff: torch.Tensor, param_norms: torch.Tensor, update_norms: torch.Tensor) -> None:
         """What the freeze and the guard need from a warm-up step, all from synchronized state:

@@ -57,6 +57,7 @@ DEFAULTS = dict(
     eval_every=32, eval_samples=512, ckpt_every=64,
     # 1-bit optimizers: freeze_frac is the freeze, or with auto_freeze the latest it may happen
     auto_freeze=False, min_freeze_frac=0.05, freeze_window=20, freeze_tolerance=0.3, freeze_transient=5.0,
+    freeze_transient_end=0.0,
     compression_space="momentum", update_guard=0.0,
 )
 PRESETS = {
@@ -112,6 +113,7 @@ class TrainConfig:
     freeze_window: int
     freeze_tolerance: float
     freeze_transient: float
+    freeze_transient_end: float
     compression_space: str
     update_guard: float
     cache_dir: str = ""
@@ -167,7 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True
                  steps=int, lr=float, lr_lamb=float, lr_adam=float, warmup_frac=float, freeze_frac=float,
                  weight_decay=float, clip=float, beta1=float, beta2=float, eps=float, mask_prob=float,
                  eval_every=int, eval_samples=int, ckpt_every=int, min_freeze_frac=float, freeze_window=int,
-                 freeze_tolerance=float, freeze_transient=float, compression_space=str, update_guard=float)
+                 freeze_tolerance=float, freeze_transient=float, freeze_transient_end=float, compression_space=str,
+                 update_guard=float)
     helps = dict(workers="local worker processes (ignored under torchrun)",
                  lr="learning rate (default: --lr-lamb for (1-bit) LAMB, --lr-adam for 1-bit Adam)",
                  clip="max norm of each worker's local gradient, 0 = off",
@@ -179,6 +182,8 @@ def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True
                                   "over the window to count as settled",
                  freeze_transient="with --auto-freeze: a spread this large marks the plateau exit; the freeze "
                                   "comes once the spread is back to half its peak (0 = off)",
+                 freeze_transient_end="with --auto-freeze: the freeze after a transient comes once the spread "
+                                      "is back to this (0 = half its peak)",
                  compression_space="1-bit optimizers: 'momentum' (the paper's) or 'update' (preconditioned)",
                  update_guard="1-bit optimizers: bound stage-2 relative steps to this multiple of the "
                               "warm-up's (0 = off)",
@@ -444,7 +449,8 @@ def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
         onebit.update(freeze_step="auto", max_freeze_step=cfg.freeze_step,
                       min_freeze_step=min(cfg.freeze_step, max(1, round(cfg.min_freeze_frac * cfg.steps))),
                       freeze_window=cfg.freeze_window, freeze_tolerance=cfg.freeze_tolerance,
-                      freeze_transient=cfg.freeze_transient or None)
+                      freeze_transient=cfg.freeze_transient or None,
+                      freeze_transient_end=cfg.freeze_transient_end or None)
     else:
         onebit.update(freeze_step=cfg.freeze_step)
     cls = onebitlamb.OneBitLamb if cfg.optimizer == "onebitlamb" else onebitlamb.OneBitAdam
@@ -606,7 +612,10 @@ def check_resumable(cfg: TrainConfig, saved: Optional[dict] = None) -> None:
 
 # Settings only the 1-bit optimizers read, and of those, the ones only the automatic freeze reads
 ONEBIT_SETTINGS = {"freeze_frac", "compression_space", "update_guard"}
-AUTO_FREEZE_SETTINGS = {"min_freeze_frac", "freeze_window", "freeze_tolerance", "freeze_transient"}
+AUTO_FREEZE_SETTINGS = {"min_freeze_frac", "freeze_window", "freeze_tolerance", "freeze_transient",
+                        "freeze_transient_end"}
+# Settings added after runs were saved, and the value those runs had in effect
+ADDED_SETTINGS = {"freeze_transient_end": 0.0}
 
 
 def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
@@ -619,6 +628,7 @@ def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
     elif not cfg.auto_freeze:
         ignored |= AUTO_FREEZE_SETTINGS
     now = dataclasses.asdict(cfg)
+    saved = {**ADDED_SETTINGS, **saved}
     return {k: (saved.get(k), v) for k, v in now.items() if k not in ignored and saved.get(k) != v}
 
 
