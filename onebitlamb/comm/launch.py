@@ -13,6 +13,8 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import threading
+import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -27,10 +29,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, init_method, timeout_s, threads, args, results) -> None:
+def _exit_with(parent: int) -> None:
+    """Leave as soon as the launching process is gone. Killed by a signal it cannot clean up
+    after (SIGTERM, SIGKILL), it leaves its daemon workers behind, and they would train on alone
+    for hours, writing checkpoints into the run's folder."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
+
+
+def _worker(fn, rank, world_size, init_method, timeout_s, threads, args, results, parent) -> None:
     import torch
     import torch.distributed as dist
 
+    _exit_with(parent)
     try:
         if threads is not None:
             torch.set_num_threads(threads)
@@ -76,7 +91,8 @@ def spawn_local(
     ctimeout = timeout_s if collective_timeout_s is None else collective_timeout_s
     procs = [
         ctx.Process(target=_worker, daemon=True,
-                    args=(fn, r, world_size, init_method, ctimeout, threads_per_worker, tuple(args), results))
+                    args=(fn, r, world_size, init_method, ctimeout, threads_per_worker, tuple(args), results,
+                          os.getpid()))
         for r in range(world_size)
     ]
     for p in procs:

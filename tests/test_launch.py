@@ -1,0 +1,59 @@
+"""The local launcher's promise that nothing outlives a run: workers leave with their launcher."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _report_and_sleep(rank, world_size, folder):
+    with open(os.path.join(folder, f"rank{rank}.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(os.path.join(folder, f"rank{rank}.tmp"), os.path.join(folder, f"rank{rank}"))
+    time.sleep(300)
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for(condition, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_leave_when_the_launcher_is_killed(tmp_path):
+    """SIGTERM skips the launcher's cleanup (its ``finally`` and multiprocessing's exit handler):
+    the workers must notice on their own and stop, not train on as orphans."""
+    launcher = subprocess.Popen([sys.executable, "-c", (
+        f"import sys; sys.path.insert(0, {HERE!r})\n"
+        "import test_launch\n"
+        "from onebitlamb.comm.launch import spawn_local\n"
+        f"spawn_local(test_launch._report_and_sleep, 2, args=({str(tmp_path)!r},), timeout_s=300)\n")])
+    pids = []
+    try:
+        assert _wait_for(lambda: all((tmp_path / f"rank{r}").exists() for r in range(2)), 120), "no workers"
+        pids = [int((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+        assert all(_running(pid) for pid in pids)
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=30)
+        assert _wait_for(lambda: not any(_running(pid) for pid in pids), 15), "workers outlived their launcher"
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=30)
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
