@@ -112,12 +112,12 @@ def test_changed_settings_ignores_only_what_the_run_does_not_read():
     auto = ["--optimizer", "onebitlamb", "--auto-freeze"]
     assert changed(auto + ["--freeze-tolerance", "0.25"], auto) == {"freeze_tolerance"}
     assert changed(auto + ["--lr", "1e-2"], auto + ["--out", "b", "--no-progress"]) == {"lr"}
-    # a run saved before a setting existed ran with the value it stands for
+    # a run saved before a setting existed ran with the value that stands for the old behaviour (the
+    # transient's end at half the peak), not with the new default
     older = dataclasses.asdict(cfg(*auto))
     del older["freeze_transient_end"]
-    assert pretrain.changed_settings(cfg(*auto), older) == {}
-    assert set(pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "2.5"), older)) == {
-        "freeze_transient_end"}
+    assert set(pretrain.changed_settings(cfg(*auto), older)) == {"freeze_transient_end"}
+    assert pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0"), older) == {}
     fixed = ["--optimizer", "onebitlamb"]
     assert changed(fixed + ["--freeze-tolerance", "0.25"], fixed) == set()  # a fixed freeze never reads it
     assert changed(fixed + ["--freeze-frac", "0.2"], fixed) == {"freeze_frac"}

@@ -190,7 +190,8 @@ def transient_passed(spread: Optional[float], peak: float, transient: Optional[f
     or during that rise fails (the frozen variance cannot follow); freezing once it is over works,
     long before every layer has settled to ``freeze_tolerance``. So: passed when the spread has
     once reached ``transient`` (``peak`` is the largest spread seen so far) and has since fallen to
-    ``end``, or with ``end=None`` to half of that peak. ``transient=None`` turns this way out off.
+    ``end`` (the optimizers' default: half of ``transient``), or with ``end=None`` to half of that
+    peak. ``transient=None`` turns this way out off.
 
     Half the peak is relative: a tall peak lets the freeze come while the layers still move a lot.
     A one-step gradient spike on the plateau makes such a peak (its jump stays in the window for

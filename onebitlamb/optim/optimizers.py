@@ -111,7 +111,7 @@ class OneBitLamb(StagedOptimizer):
                  update_guard: Optional[float] = None, min_freeze_step: int = 1,
                  max_freeze_step: Optional[int] = None, freeze_window: int = 20,
                  freeze_tolerance: float = 0.3, freeze_transient: Optional[float] = 5.0,
-                 freeze_transient_end: Optional[float] = None,
+                 freeze_transient_end: Optional[float] = 2.5,
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
         onebit = _onebit_options(type(self).__name__, freeze_step, min_freeze_step, max_freeze_step,
                                  freeze_window, freeze_tolerance, freeze_transient, freeze_transient_end,
@@ -147,7 +147,7 @@ class OneBitAdam(StagedOptimizer):
                  update_guard: Optional[float] = None, min_freeze_step: int = 1,
                  max_freeze_step: Optional[int] = None, freeze_window: int = 20,
                  freeze_tolerance: float = 0.3, freeze_transient: Optional[float] = 5.0,
-                 freeze_transient_end: Optional[float] = None,
+                 freeze_transient_end: Optional[float] = 2.5,
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
         onebit = _onebit_options(type(self).__name__, freeze_step, min_freeze_step, max_freeze_step,
                                  freeze_window, freeze_tolerance, freeze_transient, freeze_transient_end,

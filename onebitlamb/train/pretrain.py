@@ -57,7 +57,8 @@ DEFAULTS = dict(
     eval_every=32, eval_samples=512, ckpt_every=64,
     # 1-bit optimizers: freeze_frac is the freeze, or with auto_freeze the latest it may happen
     auto_freeze=False, min_freeze_frac=0.05, freeze_window=20, freeze_tolerance=0.3, freeze_transient=5.0,
-    freeze_transient_end=0.0,
+    # half the transient threshold, not half the spread's peak (docs/convergence.md, "A spike on the plateau")
+    freeze_transient_end=2.5,
     compression_space="momentum", update_guard=0.0,
 )
 PRESETS = {
@@ -181,9 +182,9 @@ def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True
                  freeze_tolerance="with --auto-freeze: how far (log scale) every layer's variance may move "
                                   "over the window to count as settled",
                  freeze_transient="with --auto-freeze: a spread this large marks the plateau exit; the freeze "
-                                  "comes once the spread is back to half its peak (0 = off)",
+                                  "comes once the spread is back to --freeze-transient-end (0 = off)",
                  freeze_transient_end="with --auto-freeze: the freeze after a transient comes once the spread "
-                                      "is back to this (0 = half its peak)",
+                                      "is back to this (default 2.5; 0 = half its peak, the rule before)",
                  compression_space="1-bit optimizers: 'momentum' (the paper's) or 'update' (preconditioned)",
                  update_guard="1-bit optimizers: bound stage-2 relative steps to this multiple of the "
                               "warm-up's (0 = off)",
