@@ -227,13 +227,13 @@ def test_auto_is_set_against_the_hand_picked_freeze_seed_by_seed():
     results += [row(auto, 1234, 4.4), row(picked, 1234, 4.0), row(auto, 1235, 4.0), row(picked, 1235, 5.0),
                 row(auto, 1236, 5.0), row(picked, 1236, 5.0)]
     table = convergence.render(results, "cmd")
-    assert f"| demo | {picked} | 1234: +10.0%, 1235: -20.0%, 1236: +0.0% | -3.3% | 2 of 3 |" in table
+    assert f"| demo | {auto} | {picked} | 1234: +10.0%, 1235: -20.0%, 1236: +0.0% | -3.3% | 2 of 3 |" in table
     # a diverged run loses its seed and leaves no mean
     results[3] = row(auto, 1234, math.nan)
-    assert f"| demo | {picked} | 1234: auto diverged, 1235: -20.0%, 1236: +0.0% | - | 2 of 3 |" in convergence.render(
+    assert f"| demo | {auto} | {picked} | 1234: auto diverged, 1235: -20.0%, 1236: +0.0% | - | 2 of 3 |" in convergence.render(
         results, "cmd")
     results[3], results[4] = row(auto, 1234, 4.4), row(picked, 1234, math.nan)
-    assert f"| demo | {picked} | 1234: hand-picked diverged, 1235: -20.0%, 1236: +0.0% | - | 3 of 3 |" in (
+    assert f"| demo | {auto} | {picked} | 1234: hand-picked diverged, 1235: -20.0%, 1236: +0.0% | - | 3 of 3 |" in (
         convergence.render(results, "cmd"))
     # one seed is the main table's business, not this one's
     assert "auto vs it per seed" not in convergence.render(results[:3] + results[3:5], "cmd")

@@ -327,12 +327,12 @@ def _auto_against_hand_picked(repeats: Dict[Tuple[str, str], Dict[int, dict]]) -
                 cells.append(f"{seed}: {gaps[-1]:+.1f}%")
                 no_worse += gaps[-1] <= 0
         mean = f"{sum(gaps) / len(gaps):+.1f}%" if len(gaps) == len(seeds) else "-"
-        lines.append(f"| {preset} | {picked} | {', '.join(cells)} | {mean} | {no_worse} of {len(seeds)} |")
+        lines.append(f"| {preset} | {auto} | {picked} | {', '.join(cells)} | {mean} | {no_worse} of {len(seeds)} |")
     if not lines:
         return []
     return ["", "The automatic freeze against the hand-picked one at the same seed (negative: auto ahead).", "",
-            "| preset | hand-picked | auto vs it per seed | mean | auto no worse at |",
-            "|---|---|---|---:|---:|", *lines]
+            "| preset | automatic | hand-picked | auto vs it per seed | mean | auto no worse at |",
+            "|---|---|---|---|---:|---:|", *lines]
 
 
 def render(results: List[dict], command: str) -> str:
