@@ -179,8 +179,8 @@ class StagedOptimizer(Optimizer):
     def freeze_spread(self) -> Optional[float]:
         """With ``freeze_step="auto"``, before the freeze: how far (log scale) the least settled
         layer's variance moved over the last ``freeze_window`` steps; the freeze comes when this is
-        at most ``freeze_tolerance``, or at most ``freeze_transient_end`` (default: half its peak)
-        once that peak has reached ``freeze_transient``. None otherwise."""
+        at most ``freeze_tolerance``, or at most ``freeze_transient_end`` (None: half its peak) once
+        that peak has reached ``freeze_transient``. None otherwise."""
         if self.freeze_step != "auto" or "flat" not in self.state or self.stage != WARMUP:
             return None
         return F.window_spread(self._flat["freeze_history"], self._flat["freeze_history_count"])
