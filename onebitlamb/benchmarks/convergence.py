@@ -104,8 +104,8 @@ DEFAULT_SEED = 1234  # the main job's (pretrain.DEFAULTS["seed"]), so the defaul
 # the best ends between two worse ones (or at the limit).
 SWEEP_FACTOR = 2.0
 SWEEP_MAX_RATES = 5
-# the variant swept for each optimizer (the one the headline comparison uses)
-SWEPT = {"lamb": ("lamb",), "onebitlamb": ("1bit-lamb auto (cap 75%)",),
+# the variants swept for each optimizer (those the headline comparisons use)
+SWEPT = {"lamb": ("lamb",), "onebitlamb": (_AUTO_BEFORE, _AUTO),
          "onebitadam": ("1bit-adam auto (cap 75%), lr 1e-3", "1bit-adam auto (cap 75%), lr 2e-3")}
 
 
