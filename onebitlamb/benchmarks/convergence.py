@@ -38,6 +38,8 @@ PRESETS: Dict[str, List[str]] = {
     "b4096": ["--global-batch", "4096", "--steps", "100", "--eval-every", "20"],
     "demo": [],
 }
+# the automatic freeze with the default rule, and with the rule before (see VARIANTS)
+_AUTO, _AUTO_BEFORE = "1bit-lamb auto (cap 75%), transient end 2.5", "1bit-lamb auto (cap 75%)"
 # variant name -> (optimizer, flags)
 VARIANTS: Dict[str, Tuple[str, List[str]]] = {
     "lamb": ("lamb", []),
@@ -52,10 +54,8 @@ VARIANTS: Dict[str, Tuple[str, List[str]]] = {
     # The plain "auto" rows end the transient at half the spread's peak (`--freeze-transient-end 0`),
     # the rule before the default moved to an absolute end of 2.5 (docs/convergence.md, "A spike on
     # the plateau"); their sweeps and seeds ran with it, and a row's meaning must not move
-    "1bit-lamb auto (cap 75%)": ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75",
-                                                "--freeze-transient-end", "0"]),
-    "1bit-lamb auto (cap 75%), transient end 2.5": ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75",
-                                                                    "--freeze-transient-end", "2.5"]),
+    _AUTO_BEFORE: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "0"]),
+    _AUTO: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "2.5"]),
     "1bit-lamb auto (cap 75%), update space + guard": ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75",
                                                                        "--freeze-transient-end", "0",
                                                                        "--compression-space", "update",
@@ -76,21 +76,20 @@ DEFAULT_PLAN: Dict[str, List[str]] = {
     "b512": ["lamb", "1bit-lamb freeze 20%", "1bit-lamb freeze 25%", "1bit-lamb freeze 20%, update space + guard",
              "1bit-lamb auto (cap 75%)", "1bit-lamb auto (cap 75%), update space + guard",
              "1bit-adam freeze 20%, lr 1e-3", "1bit-adam auto (cap 75%), lr 1e-3",
-             "1bit-lamb auto (cap 75%), transient end 2.5"],
+             _AUTO],
     "b1024": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3", "1bit-lamb freeze 20%",
-              "1bit-lamb freeze 35%", "1bit-lamb freeze 19.75%", "1bit-lamb auto (cap 75%), transient end 2.5"],
+              "1bit-lamb freeze 35%", "1bit-lamb freeze 19.75%", _AUTO],
     "b4096": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3", "1bit-lamb freeze 20%",
-              "1bit-lamb freeze 35%", "1bit-lamb auto (cap 75%), transient end 2.5"],
+              "1bit-lamb freeze 35%", _AUTO],
     # with the 35% rows: `make demo` (onebitlamb compare --preset demo) at the main job's defaults
     "demo": ["lamb", "1bit-lamb freeze 35%", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 1e-3",
-             "1bit-adam freeze 35%, lr 2e-3", "1bit-lamb auto (cap 75%), transient end 2.5"],
+             "1bit-adam freeze 35%, lr 2e-3", _AUTO],
 }
 # The rows repeated at more seeds with --seeds: the automatic freeze with the default rule, the best
 # hand-picked freeze of the default plan (their differences on b1024 and demo are within one seed's
 # noise: on b1024 one step of freeze, 79 or 80, moved the loss by 2.8%), LAMB, and the automatic
 # freeze with the rule before (the first two answer "is auto as good as the best hand-picked
 # freeze" without LAMB)
-_AUTO, _AUTO_BEFORE = "1bit-lamb auto (cap 75%), transient end 2.5", "1bit-lamb auto (cap 75%)"
 SEEDED: Dict[str, List[str]] = {
     "b512": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE],
     "b1024": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE],
