@@ -31,12 +31,13 @@ def test_every_planned_row_is_a_valid_pretrain_command():
         label2, flags2 = convergence.with_rate(row.label, row.flags, 0.5 * cfg.lr)
         assert _parses(row.optimizer, flags2).lr == 0.5 * cfg.lr and flags2.count("--lr") == 1
         assert convergence.own_rate(row.optimizer, row.flags) == cfg.lr
-    # one swept row per optimizer and preset when all are asked for (two for 1-bit LAMB: the automatic
-    # freeze with the default rule and with the rule before); none unless asked
-    assert sum(r.swept for r in rows) == 4 * len(convergence.PRESETS)
+    # one swept row per optimizer and preset when all are asked for (two for each 1-bit optimizer: the
+    # automatic freeze with the default rule and with the rule before); none unless asked
+    assert sum(r.swept for r in rows) == 5 * len(convergence.PRESETS)
     assert not any(r.swept for r in convergence.plan(["b512"]))
     only_lamb = convergence.plan(["b512", "b4096"], sweep=["b512:lamb", "b4096:lamb,onebitadam"])
-    assert [r.label for r in only_lamb if r.swept] == ["lamb", "lamb", "1bit-adam auto (cap 75%), lr 2e-3"]
+    assert [r.label for r in only_lamb if r.swept] == ["lamb", "lamb", "1bit-adam auto (cap 75%), lr 2e-3",
+                                                       "1bit-adam auto (cap 75%), transient end 2.5, lr 2e-3"]
     for bad in (["b999"], ["b512:sgd"]):
         with pytest.raises(ValueError, match="invalid sweep"):
             convergence.plan(["b512"], sweep=bad)

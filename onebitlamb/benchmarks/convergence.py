@@ -40,6 +40,8 @@ PRESETS: Dict[str, List[str]] = {
 }
 # the automatic freeze with the default rule, and with the rule before (see VARIANTS)
 _AUTO, _AUTO_BEFORE = "1bit-lamb auto (cap 75%), transient end 2.5", "1bit-lamb auto (cap 75%)"
+# 1-bit Adam's automatic freeze with the default rule, at the main job's rate for it
+_ADAM_AUTO = "1bit-adam auto (cap 75%), transient end 2.5, lr 2e-3"
 # variant name -> (optimizer, flags)
 VARIANTS: Dict[str, Tuple[str, List[str]]] = {
     "lamb": ("lamb", []),
@@ -68,6 +70,8 @@ VARIANTS: Dict[str, Tuple[str, List[str]]] = {
                                                          "--freeze-transient-end", "0", "--lr", "1e-3"]),
     "1bit-adam auto (cap 75%), lr 2e-3": ("onebitadam", ["--auto-freeze", "--freeze-frac", "0.75",
                                                          "--freeze-transient-end", "0", "--lr", "2e-3"]),
+    _ADAM_AUTO: ("onebitadam", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "2.5",
+                                "--lr", "2e-3"]),
 }
 # The cap is generous because the criterion, not the cap, should decide: on short runs the plateau
 # exit can sit past half of the run (b4096: steps 45-70 of 100). What runs by default on each preset
@@ -76,14 +80,14 @@ DEFAULT_PLAN: Dict[str, List[str]] = {
     "b512": ["lamb", "1bit-lamb freeze 20%", "1bit-lamb freeze 25%", "1bit-lamb freeze 20%, update space + guard",
              "1bit-lamb auto (cap 75%)", "1bit-lamb auto (cap 75%), update space + guard",
              "1bit-adam freeze 20%, lr 1e-3", "1bit-adam auto (cap 75%), lr 1e-3",
-             _AUTO],
+             _AUTO, _ADAM_AUTO],
     "b1024": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3", "1bit-lamb freeze 20%",
-              "1bit-lamb freeze 35%", "1bit-lamb freeze 19.75%", _AUTO],
+              "1bit-lamb freeze 35%", "1bit-lamb freeze 19.75%", _AUTO, _ADAM_AUTO],
     "b4096": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3", "1bit-lamb freeze 20%",
-              "1bit-lamb freeze 35%", _AUTO],
+              "1bit-lamb freeze 35%", _AUTO, _ADAM_AUTO],
     # with the 35% rows: `make demo` (onebitlamb compare --preset demo) at the main job's defaults
     "demo": ["lamb", "1bit-lamb freeze 35%", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 1e-3",
-             "1bit-adam freeze 35%, lr 2e-3", _AUTO],
+             "1bit-adam freeze 35%, lr 2e-3", _AUTO, _ADAM_AUTO],
 }
 # The rows repeated at more seeds with --seeds: the automatic freeze with the default rule, the best
 # hand-picked freeze of the default plan (their differences on b1024 and demo are within one seed's
@@ -105,7 +109,7 @@ SWEEP_FACTOR = 2.0
 SWEEP_MAX_RATES = 5
 # the variants swept for each optimizer (those the headline comparisons use)
 SWEPT = {"lamb": ("lamb",), "onebitlamb": (_AUTO_BEFORE, _AUTO),
-         "onebitadam": ("1bit-adam auto (cap 75%), lr 1e-3", "1bit-adam auto (cap 75%), lr 2e-3")}
+         "onebitadam": ("1bit-adam auto (cap 75%), lr 1e-3", "1bit-adam auto (cap 75%), lr 2e-3", _ADAM_AUTO)}
 
 
 def format_rate(rate: float) -> str:
