@@ -186,7 +186,14 @@ def test_freeze_steps_run_plain_1bit_lamb_at_each_step_and_seed():
     assert plain == {r.label for r in scan} | {"1bit-lamb freeze 20%", "1bit-lamb freeze 35%", "1bit-lamb freeze 19.75%",
                                                "1bit-lamb freeze 20%, seed 1235"}
     assert not any(convergence.is_plain_freeze(r) for r in convergence.plan(["b512"]) if "update space" in r.label)
-    for bad in (["b1024"], ["b1024:0"], ["b1024:7x"], ["b999:5"], ["b1024:400"]):
+    # "@N": the scan at the first N seeds only, whatever --seeds adds
+    three = convergence.plan(["b1024"], seeds=["b1024:3"], freeze_steps=["b1024:86,72@2"])
+    assert ([(r.label, r.seed) for r in three if r.variant.startswith(convergence.FREEZE_STEP_VARIANT)]
+            == [(r.label, r.seed) for r in scan])
+    assert {r.seed for r in three} == {1234, 1235, 1236}
+    assert convergence.plan(["b1024"], seeds=["b1024:2"], freeze_steps=["b1024:86,72@5"]) == rows
+    for bad in (["b1024"], ["b1024:0"], ["b1024:7x"], ["b999:5"], ["b1024:400"], ["b1024:72@0"], ["b1024:72@"],
+                ["b1024:72@x"]):
         with pytest.raises(ValueError, match="invalid freeze steps"):
             convergence.plan(["b1024"], freeze_steps=bad)
 

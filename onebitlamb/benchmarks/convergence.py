@@ -216,20 +216,23 @@ def parse_seeds(items: Sequence[str]) -> Dict[str, int]:
     return out
 
 
-def parse_freeze_steps(items: Sequence[str]) -> Dict[str, List[int]]:
-    """``["b1024:72,76"]`` -> the fixed freeze steps to run 1-bit LAMB with on the preset."""
-    out: Dict[str, List[int]] = {}
+def parse_freeze_steps(items: Sequence[str]) -> Dict[str, Tuple[List[int], Optional[int]]]:
+    """``["b1024:72,76"]`` -> the fixed freeze steps to run 1-bit LAMB with on the preset, at every
+    seed (None); ``"b1024:72,76@2"``: at the first 2 seeds only (a scan need not follow --seeds up)."""
+    out: Dict[str, Tuple[List[int], Optional[int]]] = {}
     for item in items:
-        preset, _, steps = item.partition(":")
+        preset, _, rest = item.partition(":")
+        steps, at, seed_count = rest.partition("@")
         numbers = steps.split(",")
-        if preset not in PRESETS or not all(n.isdigit() and int(n) >= 1 for n in numbers):
-            raise ValueError(f"invalid freeze steps {item!r}: PRESET:STEP,... with PRESET in {sorted(PRESETS)} "
-                             f"and every STEP >= 1")
+        if (preset not in PRESETS or not all(n.isdigit() and int(n) >= 1 for n in numbers)
+                or (at and not (seed_count.isdigit() and int(seed_count) >= 1))):
+            raise ValueError(f"invalid freeze steps {item!r}: PRESET:STEP,...[@N] with PRESET in {sorted(PRESETS)}, "
+                             f"every STEP >= 1 and N >= 1")
         total = pretrain_config("onebitlamb", PRESETS[preset]).steps
         late = [int(n) for n in numbers if int(n) >= total]
         if late:
             raise ValueError(f"invalid freeze steps {item!r}: {late} not before the last step of {preset} ({total})")
-        out[preset] = sorted({int(n) for n in numbers})
+        out[preset] = sorted({int(n) for n in numbers}), int(seed_count) if at else None
     return out
 
 
@@ -269,8 +272,9 @@ def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str]
                 rows.append(at_seed(preset, variant, *VARIANTS[variant], seed))
         if preset in scanned:
             steps = pretrain_config("onebitlamb", PRESETS[preset]).steps
-            for seed in range(DEFAULT_SEED, DEFAULT_SEED + seeded.get(preset, 1)):
-                for step in scanned[preset]:
+            scan_steps, scan_seeds = scanned[preset]
+            for seed in range(DEFAULT_SEED, DEFAULT_SEED + min(seeded.get(preset, 1), scan_seeds or math.inf)):
+                for step in scan_steps:
                     rows.append(at_seed(preset, *freeze_step_variant(step, steps), seed))
     return rows
 
@@ -462,9 +466,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seeds", nargs="+", default=[], metavar="PRESET:N",
                         help="also run LAMB, the automatic and the best hand-picked freeze of the preset at "
                              "N seeds in all (e.g. b1024:3; N-1 more runs of each)")
-    parser.add_argument("--freeze-steps", nargs="+", default=[], metavar="PRESET:STEP,...",
-                        help="also run 1-bit LAMB frozen at these steps, at every seed of the preset (e.g. "
-                             "b1024:72,76,82); a table sets them beside the automatic freeze")
+    parser.add_argument("--freeze-steps", nargs="+", default=[], metavar="PRESET:STEP,...[@N]",
+                        help="also run 1-bit LAMB frozen at these steps, at every seed of the preset or at its "
+                             "first N (e.g. b1024:72,76,82@2); a table sets them beside the automatic freeze")
     parser.add_argument("--out", default="runs/convergence", help="run folders (reused to continue)")
     parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
     parser.add_argument("--list", action="store_true", help="print the runs and exit")
