@@ -6,6 +6,8 @@
     python -m onebitlamb.benchmarks.convergence --presets b4096 --sweep b4096:lamb   # LAMB's only
     python -m onebitlamb.benchmarks.convergence --presets b1024 --seeds b1024:3      # 3 seeds
     python -m onebitlamb.benchmarks.convergence --presets b1024 --freeze-steps b1024:72,76   # fixed freezes
+    python -m onebitlamb.benchmarks.convergence --presets b1024 --seeds b1024:3 --freeze-steps b1024:72,76@2
+                                                        # 3 seeds, the fixed freezes at the first 2
     python -m onebitlamb.benchmarks.convergence --list             # what would run
 
 Every run is ``onebitlamb pretrain`` with the flags shown in the table (so any row can be rerun
