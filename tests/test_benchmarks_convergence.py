@@ -52,6 +52,13 @@ def test_seeds_repeat_the_seeded_rows_at_new_seeds():
     assert {(r.variant, r.seed) for r in extra} == {(v, s) for v in convergence.SEEDED["b1024"] for s in (1235, 1236)}
     assert len({r.label for r in rows if r.preset == "b1024"}) == len([r for r in rows if r.preset == "b1024"])
     assert convergence.plan(["b1024"], seeds=["b1024:1"]) == default
+    # past the seeds it ran at, the rule before's row stops following --seeds; the others go on
+    before = "1bit-lamb auto (cap 75%)"
+    assert before in convergence.SEEDED["b1024"] and convergence.SEEDS_OF_THE_RULE_BEFORE["b1024"] == 3
+    five = convergence.plan(["b1024"], seeds=["b1024:5"])
+    assert sorted(r.seed for r in five if r.variant == before) == [1234, 1235, 1236]
+    assert sorted(r.seed for r in five if r.variant == "lamb") == [1234, 1235, 1236, 1237, 1238]
+    assert sorted(r.seed for r in convergence.plan(["b512"], seeds=["b512:2"]) if r.variant == before) == [1234]
     for bad in (["b1024"], ["b1024:0"], ["b999:2"], ["b1024:x"]):
         with pytest.raises(ValueError, match="invalid seeds"):
             convergence.plan(["b1024"], seeds=bad)

@@ -102,6 +102,9 @@ SEEDED: Dict[str, List[str]] = {
     "b4096": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE],
     "demo": [_AUTO, "1bit-lamb freeze 35%", "lamb", _AUTO_BEFORE],
 }
+# The rule before ran at these many seeds while it was the default; its seeded rows stop there, so
+# that more seeds of the default's rows do not also rerun a rule no longer in use (10 minutes a run)
+SEEDS_OF_THE_RULE_BEFORE: Dict[str, int] = {"b1024": 3, "demo": 4}
 DEFAULT_SEED = 1234  # the main job's (pretrain.DEFAULTS["seed"]), so the default plan is seed 1234
 
 # The learning-rate sweep of a variant starts at half and twice its own rate (its --lr, or the main
@@ -251,7 +254,7 @@ def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str]
          freeze_steps: Sequence[str] = ()) -> List[Row]:
     """Every run of the default plan on ``presets``; ``sweep`` (see ``parse_sweep``) marks the rows
     whose learning rate to sweep, ``seeds`` (see ``parse_seeds``) repeats the SEEDED rows at more
-    seeds (DEFAULT_SEED + 1, + 2, ...), ``freeze_steps`` (see ``parse_freeze_steps``) adds 1-bit LAMB
+    seeds (DEFAULT_SEED + 1, + 2, ...; the rule before's only up to SEEDS_OF_THE_RULE_BEFORE), ``freeze_steps`` (see ``parse_freeze_steps``) adds 1-bit LAMB
     frozen at those steps, at every seed the preset runs."""
     swept, seeded = parse_sweep(sweep), parse_seeds(seeds)
     scanned = parse_freeze_steps(freeze_steps)
@@ -271,7 +274,8 @@ def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str]
                             swept=optimizer in swept.get(preset, ()) and variant in SWEPT[optimizer]))
         for seed in range(DEFAULT_SEED + 1, DEFAULT_SEED + seeded.get(preset, 1)):
             for variant in SEEDED[preset]:
-                rows.append(at_seed(preset, variant, *VARIANTS[variant], seed))
+                if variant != _AUTO_BEFORE or seed < DEFAULT_SEED + SEEDS_OF_THE_RULE_BEFORE.get(preset, 1):
+                    rows.append(at_seed(preset, variant, *VARIANTS[variant], seed))
         if preset in scanned:
             steps = pretrain_config("onebitlamb", PRESETS[preset]).steps
             scan_steps, scan_seeds = scanned[preset]
