@@ -211,25 +211,33 @@ def test_freeze_step_table_sets_fixed_freezes_beside_auto_per_seed():
         return {"preset": "b1024", "label": label, "flags": [], "loss": loss, "freeze": freeze, "bytes": 100,
                 "variant": variant, "seed": seed, "plain_freeze": plain}
 
+    default_rule = "1bit-lamb auto (cap 75%), transient end 2.5"
     results = [row("lamb", 1234, 5.0), row("lamb", 1235, 4.0),
                row("1bit-lamb auto (cap 75%)", 1234, 4.5, freeze=79), row("1bit-lamb auto (cap 75%)", 1235, 4.2, 83),
+               row(default_rule, 1234, 4.0, freeze=93), row(default_rule, 1235, 4.8, 97),
                row("1bit-lamb freeze 20%", 1234, 5.5, 80, True), row("1bit-lamb freeze 20%", 1235, 4.4, 80, True),
                row("1bit-lamb freeze step 72", 1234, 6.0, 72, True),
                row("1bit-lamb freeze step 72", 1235, math.nan, 72, True),
-               row("1bit-lamb freeze 35%", 1234, 4.75, 140, True)]
+               row("1bit-lamb freeze 35%", 1234, 4.75, 140, True),
+               # a seed the scan did not run at: the seed table's, not this one's
+               row("lamb", 1236, 4.0), row("1bit-lamb freeze 20%", 1236, 4.2, 80, True),
+               row(default_rule, 1236, 4.1, 99)]
     table = convergence.render(results, "cmd")
     assert "| preset | freeze | seed 1234 | seed 1235 | mean gap |" in table
     assert "| b1024 | step 72 | 6.000 (+20.0%) | NaN | - |" in table  # a diverged run has no mean
     assert "| b1024 | step 80 | 5.500 (+10.0%) | 4.400 (+10.0%) | +10.0% |" in table
     assert "| b1024 | step 140 | 4.750 (-5.0%) | - | - |" in table
-    assert "| b1024 | auto | step 79: 4.500 (-10.0%) | step 83: 4.200 (+5.0%) | -2.5% |" in table
+    assert "| b1024 | auto | step 93: 4.000 (-20.0%) | step 97: 4.800 (+20.0%) | +0.0% |" in table
+    assert "| b1024 | auto, rule before | step 79: 4.500 (-10.0%) | step 83: 4.200 (+5.0%) | -2.5% |" in table
     lines = table.splitlines()
     assert lines.index("| b1024 | step 72 | 6.000 (+20.0%) | NaN | - |") < lines.index(
         "| b1024 | step 140 | 4.750 (-5.0%) | - | - |") < lines.index(
-        "| b1024 | auto | step 79: 4.500 (-10.0%) | step 83: 4.200 (+5.0%) | -2.5% |")
+        "| b1024 | auto | step 93: 4.000 (-20.0%) | step 97: 4.800 (+20.0%) | +0.0% |") < lines.index(
+        "| b1024 | auto, rule before | step 79: 4.500 (-10.0%) | step 83: 4.200 (+5.0%) | -2.5% |")
     # the scanned steps stay out of the seed table, the seeded rows do not
     assert "| b1024 | 1bit-lamb freeze step 72 | 1234:" not in table
-    assert "| b1024 | 1bit-lamb freeze 20% | 1234: 5.500, 1235: 4.400 | 4.950 | +10.0%, +10.0% | +10.0% |" in table
+    assert ("| b1024 | 1bit-lamb freeze 20% | 1234: 5.500, 1235: 4.400, 1236: 4.200 | 4.700 | +10.0%, +10.0%, +5.0% "
+            "| +8.3% |") in table
 
 
 def test_auto_is_set_against_the_hand_picked_freeze_seed_by_seed():

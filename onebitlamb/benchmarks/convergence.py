@@ -254,8 +254,9 @@ def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str]
          freeze_steps: Sequence[str] = ()) -> List[Row]:
     """Every run of the default plan on ``presets``; ``sweep`` (see ``parse_sweep``) marks the rows
     whose learning rate to sweep, ``seeds`` (see ``parse_seeds``) repeats the SEEDED rows at more
-    seeds (DEFAULT_SEED + 1, + 2, ...; the rule before's only up to SEEDS_OF_THE_RULE_BEFORE), ``freeze_steps`` (see ``parse_freeze_steps``) adds 1-bit LAMB
-    frozen at those steps, at every seed the preset runs."""
+    seeds (DEFAULT_SEED + 1, + 2, ...; the rule before's only up to SEEDS_OF_THE_RULE_BEFORE),
+    ``freeze_steps`` (see ``parse_freeze_steps``) adds 1-bit LAMB frozen at those steps, at every seed
+    the preset runs."""
     swept, seeded = parse_sweep(sweep), parse_seeds(seeds)
     scanned = parse_freeze_steps(freeze_steps)
 
@@ -431,9 +432,13 @@ def render(results: List[dict], command: str) -> str:
     scanned = sorted({r["preset"] for r in results if r.get("variant", "").startswith(FREEZE_STEP_VARIANT)})
     if scanned:
         lines += ["", "1-bit LAMB frozen by hand at each step (every plain fixed freeze of the preset, whatever its "
-                  "row) and the automatic freeze, per seed; the gaps are against LAMB at the same seed, then their mean."]
+                  "row) and the automatic freeze (the default rule, and the rule before), at the seeds the scan ran; "
+                  "the gaps are against LAMB at the same seed, then their mean."]
+    automatic = {_AUTO: "auto", _AUTO_BEFORE: "auto, rule before"}
     for preset in scanned:
-        seeds = sorted({r.get("seed", DEFAULT_SEED) for r in results if r["preset"] == preset})
+        # more seeds of the seeded rows are the seed table's business; this one compares steps
+        seeds = sorted({r.get("seed", DEFAULT_SEED) for r in results
+                        if r["preset"] == preset and r.get("variant", "").startswith(FREEZE_STEP_VARIANT)})
         lines += ["", "| preset | freeze | " + " | ".join(f"seed {s}" for s in seeds) + " | mean gap |",
                   "|---|---|" + "---|" * len(seeds) + "---:|"]
         by_step: Dict[object, Dict[int, dict]] = {}
@@ -442,8 +447,8 @@ def render(results: List[dict], command: str) -> str:
                 continue
             if r.get("plain_freeze"):
                 by_step.setdefault(r["freeze"], {})[r.get("seed", DEFAULT_SEED)] = r
-            elif r.get("variant") == "1bit-lamb auto (cap 75%)":
-                by_step.setdefault("auto", {})[r.get("seed", DEFAULT_SEED)] = r
+            elif r.get("variant") in automatic:
+                by_step.setdefault(automatic[r["variant"]], {})[r.get("seed", DEFAULT_SEED)] = r
 
         def cell(r: Optional[dict], seed: int, name_step: bool) -> str:
             if r is None:
@@ -452,12 +457,14 @@ def render(results: List[dict], command: str) -> str:
             text = (f"step {r['freeze']}: " if name_step else "") + _loss(r["loss"])
             return text + (f" ({_gap(r['loss'], ref['loss'])})" if ref and r["loss"] == r["loss"] else "")
 
-        for step in sorted((s for s in by_step if s != "auto"), key=int) + (["auto"] if "auto" in by_step else []):
-            gaps = [100 * (r["loss"] / lamb[(preset, s)]["loss"] - 1) for s, r in by_step[step].items()
-                    if (preset, s) in lamb and r["loss"] == r["loss"]]
+        names = automatic.values()
+        for step in (sorted((s for s in by_step if s not in names), key=int)
+                     + [name for name in names if name in by_step]):
+            runs = [(by_step[step][s], lamb.get((preset, s))) for s in seeds if s in by_step[step]]
+            gaps = [100 * (r["loss"] / ref["loss"] - 1) for r, ref in runs if ref and r["loss"] == r["loss"]]
             mean_gap = f"{sum(gaps) / len(gaps):+.1f}%" if gaps and len(gaps) == len(seeds) else "-"
-            lines.append(f"| {preset} | {step if step == 'auto' else f'step {step}'} | "
-                         + " | ".join(cell(by_step[step].get(s), s, step == "auto") for s in seeds)
+            lines.append(f"| {preset} | {step if step in names else f'step {step}'} | "
+                         + " | ".join(cell(by_step[step].get(s), s, step in names) for s in seeds)
                          + f" | {mean_gap} |")
     return "\n".join(lines)
 
