@@ -92,10 +92,9 @@ DEFAULT_PLAN: Dict[str, List[str]] = {
              "1bit-adam freeze 35%, lr 2e-3", _AUTO, _ADAM_AUTO],
 }
 # The rows repeated at more seeds with --seeds: the automatic freeze with the default rule, the best
-# hand-picked freeze of the default plan (their differences on b1024 and demo are within one seed's
-# noise: on b1024 one step of freeze, 79 or 80, moved the loss by 2.8%), LAMB, and the automatic
-# freeze with the rule before (the first two answer "is auto as good as the best hand-picked
-# freeze" without LAMB)
+# hand-picked freeze of the default plan (one seed cannot tell them apart: on b1024 one step of
+# freeze, 79 or 80, moved the loss by 2.8%), LAMB, and the automatic freeze with the rule before
+# (the first two answer "is auto as good as the best hand-picked freeze" without LAMB)
 SEEDED: Dict[str, List[str]] = {
     "b512": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE],
     "b1024": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE],
