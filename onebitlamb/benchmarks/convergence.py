@@ -310,6 +310,11 @@ def is_plain_freeze(row: Row) -> bool:
     return row.optimizer == "onebitlamb" and len(extra) == 2 and extra[0] == "--freeze-frac"
 
 
+def is_scan_result(result: dict) -> bool:
+    """A result of a --freeze-steps row (1-bit LAMB frozen by hand at a scanned step)."""
+    return result.get("variant", "").startswith(FREEZE_STEP_VARIANT)
+
+
 def _gap(loss: float, ref: float) -> str:
     return f"{100 * (loss / ref - 1):+.1f}%"
 
@@ -402,7 +407,7 @@ def render(results: List[dict], command: str) -> str:
     repeats: Dict[Tuple[str, str], Dict[int, dict]] = {}
     for r in results:
         # (fixed freeze steps have a table of their own)
-        if r.get("seed", DEFAULT_SEED) != DEFAULT_SEED and not r.get("variant", "").startswith(FREEZE_STEP_VARIANT):
+        if r.get("seed", DEFAULT_SEED) != DEFAULT_SEED and not is_scan_result(r):
             repeats.setdefault((r["preset"], r["variant"]), {})
     for r in results:
         if (r["preset"], r.get("variant")) in repeats and not r.get("added_by_sweep"):
@@ -428,7 +433,7 @@ def render(results: List[dict], command: str) -> str:
                          f"| {mean_gap} |")
         lines += _auto_against_hand_picked(repeats)
 
-    scanned = sorted({r["preset"] for r in results if r.get("variant", "").startswith(FREEZE_STEP_VARIANT)})
+    scanned = sorted({r["preset"] for r in results if is_scan_result(r)})
     if scanned:
         lines += ["", "1-bit LAMB frozen by hand at each step (every plain fixed freeze of the preset, whatever its "
                   "row) and the automatic freeze (the default rule, and the rule before), at the seeds the scan ran; "
@@ -437,7 +442,7 @@ def render(results: List[dict], command: str) -> str:
     for preset in scanned:
         # more seeds of the seeded rows are the seed table's business; this one compares steps
         seeds = sorted({r.get("seed", DEFAULT_SEED) for r in results
-                        if r["preset"] == preset and r.get("variant", "").startswith(FREEZE_STEP_VARIANT)})
+                        if r["preset"] == preset and is_scan_result(r)})
         lines += ["", "| preset | freeze | " + " | ".join(f"seed {s}" for s in seeds) + " | mean gap |",
                   "|---|---|" + "---|" * len(seeds) + "---:|"]
         by_step: Dict[object, Dict[int, dict]] = {}
