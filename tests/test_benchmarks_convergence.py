@@ -256,7 +256,7 @@ def test_auto_is_set_against_the_hand_picked_freeze_seed_by_seed():
     results += [row(auto, 1234, 4.4), row(picked, 1234, 4.0), row(auto, 1235, 4.0), row(picked, 1235, 5.0),
                 row(auto, 1236, 5.0), row(picked, 1236, 5.0)]
     table = convergence.render(results, "cmd")
-    assert f"| demo | {auto} | {picked} | 1234: +10.0%, 1235: -20.0%, 1236: +0.0% | -3.3% | 2 of 3 |" in table
+    assert f"| demo | {auto} | {picked} | 1234: +10.0%, 1235: -20.0%, 1236: +0.0% | -3.3% ± 8.8 | 2 of 3 |" in table
     # a diverged run loses its seed and leaves no mean
     results[3] = row(auto, 1234, math.nan)
     assert f"| demo | {auto} | {picked} | 1234: auto diverged, 1235: -20.0%, 1236: +0.0% | - | 2 of 3 |" in convergence.render(

@@ -346,12 +346,17 @@ def _auto_against_hand_picked(repeats: Dict[Tuple[str, str], Dict[int, dict]]) -
                 gaps.append(100 * (ours / theirs - 1))
                 cells.append(f"{seed}: {gaps[-1]:+.1f}%")
                 no_worse += gaps[-1] <= 0
-        mean = f"{sum(gaps) / len(gaps):+.1f}%" if len(gaps) == len(seeds) else "-"
+        mean = "-"
+        if len(gaps) == len(seeds):
+            # the standard error of the mean gap says how far the seeds pin it down
+            average = sum(gaps) / len(gaps)
+            spread = math.sqrt(sum((g - average) ** 2 for g in gaps) / (len(gaps) - 1))
+            mean = f"{average:+.1f}% ± {spread / math.sqrt(len(gaps)):.1f}"
         lines.append(f"| {preset} | {auto} | {picked} | {', '.join(cells)} | {mean} | {no_worse} of {len(seeds)} |")
     if not lines:
         return []
     return ["", "The automatic freeze against the hand-picked one at the same seed (negative: auto ahead).", "",
-            "| preset | automatic | hand-picked | auto vs it per seed | mean | auto no worse at |",
+            "| preset | automatic | hand-picked | auto vs it per seed | mean ± standard error | auto no worse at |",
             "|---|---|---|---|---:|---:|", *lines]
 
 
