@@ -378,6 +378,26 @@ def test_auto_freeze_waits_for_a_plateau_exit_and_respects_the_cap():
     assert capped.state["flat"]["frozen_at"] == 7
 
 
+def test_freeze_levels_are_the_log_norms_of_the_bias_corrected_variance():
+    """A constant gradient g makes v_hat = g^2 exactly (Adam's bias correction), so the level of a
+    64-element layer with g = 2 is log ||4 * ones(64)|| = log 32; a layer with no gradient is -inf."""
+    ps = [torch.nn.Parameter(torch.ones(64)), torch.nn.Parameter(torch.ones(8))]
+    opt = onebitlamb.OneBitLamb(ps, lr=1e-3, freeze_step="auto", max_freeze_step=3)
+    assert opt.freeze_levels is None  # nothing recorded yet
+    for _ in range(2):
+        ps[0].grad, ps[1].grad = torch.full((64,), 2.0), torch.zeros(8)
+        opt.step()
+    levels = opt.freeze_levels
+    assert levels[0] == pytest.approx(math.log(32.0), rel=1e-5) and levels[1] == -math.inf
+    ps[0].grad, ps[1].grad = torch.full((64,), 2.0), torch.zeros(8)
+    opt.step()  # the cap: frozen
+    assert opt.stage == "compression" and opt.freeze_levels is None
+    fixed = onebitlamb.OneBitLamb([torch.nn.Parameter(torch.ones(4))], lr=1e-3, freeze_step=5)
+    fixed.param_groups[0]["params"][0].grad = torch.ones(4)
+    fixed.step()
+    assert fixed.freeze_levels is None  # only the automatic freeze watches the levels
+
+
 def test_transient_criterion_by_hand():
     from onebitlamb.optim.functional import transient_passed
     assert not transient_passed(None, peak=12.0, transient=5.0)      # window not full

@@ -94,6 +94,22 @@ def test_resume_is_bit_identical(compared, tmp_path, corpus_dir):
     assert a["bytes_curve"] == b["bytes_curve"] and a["train_loss"] == b["train_loss"]
 
 
+def test_auto_freeze_run_records_the_levels_and_plots_them(compared, tmp_path, corpus_dir):
+    _, cache, _ = compared
+    _cli("pretrain", "--preset", "tiny", "--optimizer", "onebitlamb", "--auto-freeze", "--freeze-window", "2",
+         "--freeze-frac", "0.75", "--out", str(tmp_path), "--corpus", corpus_dir, "--cache-dir", str(cache),
+         "--no-progress")
+    with open(tmp_path / "metrics.json") as f:
+        m = json.load(f)
+    levels, freeze = m["freeze_levels"], m["freeze_step"]
+    assert levels["layers"] == [layer["name"] for layer in m["diagnostics"][0]["layers"]]
+    recorded = [i + 1 for i, row in enumerate(levels["per_step"]) if row is not None]
+    assert 1 <= freeze <= 6 and recorded == list(range(1, freeze))  # every warm-up step before the freeze's own
+    assert all(len(levels["per_step"][i - 1]) == len(levels["layers"]) for i in recorded)
+    with open(tmp_path / "freeze.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 def test_changed_settings_ignores_only_what_the_run_does_not_read():
     import dataclasses
 

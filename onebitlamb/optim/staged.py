@@ -185,6 +185,18 @@ class StagedOptimizer(Optimizer):
             return None
         return F.window_spread(self._flat["freeze_history"], self._flat["freeze_history_count"])
 
+    @property
+    def freeze_levels(self) -> Optional[List[float]]:
+        """With ``freeze_step="auto"``, before the freeze: each parameter's ``log ||v_hat||`` at the
+        last warm-up step (flat order; ``-inf`` for one with no gradient yet), the statistic whose
+        spread over the window decides the freeze. Recorded per step, it shows which layers hold
+        the freeze back and how far their plateau exit still has to go. None otherwise."""
+        if self.freeze_step != "auto" or "flat" not in self.state or self.stage != WARMUP:
+            return None
+        if self._flat["freeze_history_count"] == 0:
+            return None
+        return self._flat["freeze_history"][-1].tolist()
+
     def layer_diagnostics(self) -> List[Dict[str, Optional[float]]]:
         """Per trainable parameter (flat order): the coefficient applied at the last step
         (``trust_ratio``), and after the freeze the frozen coefficient, the factor, and whether

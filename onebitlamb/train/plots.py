@@ -119,3 +119,56 @@ def plot_diagnostics(runs: Dict[str, dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
+    """How an automatic freeze decided (one run with ``--auto-freeze``). Top: every layer's
+    ``log ||v_hat||`` over the warm-up, the layers that rose most in colour (on a plateau a layer
+    sits low and flat; its exit is the rise). Bottom: the spread the criterion watches (the least
+    settled layer's rise over the window), with the thresholds and the freeze step.
+    Returns False (and draws nothing) for a run without the record."""
+    levels = metrics.get("freeze_levels")
+    if not levels or not any(row is not None for row in levels["per_step"]):
+        return False
+    cfg = metrics.get("config", {})
+    rows = [(i + 1, row) for i, row in enumerate(levels["per_step"]) if row is not None]
+    steps = [s for s, _ in rows]
+    names = levels["layers"]
+
+    def series(j: int) -> List[float]:
+        return [row[j] if row[j] is not None else float("nan") for _, row in rows]
+
+    def rise(j: int) -> float:
+        seen = [v for v in series(j) if v == v]
+        return seen[-1] - min(seen) if seen else 0.0
+
+    top = sorted(range(len(names)), key=rise, reverse=True)[:highlighted]
+    plt = _plt()
+    fig, (ax_levels, ax_spread) = plt.subplots(2, 1, figsize=(10, 8), sharex=True)
+    for j in range(len(names)):
+        if j not in top:
+            ax_levels.plot(steps, series(j), color="0.75", lw=0.8)
+    for j in top:
+        ax_levels.plot(steps, series(j), lw=1.8, label=names[j].replace("bert.", ""))
+    spread = [(i + 1, v) for i, v in enumerate(metrics.get("freeze_spread", [])) if v is not None]
+    if spread:
+        ax_spread.plot(*zip(*spread), color="black", label="spread over the window")
+    for value, text, style in ((cfg.get("freeze_transient"), "transient", "--"),
+                               (cfg.get("freeze_transient_end"), "transient end", "-."),
+                               (cfg.get("freeze_tolerance"), "tolerance", ":")):
+        if value:
+            ax_spread.axhline(value, color="tab:red", ls=style, lw=1, label=f"{text} ({value:g})")
+    freeze = metrics.get("freeze_step")
+    if freeze:
+        for ax in (ax_levels, ax_spread):
+            ax.axvline(freeze, color="tab:orange", ls=":", lw=1.5, label=f"freeze (step {freeze})")
+    ax_levels.set(ylabel="log ||v_hat|| per layer", title="the automatic freeze: each layer's variance level")
+    ax_spread.set(xlabel="step", ylabel="max - min over the window (log)",
+                  title="the least settled layer's movement over the window")
+    for ax in (ax_levels, ax_spread):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

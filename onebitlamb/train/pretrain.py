@@ -330,10 +330,11 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
 
     # state of the run: what the metrics file reports, saved in every checkpoint
     history = {"eval": [], "train_loss": [], "bytes": [], "stage": [], "lr": [], "diagnostics": [],
-               "freeze_spread": [], "train_time_s": 0.0, "wall_time_s": 0.0}
+               "freeze_spread": [], "freeze_levels": [], "train_time_s": 0.0, "wall_time_s": 0.0}
     start_step = 0
     if cfg.resume:
         start_step, history = load_checkpoint(cfg, rank, world, model, optimizer, scheduler, history, device)
+        history.setdefault("freeze_levels", [None] * start_step)  # a checkpoint from before it was recorded
     elif master:
         _fresh_out_dir(cfg)
     if master:
@@ -389,6 +390,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
         history["bytes"].append(optimizer.comm_stats.bytes_sent)
         history["stage"].append(stage)
         history["freeze_spread"].append(optimizer.freeze_spread)  # --auto-freeze: how settled, per step
+        history["freeze_levels"].append(_finite_or_none(optimizer.freeze_levels))
         history["lr"].append(scheduler.get_last_lr()[0])
         if diagnose:
             history["diagnostics"].append(layer_report(step + 1, names, before, optimizer))
@@ -510,6 +512,11 @@ def _agree_to_stop(local: bool, device) -> bool:
     t = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def _finite_or_none(values: Optional[List[float]]) -> Optional[List[Optional[float]]]:
+    """JSON has no infinities: a layer with no gradient yet (log 0) is written as null."""
+    return None if values is None else [v if math.isfinite(v) else None for v in values]
 
 
 def _gather_bytes(nbytes: int, world: int, device) -> List[int]:
@@ -683,6 +690,9 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
         "bytes_curve": [[i + 1, b] for i, b in enumerate(history["bytes"])],
         "train_loss": history["train_loss"],
         "freeze_spread": history["freeze_spread"],
+        # --auto-freeze, per warm-up step: each layer's log ||v_hat|| (None: no gradient yet)
+        "freeze_levels": ({"layers": list(names), "per_step": history["freeze_levels"]}
+                          if any(row is not None for row in history["freeze_levels"]) else None),
         "stage": history["stage"],
         "lr": history["lr"],
         "diagnostics": history["diagnostics"],
@@ -693,6 +703,10 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
     with open(tmp, "w") as f:
         json.dump(metrics, f)
     os.replace(tmp, os.path.join(cfg.out, "metrics.json"))
+    from onebitlamb.train.plots import plot_freeze  # after the metrics are safe: a plot never loses a run
+
+    if plot_freeze(metrics, os.path.join(cfg.out, "freeze.png")):
+        print(f"[{cfg.optimizer}] how the automatic freeze decided: {cfg.out}/freeze.png", file=sys.stderr)
     print(f"[{cfg.optimizer}] done: held-out loss {metrics['final_eval_loss']:.4f} after {samples} samples, "
           f"{metrics['bytes_sent_per_rank'] / 1e6:.1f} MB sent per worker, {metrics['wall_time_s']:.0f} s "
           f"({metrics['samples_per_s']:.0f} samples/s)", file=sys.stderr, flush=True)
