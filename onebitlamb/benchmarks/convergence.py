@@ -42,6 +42,9 @@ PRESETS: Dict[str, List[str]] = {
 }
 # the automatic freeze with the default rule, and with the rule before (see VARIANTS)
 _AUTO, _AUTO_BEFORE = "1bit-lamb auto (cap 75%), transient end 2.5", "1bit-lamb auto (cap 75%)"
+# The rule before with the two options against a blow-up: on demo (every seed), can they make its
+# earlier freeze safe where it froze in the middle of the plateau exit (seed 1236)?
+_AUTO_BEFORE_GUARDED = "1bit-lamb auto (cap 75%), update space + guard"
 # 1-bit Adam's automatic freeze with the default rule, at the main job's rate for it
 _ADAM_AUTO = "1bit-adam auto (cap 75%), transient end 2.5, lr 2e-3"
 # variant name -> (optimizer, flags)
@@ -60,7 +63,7 @@ VARIANTS: Dict[str, Tuple[str, List[str]]] = {
     # the plateau"); their sweeps and seeds ran with it, and a row's meaning must not move
     _AUTO_BEFORE: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "0"]),
     _AUTO: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "2.5"]),
-    "1bit-lamb auto (cap 75%), update space + guard": ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75",
+    _AUTO_BEFORE_GUARDED: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75",
                                                                        "--freeze-transient-end", "0",
                                                                        "--compression-space", "update",
                                                                        "--update-guard", "4"]),
@@ -80,7 +83,7 @@ VARIANTS: Dict[str, Tuple[str, List[str]]] = {
 # (the full cross product is hours on 2 cores):
 DEFAULT_PLAN: Dict[str, List[str]] = {
     "b512": ["lamb", "1bit-lamb freeze 20%", "1bit-lamb freeze 25%", "1bit-lamb freeze 20%, update space + guard",
-             "1bit-lamb auto (cap 75%)", "1bit-lamb auto (cap 75%), update space + guard",
+             "1bit-lamb auto (cap 75%)", _AUTO_BEFORE_GUARDED,
              "1bit-adam freeze 20%, lr 1e-3", "1bit-adam auto (cap 75%), lr 1e-3",
              _AUTO, _ADAM_AUTO],
     "b1024": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3", "1bit-lamb freeze 20%",
@@ -89,7 +92,7 @@ DEFAULT_PLAN: Dict[str, List[str]] = {
               "1bit-lamb freeze 35%", _AUTO, _ADAM_AUTO],
     # with the 35% rows: `make demo` (onebitlamb compare --preset demo) at the main job's defaults
     "demo": ["lamb", "1bit-lamb freeze 35%", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 1e-3",
-             "1bit-adam freeze 35%, lr 2e-3", _AUTO, _ADAM_AUTO],
+             "1bit-adam freeze 35%, lr 2e-3", _AUTO, _ADAM_AUTO, _AUTO_BEFORE_GUARDED],
 }
 # The rows repeated at more seeds with --seeds: the automatic freeze with the default rule, the best
 # hand-picked freeze of the default plan (one seed cannot tell them apart: on b1024 one step of
@@ -101,7 +104,7 @@ SEEDED: Dict[str, List[str]] = {
     "b512": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE, _ADAM_AUTO],
     "b1024": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE],
     "b4096": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE, _ADAM_AUTO],
-    "demo": [_AUTO, "1bit-lamb freeze 35%", "lamb", _AUTO_BEFORE, _ADAM_AUTO],
+    "demo": [_AUTO, "1bit-lamb freeze 35%", "lamb", _AUTO_BEFORE, _ADAM_AUTO, _AUTO_BEFORE_GUARDED],
 }
 # The rule before ran at these many seeds while it was the default; its seeded rows stop there, so
 # that more seeds of the default's rows do not also rerun a rule no longer in use (10 minutes a run)
