@@ -63,10 +63,8 @@ VARIANTS: Dict[str, Tuple[str, List[str]]] = {
     # the plateau"); their sweeps and seeds ran with it, and a row's meaning must not move
     _AUTO_BEFORE: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "0"]),
     _AUTO: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "2.5"]),
-    _AUTO_BEFORE_GUARDED: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75",
-                                                                       "--freeze-transient-end", "0",
-                                                                       "--compression-space", "update",
-                                                                       "--update-guard", "4"]),
+    _AUTO_BEFORE_GUARDED: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "0",
+                                          "--compression-space", "update", "--update-guard", "4"]),
     # 1-bit Adam's rows name their rate: the main job's default moved from 1e-3 to 2e-3 (its best in
     # the sweeps), and a row's meaning must not move with it
     "1bit-adam freeze 20%, lr 1e-3": ("onebitadam", ["--freeze-frac", "0.2", "--lr", "1e-3"]),
@@ -353,8 +351,8 @@ def _auto_against_hand_picked(repeats: Dict[Tuple[str, str], Dict[int, dict]]) -
         if len(gaps) == len(seeds):
             # the standard error of the mean gap says how far the seeds pin it down
             average = sum(gaps) / len(gaps)
-            spread = math.sqrt(sum((g - average) ** 2 for g in gaps) / (len(gaps) - 1))
-            mean = f"{average:+.1f}% ± {spread / math.sqrt(len(gaps)):.1f}"
+            deviation = math.sqrt(sum((g - average) ** 2 for g in gaps) / (len(gaps) - 1))
+            mean = f"{average:+.1f}% ± {deviation / math.sqrt(len(gaps)):.1f}"
         lines.append(f"| {preset} | {auto} | {picked} | {', '.join(cells)} | {mean} | {no_worse} of {len(seeds)} |")
     if not lines:
         return []

@@ -703,10 +703,13 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
     with open(tmp, "w") as f:
         json.dump(metrics, f)
     os.replace(tmp, os.path.join(cfg.out, "metrics.json"))
-    from onebitlamb.train.plots import plot_freeze  # after the metrics are safe: a plot never loses a run
+    try:  # after the metrics are safe, and a figure that fails to draw must not fail the run
+        from onebitlamb.train.plots import plot_freeze
 
-    if plot_freeze(metrics, os.path.join(cfg.out, "freeze.png")):
-        print(f"[{cfg.optimizer}] how the automatic freeze decided: {cfg.out}/freeze.png", file=sys.stderr)
+        if plot_freeze(metrics, os.path.join(cfg.out, "freeze.png")):
+            print(f"[{cfg.optimizer}] how the automatic freeze decided: {cfg.out}/freeze.png", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 (matplotlib's errors have no common type)
+        print(f"[{cfg.optimizer}] freeze.png not drawn: {exc!r}", file=sys.stderr)
     print(f"[{cfg.optimizer}] done: held-out loss {metrics['final_eval_loss']:.4f} after {samples} samples, "
           f"{metrics['bytes_sent_per_rank'] / 1e6:.1f} MB sent per worker, {metrics['wall_time_s']:.0f} s "
           f"({metrics['samples_per_s']:.0f} samples/s)", file=sys.stderr, flush=True)
