@@ -181,7 +181,7 @@ class StagedOptimizer(Optimizer):
         layer's variance moved over the last ``freeze_window`` steps; the freeze comes when this is
         at most ``freeze_tolerance``, or at most ``freeze_transient_end`` (None: half its peak) once
         that peak has reached ``freeze_transient``. None otherwise."""
-        if self.freeze_step != "auto" or "flat" not in self.state or self.stage != WARMUP:
+        if not self._auto_freeze_watching():
             return None
         return F.window_spread(self._flat["freeze_history"], self._flat["freeze_history_count"])
 
@@ -191,11 +191,13 @@ class StagedOptimizer(Optimizer):
         last warm-up step (flat order; ``-inf`` for one with no gradient yet), the statistic whose
         spread over the window decides the freeze. Recorded per step, it shows which layers hold
         the freeze back and how far their plateau exit still has to go. None otherwise."""
-        if self.freeze_step != "auto" or "flat" not in self.state or self.stage != WARMUP:
-            return None
-        if self._flat["freeze_history_count"] == 0:
+        if not self._auto_freeze_watching() or self._flat["freeze_history_count"] == 0:
             return None
         return self._flat["freeze_history"][-1].tolist()
+
+    def _auto_freeze_watching(self) -> bool:
+        """``freeze_step="auto"``, stepped at least once, and not frozen yet."""
+        return self.freeze_step == "auto" and "flat" in self.state and self.stage == WARMUP
 
     def layer_diagnostics(self) -> List[Dict[str, Optional[float]]]:
         """Per trainable parameter (flat order): the coefficient applied at the last step
