@@ -42,8 +42,8 @@ PRESETS: Dict[str, List[str]] = {
 }
 # the automatic freeze with the default rule, and with the rule before (see VARIANTS)
 _AUTO, _AUTO_BEFORE = "1bit-lamb auto (cap 75%), transient end 2.5", "1bit-lamb auto (cap 75%)"
-# The rule before with the two options against a blow-up: on demo (every seed), can they make its
-# earlier freeze safe where it froze in the middle of the plateau exit (seed 1236)?
+# The rule before with the two options against a blow-up (b512; demo at every seed): can they make
+# its earlier freeze safe where it froze in the middle of the plateau exit (demo seed 1236)?
 _AUTO_BEFORE_GUARDED = "1bit-lamb auto (cap 75%), update space + guard"
 # 1-bit Adam's automatic freeze with the default rule, at the main job's rate for it
 _ADAM_AUTO = "1bit-adam auto (cap 75%), transient end 2.5, lr 2e-3"

@@ -191,12 +191,12 @@ class StagedOptimizer(Optimizer):
         last warm-up step (flat order; ``-inf`` for one with no gradient yet), the statistic whose
         spread over the window decides the freeze. Recorded per step, it shows which layers hold
         the freeze back and how far their plateau exit still has to go. None otherwise."""
-        if not self._auto_freeze_watching() or self._flat["freeze_history_count"] == 0:
+        if not self._auto_freeze_watching():
             return None
         return self._flat["freeze_history"][-1].tolist()
 
     def _auto_freeze_watching(self) -> bool:
-        """``freeze_step="auto"``, stepped at least once, and not frozen yet."""
+        """``freeze_step="auto"``, stepped at least once (every warm-up step records), not frozen yet."""
         return self.freeze_step == "auto" and "flat" in self.state and self.stage == WARMUP
 
     def layer_diagnostics(self) -> List[Dict[str, Optional[float]]]:

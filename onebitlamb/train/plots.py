@@ -135,11 +135,10 @@ def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
     steps = [s for s, _ in rows]
     names = levels["layers"]
 
-    def series(j: int) -> List[float]:
-        return [row[j] if row[j] is not None else float("nan") for _, row in rows]
+    series = [[row[j] if row[j] is not None else float("nan") for _, row in rows] for j in range(len(names))]
 
     def rise(j: int) -> float:
-        seen = [v for v in series(j) if v == v]
+        seen = [v for v in series[j] if v == v]
         return seen[-1] - min(seen) if seen else 0.0
 
     top = sorted(range(len(names)), key=rise, reverse=True)[:highlighted]
@@ -147,9 +146,9 @@ def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
     fig, (ax_levels, ax_spread) = plt.subplots(2, 1, figsize=(10, 8), sharex=True)
     for j in range(len(names)):
         if j not in top:
-            ax_levels.plot(steps, series(j), color="0.75", lw=0.8)
+            ax_levels.plot(steps, series[j], color="0.75", lw=0.8)
     for j in top:
-        ax_levels.plot(steps, series(j), lw=1.8, label=names[j].replace("bert.", ""))
+        ax_levels.plot(steps, series[j], lw=1.8, label=names[j].replace("bert.", ""))
     spread = [(i + 1, v) for i, v in enumerate(metrics.get("freeze_spread", [])) if v is not None]
     if spread:
         ax_spread.plot(*zip(*spread), color="black", label="spread over the window")
