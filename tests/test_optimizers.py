@@ -461,6 +461,34 @@ def test_auto_freeze_after_the_transient_waits_for_an_absolute_end():
     assert _plateau_exit_run(transient=5.0, resume_at=frozen_at - 3, end=1.0)[0] == frozen_at
 
 
+def _spike_on_a_drifting_plateau_run(spike: bool) -> int:
+    """Both layers on a plateau whose variance drifts up slowly (gradients x1.05 a step: a spread of
+    about 0.7 per 10-step window, above the tolerance, below the transient's end); with ``spike``,
+    one step (30) has gradients 1000x larger. Default thresholds. Returns the freeze step."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(32))]
+    opt = onebitlamb.OneBitLamb(ps, lr=1e-3, freeze_step="auto", min_freeze_step=5, max_freeze_step=150,
+                                freeze_window=10)
+    gen = torch.Generator().manual_seed(1)
+    for t in range(1, 151):
+        scale = 1e-3 * 1.05 ** t * (1000.0 if spike and t == 30 else 1.0)
+        ps[0].grad = scale * (1 + 0.1 * torch.randn(64, generator=gen))
+        ps[1].grad = 0.5 * scale * (1 + 0.1 * torch.randn(32, generator=gen))
+        opt.step()
+        if opt.stage == "compression":
+            break
+    return opt.state["flat"]["frozen_at"]
+
+
+def test_a_spike_on_a_plateau_that_is_not_left_still_freezes_it():
+    """The documented limit of rule 2 (docs/convergence.md, "A spike on the plateau"), pinned so that
+    a change to it shows: a one-step spike marks a transient, and once it has left the window the
+    plateau's slow drift is below the transient's end, so the freeze comes exactly one window after
+    the spike, on the plateau. Without the spike nothing but the cap freezes this plateau."""
+    assert _spike_on_a_drifting_plateau_run(spike=True) == 30 + 10
+    assert _spike_on_a_drifting_plateau_run(spike=False) == 150
+
+
 def test_update_guard_bounds_a_blow_up():
     """A gradient 1000x larger than in warm-up, after the freeze: with the guard the layer's step
     stays within update_guard times its warm-up relative step; without it, it does not."""
