@@ -1,0 +1,208 @@
+"""Signals for an earlier freeze: what the warm-up shows when a freeze works and when it fails.
+
+    python -m onebitlamb.benchmarks.freeze_signals      # three traces (~25 min on 2 cores), then the tables
+
+On ``b1024`` 1-bit LAMB frozen in the middle of the plateau exit (steps 72-80) did better than the
+automatic freeze's later step; on ``demo`` seed 1236 a freeze in the middle of the exit (the rule
+before, step 93) failed. Can anything known at the time of the freeze tell them apart? This reads
+the convergence study's runs (``--study``; run ``python -m onebitlamb.benchmarks.convergence`` with
+the seeds and freeze steps of docs/convergence.md first) for each freeze's outcome, its spread and
+its stage-2 step sizes, and runs the warm-ups of those seeds once more with the freeze held off
+(``--out``) for every layer's variance level at each of those steps and after the exit. Writes the
+"freeze signals" section of BENCHMARKS.md; docs/convergence.md ("Other signals for an earlier
+freeze") reads it.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import statistics
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from onebitlamb.benchmarks.convergence import PRESETS, pretrain_config, run_one
+from onebitlamb.benchmarks.report import command_line, machine_line, write_section
+
+# (preset, seed) -> the cap of a warm-up whose freeze is held off: past the plateau exit of every
+# freeze read from it (b1024's exit ends near step 100, demo seed 1236's near 145)
+TRACES: Dict[Tuple[str, int], float] = {("b1024", 1234): 0.33, ("b1024", 1235): 0.33, ("demo", 1236): 0.4}
+# the criterion can fire neither way before the cap: no layer settles to 1e-9, no transient rule
+HOLD_OFF = ["--auto-freeze", "--freeze-tolerance", "1e-9", "--freeze-transient", "0"]
+# The two key biases get no gradient but rounding (softmax ignores a constant added to every key
+# score), so their variance level says nothing about learning
+IGNORED_SUFFIX = "attention.self.key.bias"
+# a freeze "works" when it ends within the convergence target of LAMB at the same seed
+TARGET = 0.01
+_RATE = 2e-2  # the LAMB family's rate in the main job and the study
+
+
+def trace_flags(preset: str, seed: int) -> List[str]:
+    return PRESETS[preset] + HOLD_OFF + ["--freeze-frac", str(TRACES[(preset, seed)]), "--seed", str(seed)]
+
+
+def element_levels(metrics: dict, numels: Dict[str, int]) -> Tuple[List[str], List[List[float]]]:
+    """Per warm-up step, each layer's ``log ||v_hat||`` per element (``- log(numel) / 2``: the log of
+    the root mean square of v_hat, comparable between layers of different size), layers with no
+    gradient yet as -inf, the key biases left out. Row ``s - 1`` is the end of step ``s``."""
+    record = metrics["freeze_levels"]
+    keep = [i for i, name in enumerate(record["layers"]) if not name.endswith(IGNORED_SUFFIX)]
+    rows = []
+    for row in record["per_step"]:
+        if row is None:
+            break
+        rows.append([(-math.inf if row[i] is None else row[i] - math.log(numels[record["layers"][i]]) / 2)
+                     for i in keep])
+    return [record["layers"][i] for i in keep], rows
+
+
+def rise_to_come(rows: List[List[float]], step: int) -> float:
+    """In hindsight: how far the layer with the most still to go rose between the end of ``step``
+    and the end of the trace (log scale; a layer with no gradient yet at ``step`` is left out)."""
+    now, end = rows[step - 1], rows[-1]
+    return max(e - n for n, e in zip(now, end) if math.isfinite(n))
+
+
+def lowest_below_median(rows: List[List[float]], step: int) -> float:
+    """Known at the time: how far the lowest layer's level sits below the median layer's."""
+    levels = [x for x in rows[step - 1] if math.isfinite(x)]
+    return statistics.median(levels) - min(levels)
+
+
+def largest_jump(spread: Sequence[Optional[float]], step: int) -> Optional[float]:
+    """The largest one-step rise of the spread up to the end of ``step`` (a spike's signature)."""
+    jumps = [b - a for a, b in zip(spread[:step - 1], spread[1:step]) if a is not None and b is not None]
+    return max(jumps) if jumps else None
+
+
+def stage2_steps(metrics: dict) -> Optional[Tuple[float, float, float, float]]:
+    """The relative step per unit learning rate after the freeze, at each diagnosed step where the
+    rate is above 0: (lowest, highest) of the largest layer's, then of the median layer's. The key
+    biases are left out. ``lr[k]`` is the rate set after step ``k + 1``, the one step ``k + 2`` used."""
+    largest, median = [], []
+    for diag in metrics["diagnostics"]:
+        step = diag["step"]
+        if diag["stage"] != "compression" or step < 2 or metrics["lr"][step - 2] <= 0:
+            continue
+        rate = metrics["lr"][step - 2]
+        ratios = [layer["rel_step"] / rate for layer in diag["layers"]
+                  if layer["rel_step"] is not None and not layer["name"].endswith(IGNORED_SUFFIX)]
+        largest.append(max(ratios))
+        median.append(statistics.median(ratios))
+    if not largest:
+        return None
+    return min(largest), max(largest), min(median), max(median)
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def study_runs(study: str, preset: str, seed: int) -> Tuple[Optional[dict], List[Tuple[str, dict]]]:
+    """From the study's runs of ``preset`` at ``seed``: LAMB at the main rate, and every 1-bit LAMB
+    run at that rate with the paper's compression and no guard (folder name, metrics)."""
+    lamb, onebit = None, []
+    for path in sorted(glob.glob(os.path.join(study, preset, "*", "metrics.json"))):
+        m = _load(path)
+        cfg = m["config"]
+        if cfg["seed"] != seed or cfg["lr"] != _RATE:
+            continue
+        if cfg["optimizer"] == "lamb":
+            lamb = m
+        elif (cfg["optimizer"] == "onebitlamb" and cfg["compression_space"] == "momentum"
+              and not cfg["update_guard"]):
+            onebit.append((os.path.basename(os.path.dirname(path)), m))
+    return lamb, onebit
+
+
+def _range(lo: float, hi: float) -> str:
+    return f"{lo:.0f}-{hi:.0f}" if round(lo) != round(hi) else f"{lo:.0f}"
+
+
+def render(rows: List[dict], command: str) -> str:
+    lines = [
+        "## Signals for an earlier freeze",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {machine_line()}",
+        "",
+        "Every 1-bit LAMB run of the convergence study at 2e-2 (momentum space, no guard) at the seeds "
+        "with a trace, by freeze step. *Works*: within 1% of LAMB at the same seed. Levels are each "
+        "layer's `log ||v_hat||` per element (natural log), read from the warm-up of the same seed "
+        "with the freeze held off (bit-identical to the run's own up to its freeze); the key biases "
+        "(no gradient but rounding) are left out. Known at the freeze: the spread, its largest "
+        "one-step rise so far, how far the lowest layer sits below the median one. Known only in "
+        "hindsight: the largest rise a layer still made by the end of the trace. After the freeze: "
+        "the relative step per unit rate of the largest and of the median layer (LAMB's is about 1).",
+        "",
+        "| preset, seed | run | freeze | vs LAMB | works | spread | largest jump | lowest below median "
+        "| rise to come | stage 2: largest layer | median layer |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        steps = r["stage2"]
+        lines.append(
+            f"| {r['preset']}, {r['seed']} | {r['run']} | {r['freeze']} | {100 * r['gap']:+.1f}% "
+            f"| {'yes' if r['gap'] <= TARGET else '**no**'} | {r['spread']:.1f} | {r['jump']:.1f} "
+            f"| {r['below_median']:.1f} | {r['rise']:.1f} "
+            f"| {_range(steps[0], steps[1]) if steps else '-'} | {_range(steps[2], steps[3]) if steps else '-'} |")
+    failed = [r for r in rows if r["gap"] > TARGET]
+    worked = [r for r in rows if r["gap"] <= TARGET]
+    lines.append("")
+    for key, name in (("spread", "spread at the freeze"), ("jump", "largest jump"),
+                      ("below_median", "lowest below median"), ("rise", "rise to come")):
+        if failed and worked:
+            lines.append(f"- {name}: failed {', '.join(f'{r[key]:.1f}' for r in failed)}; worked "
+                         f"{min(r[key] for r in worked):.1f} to {max(r[key] for r in worked):.1f}, "
+                         f"{sum(r[key] >= min(f[key] for f in failed) for r in worked)} of {len(worked)} "
+                         f"at or above the failed run's")
+    return "\n".join(lines) + "\n"
+
+
+def collect(study: str, out: str, cache: str) -> List[dict]:
+    from onebitlamb.train.model import build_model
+
+    rows = []
+    for (preset, seed), cap in TRACES.items():
+        lamb, onebit = study_runs(study, preset, seed)
+        if lamb is None or not onebit:
+            raise SystemExit(f"{study} holds no LAMB or 1-bit LAMB run of {preset} at seed {seed}: run the "
+                             f"convergence study first (docs/convergence.md names the command)")
+        flags = trace_flags(preset, seed)
+        print(f"trace: {preset}, seed {seed}", file=sys.stderr, flush=True)
+        trace = run_one(os.path.join(out, f"{preset}_seed_{seed}"), "onebitlamb", flags, cache)
+        cfg = pretrain_config("onebitlamb", flags)
+        numels = {name: p.numel() for name, p in build_model(cfg.model, cfg.seed).named_parameters()}
+        _, levels = element_levels(trace, numels)
+        for name, m in sorted(onebit, key=lambda item: item[1]["freeze_step"]):
+            step = m["freeze_step"]
+            if step > len(levels):
+                continue  # frozen after the trace's cap
+            rows.append({"preset": preset, "seed": seed, "run": name, "freeze": step,
+                         "gap": m["final_eval_loss"] / lamb["final_eval_loss"] - 1,
+                         "spread": trace["freeze_spread"][step - 1],
+                         "jump": largest_jump(trace["freeze_spread"], step),
+                         "below_median": lowest_below_median(levels, step), "rise": rise_to_come(levels, step),
+                         "stage2": stage2_steps(m)})
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m onebitlamb.benchmarks.freeze_signals",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--study", default="runs/convergence", help="the convergence study's run folders")
+    parser.add_argument("--out", default="runs/freeze_signals", help="the traces' run folders (reused)")
+    parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
+    args = parser.parse_args(argv)
+    rows = collect(args.study, args.out, os.path.join(args.study, "cache"))
+    body = render(rows, command_line(argv))
+    print(body)
+    write_section("freeze signals", body, args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The freeze-signals analysis: each statistic on records small enough to work out by hand."""
+import math
+
+import pytest
+
+from onebitlamb.benchmarks import freeze_signals as fs
+
+
+def test_element_levels_per_element_without_the_key_biases():
+    metrics = {"freeze_levels": {
+        "layers": ["a.weight", "layer.0.attention.self.key.bias", "b.weight"],
+        "per_step": [[1.0, 0.5, None], [2.0, 0.5, 3.0], None]}}  # None: frozen
+    names, rows = fs.element_levels(metrics, {"a.weight": 4, "layer.0.attention.self.key.bias": 2, "b.weight": 16})
+    assert names == ["a.weight", "b.weight"]
+    assert rows[0][0] == pytest.approx(1.0 - math.log(2.0)) and rows[0][1] == -math.inf
+    assert rows[1] == pytest.approx([2.0 - math.log(2.0), 3.0 - math.log(4.0)])
+    assert len(rows) == 2
+
+
+def test_level_statistics_by_hand():
+    rows = [[0.0, -math.inf, 3.0], [1.0, 5.0, 3.0], [2.0, 9.0, 3.5]]
+    assert fs.rise_to_come(rows, 2) == 4.0    # the second layer: 5 -> 9
+    assert fs.rise_to_come(rows, 1) == 2.0    # no gradient yet at step 1: left out
+    assert fs.lowest_below_median(rows, 2) == 2.0   # median 3, lowest 1
+    assert fs.lowest_below_median(rows, 1) == 1.5   # of the two finite levels, 0 and 3
+
+
+def test_largest_jump_counts_only_up_to_the_step():
+    spread = [None, 1.0, 3.0, 2.5, 8.0]
+    assert fs.largest_jump(spread, 4) == 2.0
+    assert fs.largest_jump(spread, 5) == 5.5
+    assert fs.largest_jump(spread, 2) is None
+
+
+def test_stage2_steps_per_unit_rate_after_the_freeze():
+    def layer(name, rel):
+        return {"name": name, "rel_step": rel}
+
+    metrics = {
+        # lr[k] is the rate step k + 2 used: steps 2, 3, 4, 5 ran at 0.1, 0.2, 0.2, 0
+        "lr": [0.1, 0.2, 0.2, 0.0, 0.0],
+        "diagnostics": [
+            {"step": 2, "stage": "warmup", "layers": [layer("a", 1.0)]},
+            {"step": 3, "stage": "compression",
+             "layers": [layer("a", 0.2), layer("b", 0.4), layer("c", 1.2), layer("x.attention.self.key.bias", 99.0)]},
+            {"step": 4, "stage": "compression", "layers": [layer("a", 0.4), layer("b", 0.6), layer("c", None)]},
+            {"step": 5, "stage": "compression", "layers": [layer("a", 0.0)]},  # rate 0: left out
+        ]}
+    # step 3: ratios 1, 2, 6 -> largest 6, median 2; step 4: 2, 3 -> largest 3, median 2.5
+    assert fs.stage2_steps(metrics) == pytest.approx((3.0, 6.0, 2.0, 2.5))
+    assert fs.stage2_steps({"lr": [0.1], "diagnostics": []}) is None
+
+
+def test_render_sets_the_failed_freeze_against_those_that_worked():
+    def row(run, gap, jump):
+        return {"preset": "demo", "seed": 1, "run": run, "freeze": 90, "gap": gap, "spread": 4.0, "jump": jump,
+                "below_median": 9.0, "rise": 8.0, "stage2": (10.0, 20.0, 3.0, 4.0)}
+
+    text = fs.render([row("bad", 0.165, 5.4), row("good", -0.02, 6.0), row("ok", 0.01, 2.0)], "cmd")
+    assert "| demo, 1 | bad | 90 | +16.5% | **no** |" in text
+    assert "| demo, 1 | ok | 90 | +1.0% | yes |" in text   # 1% is within the target
+    assert "- largest jump: failed 5.4; worked 2.0 to 6.0, 1 of 2 at or above the failed run's" in text
+    assert "| 10-20 | 3-4 |" in text
