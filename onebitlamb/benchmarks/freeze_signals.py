@@ -36,7 +36,6 @@ HOLD_OFF = ["--auto-freeze", "--freeze-tolerance", "1e-9", "--freeze-transient",
 IGNORED_SUFFIX = "attention.self.key.bias"
 # a freeze "works" when it ends within the convergence target of LAMB at the same seed
 TARGET = 0.01
-_RATE = 2e-2  # the LAMB family's rate in the main job and the study
 
 
 def trace_flags(preset: str, seed: int) -> List[str]:
@@ -101,14 +100,14 @@ def _load(path: str) -> dict:
         return json.load(f)
 
 
-def study_runs(study: str, preset: str, seed: int) -> Tuple[Optional[dict], List[Tuple[str, dict]]]:
-    """From the study's runs of ``preset`` at ``seed``: LAMB at the main rate, and every 1-bit LAMB
-    run at that rate with the paper's compression and no guard (folder name, metrics)."""
+def study_runs(study: str, preset: str, seed: int, rate: float) -> Tuple[Optional[dict], List[Tuple[str, dict]]]:
+    """From the study's runs of ``preset`` at ``seed``: LAMB at ``rate``, and every 1-bit LAMB run at
+    that rate with the paper's compression and no guard (folder name, metrics)."""
     lamb, onebit = None, []
     for path in sorted(glob.glob(os.path.join(study, preset, "*", "metrics.json"))):
         m = _load(path)
         cfg = m["config"]
-        if cfg["seed"] != seed or cfg["lr"] != _RATE:
+        if cfg["seed"] != seed or cfg["lr"] != rate:
             continue
         if cfg["optimizer"] == "lamb":
             lamb = m
@@ -129,7 +128,7 @@ def render(rows: List[dict], command: str) -> str:
         f"Command: `{command}`  ",
         f"Machine: {machine_line()}",
         "",
-        "Every 1-bit LAMB run of the convergence study at 2e-2 (momentum space, no guard) at the seeds "
+        "Every 1-bit LAMB run of the convergence study at the main job's rate (momentum space, no guard) at the seeds "
         "with a trace, by freeze step. *Works*: within 1% of LAMB at the same seed. Levels are each "
         "layer's `log ||v_hat||` per element (natural log), read from the warm-up of the same seed "
         "with the freeze held off (bit-identical to the run's own up to its freeze); the key biases "
@@ -165,9 +164,10 @@ def render(rows: List[dict], command: str) -> str:
 def collect(study: str, out: str, cache: str) -> List[dict]:
     from onebitlamb.train.model import build_model
 
+    rate = pretrain_config("lamb", []).lr  # the main job's rate for the LAMB family, the study's too
     rows = []
-    for (preset, seed), cap in TRACES.items():
-        lamb, onebit = study_runs(study, preset, seed)
+    for preset, seed in TRACES:
+        lamb, onebit = study_runs(study, preset, seed, rate)
         if lamb is None or not onebit:
             raise SystemExit(f"{study} holds no LAMB or 1-bit LAMB run of {preset} at seed {seed}: run the "
                              f"convergence study first (docs/convergence.md names the command)")
