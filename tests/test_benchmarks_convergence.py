@@ -59,11 +59,11 @@ def test_seeds_repeat_the_seeded_rows_at_new_seeds():
     assert sorted(r.seed for r in five if r.variant == before) == [1234, 1235, 1236]
     assert sorted(r.seed for r in five if r.variant == "lamb") == [1234, 1235, 1236, 1237, 1238]
     assert sorted(r.seed for r in convergence.plan(["b512"], seeds=["b512:2"]) if r.variant == before) == [1234]
-    # 1-bit Adam's default-rule row follows --seeds where a run is cheap, not on b1024 (10 minutes a run)
+    # 1-bit Adam's default-rule row follows --seeds on every preset
     adam = "1bit-adam auto (cap 75%), transient end 2.5, lr 2e-3"
-    both = convergence.plan(["b512", "b1024"], seeds=["b512:3", "b1024:3"])
+    both = convergence.plan(["b512", "b1024"], seeds=["b512:3", "b1024:2"])
     assert sorted(r.seed for r in both if r.variant == adam and r.preset == "b512") == [1234, 1235, 1236]
-    assert sorted(r.seed for r in both if r.variant == adam and r.preset == "b1024") == [1234]
+    assert sorted(r.seed for r in both if r.variant == adam and r.preset == "b1024") == [1234, 1235]
     for bad in (["b1024"], ["b1024:0"], ["b999:2"], ["b1024:x"]):
         with pytest.raises(ValueError, match="invalid seeds"):
             convergence.plan(["b1024"], seeds=bad)

@@ -96,11 +96,10 @@ DEFAULT_PLAN: Dict[str, List[str]] = {
 # hand-picked freeze of the default plan (one seed cannot tell them apart: on b1024 one step of
 # freeze, 79 or 80, moved the loss by 2.8%), LAMB, and the automatic freeze with the rule before
 # (the first two answer "is auto as good as the best hand-picked freeze" without LAMB), and 1-bit
-# Adam with the default rule where a run takes minutes (b512, demo) and where the large-batch claim
-# lives (b4096); on b1024 (10 minutes a run) its row stays at one seed
+# Adam with the default rule
 SEEDED: Dict[str, List[str]] = {
     "b512": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE, _ADAM_AUTO],
-    "b1024": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE],
+    "b1024": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE, _ADAM_AUTO],
     "b4096": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE, _ADAM_AUTO],
     "demo": [_AUTO, "1bit-lamb freeze 35%", "lamb", _AUTO_BEFORE, _ADAM_AUTO, _AUTO_BEFORE_GUARDED],
 }
