@@ -59,5 +59,29 @@ def test_render_sets_the_failed_freeze_against_those_that_worked():
     text = fs.render([row("bad", 0.165, 5.4), row("good", -0.02, 6.0), row("ok", 0.01, 2.0)], "cmd")
     assert "| demo, 1 | bad | 90 | +16.5% | **no** |" in text
     assert "| demo, 1 | ok | 90 | +1.0% | yes |" in text   # 1% is within the target
-    assert "- largest jump: failed 5.4; worked 2.0 to 6.0, 1 of 2 at or above the failed run's" in text
+    assert "- largest jump: failed 5.4; worked 2.0 to 6.0, 1 of 2 at or above the lowest failed value" in text
     assert "| 10-20 | 3-4 |" in text
+
+
+def test_automatic_freezes_pair_the_two_rules_at_each_seed(tmp_path):
+    import json
+
+    def save(folder, config, loss, freeze=None, spread=()):
+        (tmp_path / "p" / folder).mkdir(parents=True)
+        base = {"seed": 1, "lr": 0.02, "auto_freeze": True, "compression_space": "momentum", "update_guard": 0.0}
+        metrics = {"config": {**base, **config}, "final_eval_loss": loss, "freeze_step": freeze,
+                   "freeze_spread": list(spread)}
+        (tmp_path / "p" / folder / "metrics.json").write_text(json.dumps(metrics))
+
+    save("lamb", {"optimizer": "lamb", "auto_freeze": False}, 5.0)
+    save("default", {"optimizer": "onebitlamb", "freeze_transient_end": 2.5}, 4.5, 5, [None, 1.0, 2.0, 6.0, 5.0, 9.0])
+    # saved before freeze_transient_end existed: the rule before (half the peak)
+    save("before", {"optimizer": "onebitlamb"}, 5.5, 4, [None, 1.0, 2.0, 6.0, 5.0])
+    save("other rate", {"optimizer": "onebitlamb", "lr": 0.01, "freeze_transient_end": 2.5}, 4.0, 3, [0.0, 9.0, 0.0])
+    save("guarded", {"optimizer": "onebitlamb", "update_guard": 4.0}, 4.0, 3, [0.0, 9.0, 0.0])
+    entries = fs.automatic_freezes(str(tmp_path), {"lamb": 0.02, "onebitlamb": 0.02, "onebitadam": 0.002})
+    assert len(entries) == 1
+    entry = entries[0]
+    assert entry["jump"] == 4.0   # 2 -> 6, up to each rule's own freeze (the 9 comes after step 5)
+    assert entry["default"] == (5, pytest.approx(-0.1)) and entry["half peak"] == (4, pytest.approx(0.1))
+    assert "| onebitlamb | p, 1 | 4.0 | 5, -10.0% | 4, +10.0% |" in fs.render_jumps(entries)

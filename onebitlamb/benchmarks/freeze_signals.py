@@ -157,7 +157,60 @@ def render(rows: List[dict], command: str) -> str:
             lines.append(f"- {name}: failed {', '.join(f'{r[key]:.1f}' for r in failed)}; worked "
                          f"{min(r[key] for r in worked):.1f} to {max(r[key] for r in worked):.1f}, "
                          f"{sum(r[key] >= min(f[key] for f in failed) for r in worked)} of {len(worked)} "
-                         f"at or above the failed run's")
+                         f"at or above the lowest failed value")
+    return "\n".join(lines) + "\n"
+
+
+def automatic_freezes(study: str, rates: Dict[str, float]) -> List[dict]:
+    """Every automatic freeze of the study at its optimizer's main-job rate (``rates``; the paper's
+    compression, no guard), one entry per optimizer, preset and seed: the largest one-step rise of
+    the spread up to the later of the two rules' freezes (their warm-ups are the same up to the
+    earlier one), and each rule's freeze step and gap to LAMB at the same seed (None: not run)."""
+    from onebitlamb.train.pretrain import ADDED_SETTINGS
+
+    runs = []
+    for path in sorted(glob.glob(os.path.join(study, "*", "*", "metrics.json"))):
+        m = _load(path)
+        cfg = m["config"] = {**ADDED_SETTINGS, **m["config"]}  # a run saved before a setting existed
+        if cfg["lr"] == rates[cfg["optimizer"]] and (cfg["optimizer"] == "lamb" or (
+                cfg["auto_freeze"] and cfg["compression_space"] == "momentum" and not cfg["update_guard"])):
+            runs.append((os.path.basename(os.path.dirname(os.path.dirname(path))), m))
+    lamb = {(preset, m["config"]["seed"]): m["final_eval_loss"] for preset, m in runs
+            if m["config"]["optimizer"] == "lamb"}
+    found: Dict[Tuple[str, str, int], dict] = {}
+    for preset, m in runs:
+        cfg = m["config"]
+        if cfg["optimizer"] == "lamb" or m["freeze_step"] is None:
+            continue
+        entry = found.setdefault((cfg["optimizer"], preset, cfg["seed"]),
+                                 {"optimizer": cfg["optimizer"], "preset": preset, "seed": cfg["seed"], "jump": 0.0})
+        rule = "default" if cfg["freeze_transient_end"] else "half peak"
+        ref = lamb.get((preset, cfg["seed"]))
+        entry[rule] = (m["freeze_step"], None if ref is None else m["final_eval_loss"] / ref - 1)
+        entry["jump"] = max(entry["jump"], largest_jump(m["freeze_spread"], m["freeze_step"]) or 0.0)
+    return sorted(found.values(), key=lambda e: (e["optimizer"], -e["jump"]))
+
+
+def render_jumps(entries: List[dict]) -> str:
+    def outcome(entry: dict, rule: str) -> str:
+        if rule not in entry:
+            return "-"
+        step, gap = entry[rule]
+        return f"{step}, " + ("-" if gap is None else f"{100 * gap:+.1f}%")
+
+    lines = [
+        "",
+        "The largest one-step rise of the spread before the freeze, in every automatic freeze of the "
+        "convergence study at the main job's rates (1-bit LAMB 2e-2, 1-bit Adam 2e-3), with the step "
+        "and the gap to LAMB at the same seed of both rules: the default (end 2.5) and the rule before "
+        "(half the peak; run at fewer seeds).",
+        "",
+        "| optimizer | preset, seed | largest jump | default: step, vs LAMB | rule before: step, vs LAMB |",
+        "|---|---|---:|---|---|",
+    ]
+    for e in entries:
+        lines.append(f"| {e['optimizer']} | {e['preset']}, {e['seed']} | {e['jump']:.1f} | {outcome(e, 'default')} "
+                     f"| {outcome(e, 'half peak')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -198,7 +251,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
     args = parser.parse_args(argv)
     rows = collect(args.study, args.out, os.path.join(args.study, "cache"))
-    body = render(rows, command_line(argv))
+    rates = {optimizer: pretrain_config(optimizer, []).lr for optimizer in ("lamb", "onebitlamb", "onebitadam")}
+    body = render(rows, command_line(argv)) + render_jumps(automatic_freezes(args.study, rates))
     print(body)
     write_section("freeze signals", body, args.results)
     return 0
