@@ -79,9 +79,12 @@ def test_automatic_freezes_pair_the_two_rules_at_each_seed(tmp_path):
     save("before", {"optimizer": "onebitlamb"}, 5.5, 4, [None, 1.0, 2.0, 6.0, 5.0])
     save("other rate", {"optimizer": "onebitlamb", "lr": 0.01, "freeze_transient_end": 2.5}, 4.0, 3, [0.0, 9.0, 0.0])
     save("guarded", {"optimizer": "onebitlamb", "update_guard": 4.0}, 4.0, 3, [0.0, 9.0, 0.0])
-    entries = fs.automatic_freezes(str(tmp_path), {"lamb": 0.02, "onebitlamb": 0.02, "onebitadam": 0.002})
+    rates = {"lamb": 0.02, "onebitlamb": 0.02, "onebitadam": 0.002}
+    runs = fs.study_runs(str(tmp_path), rates)
+    assert sorted(folder for _, folder, _ in runs) == ["before", "default", "lamb"]
+    entries = fs.automatic_freezes(runs)
     assert len(entries) == 1
     entry = entries[0]
     assert entry["jump"] == 4.0   # 2 -> 6, up to each rule's own freeze (the 9 comes after step 5)
     assert entry["default"] == (5, pytest.approx(-0.1)) and entry["half peak"] == (4, pytest.approx(0.1))
-    assert "| onebitlamb | p, 1 | 4.0 | 5, -10.0% | 4, +10.0% |" in fs.render_jumps(entries)
+    assert "| onebitlamb | p, 1 | 4.0 | 5, -10.0% | 4, +10.0% |" in fs.render_jumps(entries, rates)

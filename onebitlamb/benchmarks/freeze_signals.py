@@ -23,7 +23,7 @@ import statistics
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from onebitlamb.benchmarks.convergence import PRESETS, pretrain_config, run_one
+from onebitlamb.benchmarks.convergence import PRESETS, format_rate, pretrain_config, run_one
 from onebitlamb.benchmarks.report import command_line, machine_line, write_section
 
 # (preset, seed) -> the cap of a warm-up whose freeze is held off: past the plateau exit of every
@@ -100,21 +100,26 @@ def _load(path: str) -> dict:
         return json.load(f)
 
 
-def study_runs(study: str, preset: str, seed: int, rate: float) -> Tuple[Optional[dict], List[Tuple[str, dict]]]:
-    """From the study's runs of ``preset`` at ``seed``: LAMB at ``rate``, and every 1-bit LAMB run at
-    that rate with the paper's compression and no guard (folder name, metrics)."""
-    lamb, onebit = None, []
-    for path in sorted(glob.glob(os.path.join(study, preset, "*", "metrics.json"))):
+def study_runs(study: str, rates: Dict[str, float]) -> List[Tuple[str, str, dict]]:
+    """(preset, folder, metrics) of the study's runs at their optimizer's main-job rate (``rates``):
+    LAMB's, and the 1-bit runs with the paper's compression and no guard. A run saved before a
+    setting existed reads as having run with its earlier value (``pretrain.ADDED_SETTINGS``)."""
+    from onebitlamb.train.pretrain import ADDED_SETTINGS
+
+    runs = []
+    for path in sorted(glob.glob(os.path.join(study, "*", "*", "metrics.json"))):
         m = _load(path)
-        cfg = m["config"]
-        if cfg["seed"] != seed or cfg["lr"] != rate:
-            continue
-        if cfg["optimizer"] == "lamb":
-            lamb = m
-        elif (cfg["optimizer"] == "onebitlamb" and cfg["compression_space"] == "momentum"
-              and not cfg["update_guard"]):
-            onebit.append((os.path.basename(os.path.dirname(path)), m))
-    return lamb, onebit
+        cfg = m["config"] = {**ADDED_SETTINGS, **m["config"]}
+        if cfg["lr"] == rates[cfg["optimizer"]] and (
+                cfg["optimizer"] == "lamb" or (cfg["compression_space"] == "momentum" and not cfg["update_guard"])):
+            folder = os.path.dirname(path)
+            runs.append((os.path.basename(os.path.dirname(folder)), os.path.basename(folder), m))
+    return runs
+
+
+def _lamb_losses(runs: List[Tuple[str, str, dict]]) -> Dict[Tuple[str, int], float]:
+    return {(preset, m["config"]["seed"]): m["final_eval_loss"] for preset, _, m in runs
+            if m["config"]["optimizer"] == "lamb"}
 
 
 def _range(lo: float, hi: float) -> str:
@@ -161,26 +166,16 @@ def render(rows: List[dict], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def automatic_freezes(study: str, rates: Dict[str, float]) -> List[dict]:
-    """Every automatic freeze of the study at its optimizer's main-job rate (``rates``; the paper's
-    compression, no guard), one entry per optimizer, preset and seed: the largest one-step rise of
-    the spread up to the later of the two rules' freezes (their warm-ups are the same up to the
-    earlier one), and each rule's freeze step and gap to LAMB at the same seed (None: not run)."""
-    from onebitlamb.train.pretrain import ADDED_SETTINGS
-
-    runs = []
-    for path in sorted(glob.glob(os.path.join(study, "*", "*", "metrics.json"))):
-        m = _load(path)
-        cfg = m["config"] = {**ADDED_SETTINGS, **m["config"]}  # a run saved before a setting existed
-        if cfg["lr"] == rates[cfg["optimizer"]] and (cfg["optimizer"] == "lamb" or (
-                cfg["auto_freeze"] and cfg["compression_space"] == "momentum" and not cfg["update_guard"])):
-            runs.append((os.path.basename(os.path.dirname(os.path.dirname(path))), m))
-    lamb = {(preset, m["config"]["seed"]): m["final_eval_loss"] for preset, m in runs
-            if m["config"]["optimizer"] == "lamb"}
+def automatic_freezes(runs: List[Tuple[str, str, dict]]) -> List[dict]:
+    """One entry per optimizer, preset and seed with an automatic freeze among ``runs`` (see
+    ``study_runs``): the largest one-step rise of the spread up to the later of the two rules'
+    freezes (their warm-ups are the same up to the earlier one), and each rule's freeze step and
+    gap to LAMB at the same seed (None: no LAMB run)."""
+    lamb = _lamb_losses(runs)
     found: Dict[Tuple[str, str, int], dict] = {}
-    for preset, m in runs:
+    for preset, _, m in runs:
         cfg = m["config"]
-        if cfg["optimizer"] == "lamb" or m["freeze_step"] is None:
+        if cfg["optimizer"] == "lamb" or not cfg["auto_freeze"] or m["freeze_step"] is None:
             continue
         entry = found.setdefault((cfg["optimizer"], preset, cfg["seed"]),
                                  {"optimizer": cfg["optimizer"], "preset": preset, "seed": cfg["seed"], "jump": 0.0})
@@ -191,7 +186,7 @@ def automatic_freezes(study: str, rates: Dict[str, float]) -> List[dict]:
     return sorted(found.values(), key=lambda e: (e["optimizer"], -e["jump"]))
 
 
-def render_jumps(entries: List[dict]) -> str:
+def render_jumps(entries: List[dict], rates: Dict[str, float]) -> str:
     def outcome(entry: dict, rule: str) -> str:
         if rule not in entry:
             return "-"
@@ -201,7 +196,8 @@ def render_jumps(entries: List[dict]) -> str:
     lines = [
         "",
         "The largest one-step rise of the spread before the freeze, in every automatic freeze of the "
-        "convergence study at the main job's rates (1-bit LAMB 2e-2, 1-bit Adam 2e-3), with the step "
+        f"convergence study at the main job's rates (1-bit LAMB {format_rate(rates['onebitlamb'])}, 1-bit Adam "
+        f"{format_rate(rates['onebitadam'])}), with the step "
         "and the gap to LAMB at the same seed of both rules: the default (end 2.5) and the rule before "
         "(half the peak; run at fewer seeds).",
         "",
@@ -214,15 +210,18 @@ def render_jumps(entries: List[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def collect(study: str, out: str, cache: str) -> List[dict]:
+def collect(runs: List[Tuple[str, str, dict]], out: str, cache: str) -> List[dict]:
+    """The first table's rows: every 1-bit LAMB run among ``runs`` at a traced preset and seed."""
     from onebitlamb.train.model import build_model
 
-    rate = pretrain_config("lamb", []).lr  # the main job's rate for the LAMB family, the study's too
+    lamb_losses = _lamb_losses(runs)
     rows = []
     for preset, seed in TRACES:
-        lamb, onebit = study_runs(study, preset, seed, rate)
+        lamb = lamb_losses.get((preset, seed))
+        onebit = [(folder, m) for p, folder, m in runs
+                  if p == preset and m["config"]["seed"] == seed and m["config"]["optimizer"] == "onebitlamb"]
         if lamb is None or not onebit:
-            raise SystemExit(f"{study} holds no LAMB or 1-bit LAMB run of {preset} at seed {seed}: run the "
+            raise SystemExit(f"no LAMB or 1-bit LAMB run of {preset} at seed {seed} in the study: run the "
                              f"convergence study first (docs/convergence.md names the command)")
         flags = trace_flags(preset, seed)
         print(f"trace: {preset}, seed {seed}", file=sys.stderr, flush=True)
@@ -235,7 +234,7 @@ def collect(study: str, out: str, cache: str) -> List[dict]:
             if step > len(levels):
                 continue  # frozen after the trace's cap
             rows.append({"preset": preset, "seed": seed, "run": name, "freeze": step,
-                         "gap": m["final_eval_loss"] / lamb["final_eval_loss"] - 1,
+                         "gap": m["final_eval_loss"] / lamb - 1,
                          "spread": trace["freeze_spread"][step - 1],
                          "jump": largest_jump(trace["freeze_spread"], step),
                          "below_median": lowest_below_median(levels, step), "rise": rise_to_come(levels, step),
@@ -250,9 +249,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", default="runs/freeze_signals", help="the traces' run folders (reused)")
     parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
     args = parser.parse_args(argv)
-    rows = collect(args.study, args.out, os.path.join(args.study, "cache"))
     rates = {optimizer: pretrain_config(optimizer, []).lr for optimizer in ("lamb", "onebitlamb", "onebitadam")}
-    body = render(rows, command_line(argv)) + render_jumps(automatic_freezes(args.study, rates))
+    runs = study_runs(args.study, rates)
+    body = (render(collect(runs, args.out, os.path.join(args.study, "cache")), command_line(argv))
+            + render_jumps(automatic_freezes(runs), rates))
     print(body)
     write_section("freeze signals", body, args.results)
     return 0
