@@ -54,10 +54,10 @@ def test_seeds_repeat_the_seeded_rows_at_new_seeds():
     assert convergence.plan(["b1024"], seeds=["b1024:1"]) == default
     # past the seeds it ran at, the rule before's row stops following --seeds; the others go on
     before = "1bit-lamb auto (cap 75%)"
-    assert before in convergence.SEEDED["b1024"] and convergence.SEEDS_OF_THE_RULE_BEFORE["b1024"] == 3
-    five = convergence.plan(["b1024"], seeds=["b1024:5"])
-    assert sorted(r.seed for r in five if r.variant == before) == [1234, 1235, 1236]
-    assert sorted(r.seed for r in five if r.variant == "lamb") == [1234, 1235, 1236, 1237, 1238]
+    assert before in convergence.SEEDED["demo"] and convergence.SEEDS_OF_THE_RULE_BEFORE["demo"] == 4
+    six = convergence.plan(["demo"], seeds=["demo:6"])
+    assert sorted(r.seed for r in six if r.variant == before) == [1234, 1235, 1236, 1237]
+    assert sorted(r.seed for r in six if r.variant == "lamb") == [1234, 1235, 1236, 1237, 1238, 1239]
     assert sorted(r.seed for r in convergence.plan(["b512"], seeds=["b512:2"]) if r.variant == before) == [1234]
     # 1-bit Adam's default-rule row follows --seeds on every preset
     adam = "1bit-adam auto (cap 75%), transient end 2.5, lr 2e-3"
@@ -266,3 +266,10 @@ def test_auto_is_set_against_the_hand_picked_freeze_seed_by_seed():
         convergence.render(results, "cmd"))
     # one seed is the main table's business, not this one's
     assert "auto vs it per seed" not in convergence.render(results[:3] + results[3:5], "cmd")
+    # the rule before gets its own row where it ran at two seeds or more
+    results[4] = row(picked, 1234, 4.0)
+    before = convergence.SEEDED["demo"][3]
+    assert before == "1bit-lamb auto (cap 75%)"
+    assert f"| demo | {before} | {picked} |" not in convergence.render(results + [row(before, 1234, 4.0)], "cmd")
+    with_before = convergence.render(results + [row(before, 1234, 4.0), row(before, 1235, 4.5)], "cmd")
+    assert f"| demo | {before} | {picked} | 1234: +0.0%, 1235: -10.0% | -5.0% ± 5.0 | 2 of 2 |" in with_before
