@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from onebitlamb.benchmarks.report import command_line, machine_line, write_section
+from onebitlamb.benchmarks.report import command_line, heading, write_section
 from onebitlamb.comm.launch import WorkerError
 
 # name -> flags over the demo preset
@@ -366,11 +366,7 @@ def _auto_against_hand_picked(repeats: Dict[Tuple[str, str], Dict[int, dict]]) -
 
 def render(results: List[dict], command: str) -> str:
     lines = [
-        "## Convergence: held-out MLM loss at equal samples",
-        "",
-        f"Command: `{command}`  ",
-        f"Machine: {machine_line()}",
-        "",
+        *heading("Convergence: held-out MLM loss at equal samples", command),
         "Each row is `onebitlamb pretrain --preset demo --optimizer OPT FLAGS` on 4 local workers; the gap "
         "is against LAMB on the same preset and seed. Volume is the whole run's bytes per worker against "
         "LAMB's (fp32 all-reduce every step). A model that knows only token frequencies scores about 6.07.",

@@ -24,7 +24,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from onebitlamb.benchmarks.convergence import PRESETS, format_rate, pretrain_config, run_one
-from onebitlamb.benchmarks.report import command_line, machine_line, write_section
+from onebitlamb.benchmarks.report import command_line, heading, write_section
 
 # (preset, seed) -> the cap of a warm-up whose freeze is held off: past the plateau exit of every
 # freeze read from it (b1024's exit ends near step 100, demo seed 1236's near 145)
@@ -128,11 +128,7 @@ def _range(lo: float, hi: float) -> str:
 
 def render(rows: List[dict], command: str) -> str:
     lines = [
-        "## Signals for an earlier freeze",
-        "",
-        f"Command: `{command}`  ",
-        f"Machine: {machine_line()}",
-        "",
+        *heading("Signals for an earlier freeze", command),
         "Every 1-bit LAMB run of the convergence study at the main job's rate (momentum space, no guard) at the seeds "
         "with a trace, by freeze step. *Works*: within 1% of LAMB at the same seed. Levels are each "
         "layer's `log ||v_hat||` per element (natural log), read from the warm-up of the same seed "

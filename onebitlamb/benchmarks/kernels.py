@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from onebitlamb.benchmarks.report import command_line, machine_line, write_section
+from onebitlamb.benchmarks.report import command_line, heading, write_section
 
 MB = 1 << 20
 FULL_SIZES = [1 * MB, 4 * MB, 16 * MB, 32 * MB, 64 * MB]
@@ -206,12 +206,9 @@ def _cpu_path() -> str:
 def render(kernels: Dict[int, Dict[str, float]], allreduce: Dict, command: str, repeats: int,
            iters: int) -> str:
     lines = [
-        "## Kernels: 1-bit compression against a memory copy",
-        "",
-        f"Command: `{command}`  ",
-        f"Machine: {machine_line()}, {os.cpu_count()} cores, load average at the end "
-        f"{os.getloadavg()[0]:.1f} (other work shares the cores; best-of timings filter most of it)",
-        "",
+        *heading("Kernels: 1-bit compression against a memory copy", command,
+                 f", {os.cpu_count()} cores, load average at the end {os.getloadavg()[0]:.1f} (other work "
+                 "shares the cores; best-of timings filter most of it)"),
         f"CPU loops: {_cpu_path()}.",
         "",
         f"One thread, fp32, best of at least {repeats} interleaved rounds. Each kernel's time is given as a "
@@ -258,11 +255,8 @@ def render(kernels: Dict[int, Dict[str, float]], allreduce: Dict, command: str, 
 
 def render_cuda(kernels: Dict[int, Dict[str, float]], command: str, repeats: int) -> str:
     lines = [
-        "## Kernels on a GPU: 1-bit compression against a memory copy",
-        "",
-        f"Command: `{command}`  ",
-        f"Machine: {machine_line()}, {torch.cuda.get_device_name()}",
-        "",
+        *heading("Kernels on a GPU: 1-bit compression against a memory copy", command,
+                 f", {torch.cuda.get_device_name()}"),
         f"fp32, the plain-torch path (`_compress_torch_`: add, norm, compare, pack by weighted sum, error update; "
         f"expansion and server sum by testing bits and selecting `±scale`), best of at least {repeats} "
         "interleaved rounds, each call followed by `torch.cuda.synchronize()`. Columns as in the CPU table: "

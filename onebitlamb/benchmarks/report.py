@@ -9,7 +9,7 @@ import platform
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 HEADER = (
     "# Benchmarks\n\n"
@@ -35,6 +35,12 @@ def machine_line() -> str:
 
     return (f"{platform.machine()}, {platform.processor() or 'cpu'}, "
             f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
+def heading(title: str, command: str, machine: str = "") -> List[str]:
+    """A section's first lines: its title, the command that wrote it and the machine it ran on
+    (``machine`` adds what the benchmark needs said about it)."""
+    return [f"## {title}", "", f"Command: `{command}`  ", f"Machine: {machine_line()}{machine}", ""]
 
 
 def write_section(name: str, body: str, path: Optional[Path] = None) -> Path:
