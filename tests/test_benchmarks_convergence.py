@@ -29,7 +29,9 @@ def test_every_planned_row_is_a_valid_pretrain_command():
             assert cfg.auto_freeze
         # every row at another rate is a valid command too, at that rate and no other
         label2, flags2 = convergence.with_rate(row.label, row.flags, 0.5 * cfg.lr)
-        assert _parses(row.optimizer, flags2).lr == 0.5 * cfg.lr and flags2.count("--lr") == 1
+        at_half = _parses(row.optimizer, flags2)
+        assert at_half.lr == 0.5 * cfg.lr and flags2.count("--lr") == 1 and at_half.seed == row.seed
+        assert convergence.rate_stem(label2) == convergence.rate_stem(row.label)
         assert convergence.own_rate(row.optimizer, row.flags) == cfg.lr
     # one swept row per optimizer and preset when all are asked for (two for each 1-bit optimizer: the
     # automatic freeze with the default rule and with the rule before); none unless asked
@@ -38,9 +40,29 @@ def test_every_planned_row_is_a_valid_pretrain_command():
     only_lamb = convergence.plan(["b512", "b4096"], sweep=["b512:lamb", "b4096:lamb,onebitadam"])
     assert [r.label for r in only_lamb if r.swept] == ["lamb", "lamb", "1bit-adam auto (cap 75%), lr 2e-3",
                                                        "1bit-adam auto (cap 75%), transient end 2.5, lr 2e-3"]
-    for bad in (["b999"], ["b512:sgd"]):
+    for bad in (["b999"], ["b512:sgd"], ["b512@0"], ["b512:lamb@x"]):
         with pytest.raises(ValueError, match="invalid sweep"):
             convergence.plan(["b512"], sweep=bad)
+
+
+def test_a_sweep_at_more_seeds_sweeps_the_default_rows_at_each():
+    adam = "1bit-adam auto (cap 75%), transient end 2.5, lr 2e-3"
+    rows = convergence.plan(["b512", "b1024"], seeds=["b512:3", "b1024:3"],
+                            sweep=["b512@2", "b1024", "b1024:onebitadam@3"])
+    swept = {(r.preset, r.variant, r.seed) for r in rows if r.swept}
+    default_rule = ["lamb", "1bit-lamb auto (cap 75%), transient end 2.5", adam]
+    # b512: every optimizer at the first two seeds, the rule before's rows only at the first
+    assert {v for p, v, s in swept if p == "b512" and s == 1234} == set(default_rule) | {
+        "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 1e-3"}
+    assert {v for p, v, s in swept if p == "b512" and s != 1234} == set(default_rule)
+    assert {s for p, v, s in swept if p == "b512"} == {1234, 1235}
+    # b1024: every optimizer at the first seed, 1-bit Adam at all three
+    assert {(v, s) for p, v, s in swept if p == "b1024" and s != 1234} == {(adam, 1235), (adam, 1236)}
+    assert {v for p, v, s in swept if p == "b1024" and s == 1234} == set(default_rule) | {
+        "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3"}
+    # a sweep at more seeds than the preset runs is refused, naming it
+    with pytest.raises(ValueError, match=r"b512 at \{'onebitadam': 3\} seeds"):
+        convergence.plan(["b512"], seeds=["b512:2"], sweep=["b512:onebitadam@3"])
 
 
 def test_seeds_repeat_the_seeded_rows_at_new_seeds():
@@ -74,6 +96,13 @@ def test_rate_labels():
                                                                                       "1.6e-1"]
     label, flags = convergence.with_rate("1bit-adam auto (cap 75%), lr 2e-3", ["--steps", "9", "--lr", "2e-3"], 1e-3)
     assert label == "1bit-adam auto (cap 75%), lr 1e-3" and flags == ["--steps", "9", "--lr", "1e-3"]
+    # a seeded row keeps its seed last, in the label (and so the run folder) and in the flags
+    label, flags = convergence.with_rate("lamb, seed 1235", ["--steps", "9", "--seed", "1235"], 1e-2)
+    assert label == "lamb, lr 1e-2, seed 1235" and flags == ["--steps", "9", "--lr", "1e-2", "--seed", "1235"]
+    label, flags = convergence.with_rate("1bit-adam auto, lr 2e-3, seed 1236",
+                                         ["--lr", "2e-3", "--seed", "1236"], 4e-3)
+    assert label == "1bit-adam auto, lr 4e-3, seed 1236" and flags == ["--lr", "4e-3", "--seed", "1236"]
+    assert convergence.folder_name(label) == "1bit-adam_auto_lr_4e-3_seed_1236"
 
 
 @pytest.mark.parametrize("best_rate, expected", [
@@ -96,17 +125,23 @@ def test_sweep_goes_outwards_while_the_best_is_at_an_edge(best_rate, expected):
     assert len(set(ran)) == len(expected)  # the caller caches; the sweep asks only for the rates it lists
 
 
-def test_sweep_table_compares_best_against_best():
-    def row(label, sweep, rate, loss):
+def test_sweep_table_compares_best_against_best_at_the_same_seed():
+    def row(label, sweep, rate, loss, seed=1234):
         return {"preset": "b512", "label": label, "flags": [], "loss": loss, "freeze": None, "bytes": 100,
-                "sweep": sweep, "rate": rate}
+                "sweep": sweep, "rate": rate, "seed": seed, "variant": sweep}
 
     results = [row("lamb", "lamb", 2e-2, 5.0), row("lamb, lr 1e-2", "lamb", 1e-2, 4.0),
                row("lamb, lr 4e-2", "lamb", 4e-2, math.nan), row("1bit", "1bit", 2e-2, 4.4),
-               row("1bit, lr 1e-2", "1bit", 1e-2, 4.6)]
+               row("1bit, lr 1e-2", "1bit", 1e-2, 4.6),
+               row("lamb, seed 1235", "lamb", 2e-2, 5.5, 1235), row("lamb, lr 1e-2, seed 1235", "lamb", 1e-2, 6.0, 1235),
+               row("1bit, seed 1235", "1bit", 2e-2, 4.95, 1235), row("1bit, lr 4e-2, seed 1235", "1bit", 4e-2, 6.0, 1235),
+               row("adam, seed 1235", "adam", 2e-3, 4.4, 1235)]
     table = convergence.render(results, "cmd")
-    assert "| b512 | lamb | 1e-2: 4.000, 2e-2: 5.000, 4e-2: NaN | 1e-2 | 4.000 | - |" in table
-    assert "| b512 | 1bit | 1e-2: 4.600, 2e-2: 4.400 | 2e-2 | 4.400 | +10.0% |" in table
+    assert "| b512 | lamb | 1234 | 1e-2: 4.000, 2e-2: 5.000, 4e-2: NaN | 1e-2 | 4.000 | - |" in table
+    assert "| b512 | 1bit | 1234 | 1e-2: 4.600, 2e-2: 4.400 | 2e-2 | 4.400 | +10.0% |" in table
+    # at seed 1235 against LAMB's best there (5.5), not at the first seed
+    assert "| b512 | 1bit | 1235 | 2e-2: 4.950, 4e-2: 6.000 | 2e-2 | 4.950 | -10.0% |" in table
+    assert "| b512 | adam | 1235 | 2e-3: 4.400 | 2e-3 | 4.400 | -20.0% |" in table
 
 
 def test_table_gap_volume_and_divergence():

@@ -4,6 +4,8 @@
     python -m onebitlamb.benchmarks.convergence --presets b512     # one preset
     python -m onebitlamb.benchmarks.convergence --sweep b512       # add the learning-rate sweep
     python -m onebitlamb.benchmarks.convergence --presets b4096 --sweep b4096:lamb   # LAMB's only
+    python -m onebitlamb.benchmarks.convergence --presets b512 --seeds b512:2 --sweep b512@2
+                                                        # the sweeps at the first 2 seeds
     python -m onebitlamb.benchmarks.convergence --presets b1024 --seeds b1024:3      # 3 seeds
     python -m onebitlamb.benchmarks.convergence --presets b1024 --freeze-steps b1024:72,76   # fixed freezes
     python -m onebitlamb.benchmarks.convergence --presets b1024 --seeds b1024:3 --freeze-steps b1024:72,76@2
@@ -201,16 +203,22 @@ class Row(NamedTuple):
     swept: bool = False         # sweep its learning rate too
 
 
-def parse_sweep(items: Sequence[str]) -> Dict[str, List[str]]:
-    """``["b512", "b4096:lamb"]`` -> which optimizers to sweep on which preset (all by default)."""
-    out: Dict[str, List[str]] = {}
+def parse_sweep(items: Sequence[str]) -> Dict[str, Dict[str, int]]:
+    """``["b512", "b4096:lamb", "b1024:onebitadam@2"]`` -> which optimizers to sweep on which preset
+    (all by default), and at how many seeds (the first; ``@N``: the first N of the preset's --seeds).
+    Items for the same preset add up: ``b1024 b1024:onebitadam@2`` sweeps every optimizer at the
+    first seed and 1-bit Adam at the first two."""
+    out: Dict[str, Dict[str, int]] = {}
     for item in items:
-        preset, _, names = item.partition(":")
+        head, at, seed_count = item.partition("@")
+        preset, _, names = head.partition(":")
         optimizers = names.split(",") if names else list(SWEPT)
-        if preset not in PRESETS or not all(o in SWEPT for o in optimizers):
-            raise ValueError(f"invalid sweep {item!r}: PRESET or PRESET:OPTIMIZER,... with PRESET in "
-                             f"{sorted(PRESETS)} and OPTIMIZER in {sorted(SWEPT)}")
-        out[preset] = optimizers
+        if (preset not in PRESETS or not all(o in SWEPT for o in optimizers)
+                or (at and not (seed_count.isdigit() and int(seed_count) >= 1))):
+            raise ValueError(f"invalid sweep {item!r}: PRESET[:OPTIMIZER,...][@N] with PRESET in {sorted(PRESETS)}, "
+                             f"OPTIMIZER in {sorted(SWEPT)} and N >= 1")
+        for optimizer in optimizers:
+            out.setdefault(preset, {})[optimizer] = int(seed_count) if at else 1
     return out
 
 
@@ -263,20 +271,29 @@ def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str]
     the preset runs."""
     swept, seeded = parse_sweep(sweep), parse_seeds(seeds)
     scanned = parse_freeze_steps(freeze_steps)
+    for preset, counts in swept.items():
+        short = {o: n for o, n in counts.items() if n > seeded.get(preset, 1)}
+        if short:
+            raise ValueError(f"invalid sweep of {preset} at {short} seeds: more than the {seeded.get(preset, 1)} "
+                             f"--seeds gives it")
+
+    def is_swept(preset: str, variant: str, optimizer: str, seed: int) -> bool:
+        # past the first seed only the default rule's rows: the rule before is no longer in use
+        return (variant in SWEPT[optimizer] and seed < DEFAULT_SEED + swept.get(preset, {}).get(optimizer, 0)
+                and (seed == DEFAULT_SEED or variant != _AUTO_BEFORE))
 
     def at_seed(preset: str, variant: str, optimizer: str, flags: List[str], seed: int) -> Row:
         # the default seed's rows keep their plain label and flags: their run folders predate --seeds
+        swept_here = is_swept(preset, variant, optimizer, seed)
         if seed == DEFAULT_SEED:
-            return Row(preset, variant, optimizer, PRESETS[preset] + flags, variant)
+            return Row(preset, variant, optimizer, PRESETS[preset] + flags, variant, swept=swept_here)
         return Row(preset, f"{variant}, seed {seed}", optimizer, PRESETS[preset] + flags + ["--seed", str(seed)],
-                   variant, seed=seed)
+                   variant, seed=seed, swept=swept_here)
 
     rows = []
     for preset in presets:
         for variant in DEFAULT_PLAN[preset]:
-            optimizer, flags = VARIANTS[variant]
-            rows.append(Row(preset, variant, optimizer, PRESETS[preset] + flags, variant,
-                            swept=optimizer in swept.get(preset, ()) and variant in SWEPT[optimizer]))
+            rows.append(at_seed(preset, variant, *VARIANTS[variant], DEFAULT_SEED))
         for seed in range(DEFAULT_SEED + 1, DEFAULT_SEED + seeded.get(preset, 1)):
             for variant in SEEDED[preset]:
                 if variant != _AUTO_BEFORE or seed < DEFAULT_SEED + SEEDS_OF_THE_RULE_BEFORE.get(preset, 1):
@@ -295,11 +312,20 @@ def folder_name(label: str) -> str:
     return label.replace(" ", "_").replace(",", "").replace("%", "pct").replace("(", "").replace(")", "")
 
 
+def rate_stem(label: str) -> str:
+    """A row's label without its rate and seed: what its sweep is named by."""
+    return label.split(", lr ")[0].split(", seed ")[0]
+
+
 def with_rate(label: str, flags: Sequence[str], rate: float) -> Tuple[str, List[str]]:
-    """A row's label and flags at another learning rate (replacing its own --lr, if any)."""
-    stem = label.split(", lr ")[0]
+    """A row's label and flags at another learning rate (replacing its own --lr, if any); a seed
+    stays last in both, as in the rows ``--seeds`` adds."""
+    _, seed_mark, seed = label.partition(", seed ")
     kept = [f for i, f in enumerate(flags) if f != "--lr" and (i == 0 or flags[i - 1] != "--lr")]
-    return f"{stem}, lr {format_rate(rate)}", kept + ["--lr", format_rate(rate)]
+    seed_flags = kept[-2:] if seed_mark else []
+    kept = kept[:len(kept) - len(seed_flags)]
+    return (f"{rate_stem(label)}, lr {format_rate(rate)}{seed_mark}{seed}",
+            kept + ["--lr", format_rate(rate)] + seed_flags)
 
 
 def own_rate(optimizer: str, flags: Sequence[str]) -> float:
@@ -389,27 +415,29 @@ def render(results: List[dict], command: str) -> str:
         lines.append(f"| {r['preset']} | {r['label']} | `{' '.join(r['flags'])}` | {r['freeze'] or '-'} | {loss} "
                      f"| {gap} | {volume} |")
 
-    sweeps: Dict[Tuple[str, str], List[dict]] = {}
+    sweeps: Dict[Tuple[str, str, int], List[dict]] = {}
     for r in results:
         if r.get("sweep"):
-            sweeps.setdefault((r["preset"], r["sweep"]), []).append(r)
+            sweeps.setdefault((r["preset"], r["sweep"], r.get("seed", DEFAULT_SEED)), []).append(r)
     if sweeps:
         lines += [
             "",
             "Learning-rate sweeps (half and twice each row's own rate, extended by factors of 2 while the best "
-            "was at an edge); the gap is against LAMB at its own best rate on the same preset, where swept.",
+            "was at an edge); the gap is against LAMB at its own best rate on the same preset and seed, where "
+            "swept.",
             "",
-            "| preset | run | held-out loss at each rate | best rate | best loss | vs best LAMB |",
-            "|---|---|---|---:|---:|---:|",
+            "| preset | run | seed | held-out loss at each rate | best rate | best loss | vs best LAMB |",
+            "|---|---|---:|---|---:|---:|---:|",
         ]
         best = {k: min(rows, key=lambda r: r["loss"] if r["loss"] == r["loss"] else math.inf)
                 for k, rows in sweeps.items()}
-        for (preset, stem), rows in sweeps.items():
+        for (preset, stem, seed), rows in sweeps.items():
             tried = ", ".join(f"{format_rate(r['rate'])}: {_loss(r['loss'])}"
                               for r in sorted(rows, key=lambda r: r["rate"]))
-            top, ref = best[(preset, stem)], best.get((preset, "lamb"))
+            top, ref = best[(preset, stem, seed)], best.get((preset, "lamb", seed))
             gap = _gap(top["loss"], ref["loss"]) if ref and stem != "lamb" else "-"
-            lines.append(f"| {preset} | {stem} | {tried} | {format_rate(top['rate'])} | {_loss(top['loss'])} | {gap} |")
+            lines.append(f"| {preset} | {stem} | {seed} | {tried} | {format_rate(top['rate'])} | {_loss(top['loss'])} "
+                         f"| {gap} |")
 
     repeats: Dict[Tuple[str, str], Dict[int, dict]] = {}
     for r in results:
@@ -484,9 +512,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m onebitlamb.benchmarks.convergence",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", choices=list(PRESETS), default=["b512", "demo"])
-    parser.add_argument("--sweep", nargs="+", default=[], metavar="PRESET[:OPT,...]",
+    parser.add_argument("--sweep", nargs="+", default=[], metavar="PRESET[:OPT,...][@N]",
                         help="also sweep the learning rate on these presets, of every optimizer or of those "
-                             "named (e.g. b4096:lamb; a sweep costs two to four runs per optimizer)")
+                             "named (e.g. b4096:lamb; a sweep costs two to four runs per optimizer), at the "
+                             "first seed or at the first N of --seeds (e.g. b512@2)")
     parser.add_argument("--seeds", nargs="+", default=[], metavar="PRESET:N",
                         help="also run LAMB, the automatic and the best hand-picked freeze of the preset at "
                              "N seeds in all (e.g. b1024:3; N-1 more runs of each)")
@@ -527,7 +556,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return m["final_eval_loss"]
 
     for row in rows:
-        stem = row.label.split(", lr ")[0] if row.swept else None
+        stem = rate_stem(row.label) if row.swept else None
         base = own_rate(row.optimizer, row.flags)
         losses = {base: record(row, stem)}
         if row.swept:
