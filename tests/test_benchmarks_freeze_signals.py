@@ -88,3 +88,35 @@ def test_automatic_freezes_pair_the_two_rules_at_each_seed(tmp_path):
     assert entry["jump"] == 4.0   # 2 -> 6, up to each rule's own freeze (the 9 comes after step 5)
     assert entry["default"] == (5, pytest.approx(-0.1)) and entry["half peak"] == (4, pytest.approx(0.1))
     assert "| onebitlamb | p, 1 | 4.0 | 5, -10.0% | 4, +10.0% |" in fs.render_jumps(entries, rates)
+
+
+def test_loss_before_is_the_last_evaluation_at_or_before_the_step():
+    metrics = {"samples": 100, "steps": 10, "eval_curve": [[0, 8.0], [50, 6.5], [100, 5.0]]}
+    assert fs.loss_before(metrics, 4) == (0, 8.0)
+    assert fs.loss_before(metrics, 5) == (5, 6.5)
+    assert fs.loss_before(metrics, 9) == (5, 6.5)
+    assert fs.loss_before(metrics, 10) == (10, 5.0)
+
+
+def test_plateau_rows_set_each_automatic_freeze_beside_the_run_with_it_held_off(tmp_path):
+    import json
+
+    def save(folder, config, freeze, loss):
+        (tmp_path / "b1024" / folder).mkdir(parents=True)
+        base = {"optimizer": "onebitadam", "seed": 1235, "lr": 0.004, "auto_freeze": True}
+        metrics = {"config": {**base, **config}, "final_eval_loss": loss, "freeze_step": freeze,
+                   "freeze_spread": [1.0, 1.5, 9.0, 9.0, 2.0, 2.0], "samples": 60, "steps": 6,
+                   "eval_curve": [[0, 8.3], [30, 6.16], [60, loss]]}
+        (tmp_path / "b1024" / folder / "metrics.json").write_text(json.dumps(metrics))
+
+    save("auto", {"freeze_transient_end": 2.5}, 5, 6.13)
+    save("auto before", {}, 5, 6.14)                     # saved before freeze_transient_end existed
+    save("other seed", {"seed": 1234, "freeze_transient_end": 2.5}, 5, 4.4)
+    save("other rate", {"lr": 0.002, "freeze_transient_end": 2.5}, 5, 4.6)
+    save("fixed", {"auto_freeze": False}, 2, 6.0)
+    held_off = {("b1024", 1235, "onebitadam", 0.004): {"freeze_step": 300, "final_eval_loss": 4.5}}
+    rows = fs.plateau_rows(str(tmp_path), held_off)
+    assert [(r["rule"], r["freeze"], r["jump"], r["before"], r["final"]) for r in rows] == [
+        ("default", 5, 7.5, (3, 6.16), 6.13), ("half peak", 5, 7.5, (3, 6.16), 6.14)]
+    assert "| onebitadam, 4e-3 | b1024, 1235 | default | 5 | 7.5 | 6.160 (step 3) | 6.130 | 300, 4.500 |" in (
+        fs.render_plateau(rows))

@@ -1,6 +1,6 @@
 """Signals for an earlier freeze: what the warm-up shows when a freeze works and when it fails.
 
-    python -m onebitlamb.benchmarks.freeze_signals      # three traces (~25 min on 2 cores), then the tables
+    python -m onebitlamb.benchmarks.freeze_signals      # seven runs (~55 min on 2 cores), then the tables
 
 On ``b1024`` 1-bit LAMB frozen in the middle of the plateau exit (steps 72-80) did better than the
 automatic freeze's later step; on ``demo`` seed 1236 a freeze in the middle of the exit (the rule
@@ -8,7 +8,9 @@ before, step 93) failed. Can anything known at the time of the freeze tell them 
 the convergence study's runs (``--study``; run ``python -m onebitlamb.benchmarks.convergence`` with
 the seeds and freeze steps of docs/convergence.md first) for each freeze's outcome, its spread and
 its stage-2 step sizes, and runs the warm-ups of those seeds once more with the freeze held off
-(``--out``) for every layer's variance level at each of those steps and after the exit. Writes the
+(``--out``) for every layer's variance level at each of those steps and after the exit. It also runs
+the automatic freezes that came on the plateau (``PLATEAU_FREEZES``) with the freeze held off, to
+tell what the freeze cost there from what the rate did. Writes the
 "freeze signals" section of BENCHMARKS.md; docs/convergence.md ("Other signals for an earlier
 freeze") reads it.
 """
@@ -36,6 +38,14 @@ HOLD_OFF = ["--auto-freeze", "--freeze-tolerance", "1e-9", "--freeze-transient",
 IGNORED_SUFFIX = "attention.self.key.bias"
 # a freeze "works" when it ends within the convergence target of LAMB at the same seed
 TARGET = 0.01
+# (preset, seed, optimizer, rate) of the study's automatic freezes that came on the plateau, one
+# window after a one-step spike (docs/convergence.md, "A spike on the plateau, seen once"): each
+# runs again with the freeze held off to the study's cap, to tell what the freeze cost from what
+# the rate did
+PLATEAU_FREEZES: List[Tuple[str, int, str, float]] = [
+    ("b512", 1234, "onebitadam", 4e-3), ("demo", 1235, "onebitadam", 4e-3),
+    ("b1024", 1235, "onebitadam", 4e-3), ("b4096", 1235, "onebitadam", 4e-3)]
+STUDY_CAP = 0.75
 
 
 def trace_flags(preset: str, seed: int) -> List[str]:
@@ -238,6 +248,63 @@ def collect(runs: List[Tuple[str, str, dict]], out: str, cache: str) -> List[dic
     return rows
 
 
+def loss_before(metrics: dict, step: int) -> Tuple[int, float]:
+    """The last held-out evaluation at or before the end of ``step``: (its step, its loss)."""
+    per_step = metrics["samples"] // metrics["steps"]
+    samples, loss = [point for point in metrics["eval_curve"] if point[0] <= step * per_step][-1]
+    return samples // per_step, loss
+
+
+def plateau_rows(study: str, held_off: Dict[Tuple[str, int, str, float], dict]) -> List[dict]:
+    """Per run of ``held_off`` (a warm-up with the freeze held off, by preset, seed, optimizer and
+    rate): every automatic freeze of the study at those settings, beside it."""
+    rows = []
+    for (preset, seed, optimizer, rate), control in held_off.items():
+        for path in sorted(glob.glob(os.path.join(study, preset, "*", "metrics.json"))):
+            m = _load(path)
+            cfg = m["config"]
+            if ((cfg["optimizer"], cfg["seed"], cfg["lr"]) != (optimizer, seed, rate) or not cfg["auto_freeze"]
+                    or m["freeze_step"] is None):
+                continue
+            rows.append({"optimizer": optimizer, "rate": rate, "preset": preset, "seed": seed,
+                         "rule": "default" if cfg.get("freeze_transient_end") else "half peak",
+                         "freeze": m["freeze_step"], "jump": largest_jump(m["freeze_spread"], m["freeze_step"]),
+                         "before": loss_before(m, m["freeze_step"]), "final": m["final_eval_loss"],
+                         "held_off": (control["freeze_step"], control["final_eval_loss"])})
+    return sorted(rows, key=lambda r: (r["preset"], r["seed"], r["rule"] != "default"))
+
+
+def render_plateau(rows: List[dict]) -> str:
+    lines = [
+        "",
+        "Automatic freezes that came on the plateau (a model that knows only token frequencies scores about "
+        "6.07), and the same run with the freeze held off to the study's cap "
+        f"({STUDY_CAP:.0%}): what the early freeze cost, against what the rate alone does.",
+        "",
+        "| optimizer, rate | preset, seed | rule | freeze | largest jump | held-out loss before the freeze "
+        "| final loss | freeze held off: step, final loss |",
+        "|---|---|---|---:|---:|---|---:|---|",
+    ]
+    for r in rows:
+        step, loss = r["before"]
+        lines.append(f"| {r['optimizer']}, {format_rate(r['rate'])} | {r['preset']}, {r['seed']} | {r['rule']} "
+                     f"| {r['freeze']} | {r['jump']:.1f} | {loss:.3f} (step {step}) | {r['final']:.3f} "
+                     f"| {r['held_off'][0]}, {r['held_off'][1]:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_held_off(out: str, cache: str) -> Dict[Tuple[str, int, str, float], dict]:
+    """The warm-ups of PLATEAU_FREEZES with the freeze held off to the study's cap."""
+    runs = {}
+    for preset, seed, optimizer, rate in PLATEAU_FREEZES:
+        print(f"held off: {preset}, seed {seed}, {optimizer} at {format_rate(rate)}", file=sys.stderr, flush=True)
+        flags = PRESETS[preset] + HOLD_OFF + ["--freeze-frac", str(STUDY_CAP), "--seed", str(seed),
+                                              "--lr", format_rate(rate)]
+        folder = os.path.join(out, f"{preset}_{optimizer}_lr_{format_rate(rate)}_seed_{seed}")
+        runs[(preset, seed, optimizer, rate)] = run_one(folder, optimizer, flags, cache)
+    return runs
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m onebitlamb.benchmarks.freeze_signals",
                                      description=__doc__.splitlines()[0])
@@ -247,8 +314,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     rates = {optimizer: pretrain_config(optimizer, []).lr for optimizer in ("lamb", "onebitlamb", "onebitadam")}
     runs = study_runs(args.study, rates)
-    body = (render(collect(runs, args.out, os.path.join(args.study, "cache")), command_line(argv))
-            + render_jumps(automatic_freezes(runs), rates))
+    cache = os.path.join(args.study, "cache")
+    body = (render(collect(runs, args.out, cache), command_line(argv))
+            + render_jumps(automatic_freezes(runs), rates)
+            + render_plateau(plateau_rows(args.study, run_held_off(args.out, cache))))
     print(body)
     write_section("freeze signals", body, args.results)
     return 0
