@@ -38,10 +38,10 @@ HOLD_OFF = ["--auto-freeze", "--freeze-tolerance", "1e-9", "--freeze-transient",
 IGNORED_SUFFIX = "attention.self.key.bias"
 # a freeze "works" when it ends within the convergence target of LAMB at the same seed
 TARGET = 0.01
-# (preset, seed, optimizer, rate) of the study's automatic freezes that came on the plateau, one
-# window after a one-step spike (docs/convergence.md, "A spike on the plateau, seen once"): each
-# runs again with the freeze held off to the study's cap, to tell what the freeze cost from what
-# the rate did
+# (preset, seed, optimizer, rate) of the study's automatic freezes that came on the plateau, once a
+# spike had left the window (docs/convergence.md, "A spike on the plateau, seen once"): each runs
+# again with the freeze held off to the study's cap (its --freeze-frac), to tell what the freeze
+# cost from what the rate did
 PLATEAU_FREEZES: List[Tuple[str, int, str, float]] = [
     ("b512", 1234, "onebitadam", 4e-3), ("demo", 1235, "onebitadam", 4e-3),
     ("b1024", 1235, "onebitadam", 4e-3), ("b4096", 1235, "onebitadam", 4e-3)]
