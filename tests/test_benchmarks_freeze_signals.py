@@ -120,3 +120,32 @@ def test_plateau_rows_set_each_automatic_freeze_beside_the_run_with_it_held_off(
         ("default", 5, 7.5, (3, 6.16), 6.13), ("half peak", 5, 7.5, (3, 6.16), 6.14)]
     assert "| onebitadam, 4e-3 | b1024, 1235 | default | 5 | 7.5 | 6.160 (step 3) | 6.130 | 300, 4.500 |" in (
         fs.render_plateau(rows))
+
+
+def test_replay_freeze_applies_both_rules_after_the_floor():
+    spread = [None, 0.2, 6.0, 6.0, 2.9, 2.0]
+    replay = lambda end, floor=3: fs.replay_freeze(spread, end, floor, tolerance=0.3, transient=5.0)  # noqa: E731
+    assert replay(2.5) == 6            # falls to the end only at step 6
+    assert replay(None) == 5 == replay(4.0)   # half the peak (3.0), or an end of 4
+    assert replay(2.5, floor=1) == 2   # rule 1: settled at step 2, once the floor allows it
+    assert replay(1.0) is None         # the record ends first
+    assert fs.replay_freeze([1.0, 4.9, 2.0], 2.5, 1, 0.3, 5.0) is None   # no transient: 4.9 < 5
+
+
+def test_replayed_ends_use_the_longest_record_and_pair_the_two_rules():
+    def run(seed, end, freeze, spread):
+        config = {"optimizer": "onebitlamb", "auto_freeze": True, "seed": seed, "freeze_transient_end": end,
+                  "steps": 8, "min_freeze_frac": 0.25, "freeze_tolerance": 0.3, "freeze_transient": 5.0}
+        return ("demo", "f", {"config": config, "freeze_step": freeze, "freeze_spread": spread})
+
+    runs = [run(1, 2.5, 6, [None, 1.0, 8.0, 8.0, 3.0, None]),      # the record stops before its freeze
+            run(1, 0.0, 5, [None, 1.0, 8.0, 8.0, None]),           # the rule before (saved as 0.0)
+            run(2, 2.5, 7, [None, 1.0, 6.0, 2.6, None, None, None]),
+            ("demo", "lamb", {"config": {"optimizer": "lamb", "auto_freeze": False, "seed": 1}})]
+    trace = {"freeze_spread": [None, 1.0, 6.0, 2.6, 2.55, 2.5, 0.1, None]}
+    rows = fs.replayed_ends(runs, {("demo", 2): trace})
+    assert fs.REPLAYED_ENDS == (2.5, 3.0, 3.5, 4.0, None)
+    assert [(r["seed"], r["freeze"], r["before"], r["steps"]) for r in rows] == [
+        (1, 6, 5, [None, 5, 5, 5, 5]),       # end 2.5 is past seed 1's record; 3.0 and up fire at 3.0
+        (2, 7, None, [6, 4, 4, 4, 4])]       # the trace: 2.5 at step 6
+    assert "| demo, 1 | 6 | 5 | - | 5 | 5 | 5 | 5 |" in fs.render_ends(rows)

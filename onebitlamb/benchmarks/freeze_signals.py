@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from onebitlamb.benchmarks.convergence import PRESETS, format_rate, pretrain_config, run_one
 from onebitlamb.benchmarks.report import command_line, heading, write_section
+from onebitlamb.optim import functional as F
 
 # (preset, seed) -> the cap of a warm-up whose freeze is held off: past the plateau exit of every
 # freeze read from it (b1024's exit ends near step 100, demo seed 1236's near 145)
@@ -46,6 +47,9 @@ PLATEAU_FREEZES: List[Tuple[str, int, str, float]] = [
     ("b512", 1234, "onebitadam", 4e-3), ("demo", 1235, "onebitadam", 4e-3),
     ("b1024", 1235, "onebitadam", 4e-3), ("b4096", 1235, "onebitadam", 4e-3)]
 STUDY_CAP = 0.75
+# the ends of the transient replayed on the recorded spreads: the default (2.5), later ones, and
+# the rule before (None: half the peak)
+REPLAYED_ENDS: Tuple[Optional[float], ...] = (2.5, 3.0, 3.5, 4.0, None)
 
 
 def trace_flags(preset: str, seed: int) -> List[str]:
@@ -305,6 +309,67 @@ def run_held_off(out: str, cache: str) -> Dict[Tuple[str, int, str, float], dict
     return runs
 
 
+def replay_freeze(spread: Sequence[Optional[float]], end: Optional[float], floor: int, tolerance: float,
+                  transient: float) -> Optional[int]:
+    """The step the automatic freeze would have chosen with this ``end`` of the transient, replayed
+    with the optimizers' own tests on a recorded spread (entry ``k`` is the spread at the end of
+    step ``k + 1``); None when the record ends first."""
+    peak = 0.0
+    for step, value in enumerate(spread, start=1):
+        if value is not None:
+            peak = max(peak, value)
+        if step >= floor and (F.settled(value, tolerance) or F.transient_passed(value, peak, transient, end)):
+            return step
+    return None
+
+
+def replayed_ends(runs: List[Tuple[str, str, dict]], traces: Dict[Tuple[str, int], dict]) -> List[dict]:
+    """Per 1-bit LAMB run of the study with the default rule (at the main job's rate), the step each
+    of REPLAYED_ENDS would have frozen at, on the longest spread recorded at its seed: a trace with
+    the freeze held off where there is one, else the run's own, which stops the step before its
+    freeze (the spread is recorded only while the freeze is still to come), so that only ends that
+    fire earlier can be replayed on it. Beside it, the freeze steps the runs themselves took with
+    the default and with the rule before (where it ran), the check of the replay."""
+    own = {}
+    for preset, _, m in runs:
+        cfg = m["config"]
+        if cfg["optimizer"] == "onebitlamb" and cfg["auto_freeze"]:
+            own[(preset, cfg["seed"], cfg["freeze_transient_end"] or None)] = m
+    rows = []
+    for (preset, seed, end), m in own.items():
+        if end != 2.5:
+            continue
+        cfg = m["config"]
+        spread = traces.get((preset, seed), m)["freeze_spread"]
+        floor = max(1, round(cfg["min_freeze_frac"] * cfg["steps"]))
+        before = own.get((preset, seed, None))
+        rows.append({"preset": preset, "seed": seed, "freeze": m["freeze_step"],
+                     "before": before["freeze_step"] if before else None,
+                     "steps": [replay_freeze(spread, end, floor, cfg["freeze_tolerance"], cfg["freeze_transient"])
+                               for end in REPLAYED_ENDS]})
+    return sorted(rows, key=lambda r: (list(PRESETS).index(r["preset"]), r["seed"]))
+
+
+def render_ends(rows: List[dict]) -> str:
+    names = ["half the peak" if end is None else f"end {end}" for end in REPLAYED_ENDS]
+    lines = [
+        "",
+        "Where another end of the transient would have frozen 1-bit LAMB at the main job's rate, replayed with "
+        "the optimizers' own tests on the spread recorded at each seed (the trace with the freeze held off at "
+        "the traced seeds, else the default's run, whose record stops the step before its freeze: `-`, the "
+        "record ends first). The steps the runs took, with the default and with the rule before, check the "
+        "replay.",
+        "",
+        "| preset, seed | default's run | rule before's run | " + " | ".join(names) + " |",
+        "|---|---:|---:|" + "---:|" * len(names),
+    ]
+    for r in rows:
+        cells = ["-" if step is None else str(step) for step in r["steps"]]
+        lines.append(f"| {r['preset']}, {r['seed']} | {r['freeze']} | {r['before'] or '-'} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m onebitlamb.benchmarks.freeze_signals",
                                      description=__doc__.splitlines()[0])
@@ -317,7 +382,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cache = os.path.join(args.study, "cache")
     body = (render(collect(runs, args.out, cache), command_line(argv))
             + render_jumps(automatic_freezes(runs), rates)
-            + render_plateau(plateau_rows(args.study, run_held_off(args.out, cache))))
+            + render_plateau(plateau_rows(args.study, run_held_off(args.out, cache)))
+            + render_ends(replayed_ends(runs, {key: _load(os.path.join(args.out, f"{key[0]}_seed_{key[1]}",
+                                                                        "metrics.json")) for key in TRACES})))
     print(body)
     write_section("freeze signals", body, args.results)
     return 0
