@@ -312,13 +312,13 @@ def run_held_off(out: str, cache: str) -> Dict[Tuple[str, int, str, float], dict
 def replay_freeze(spread: Sequence[Optional[float]], end: Optional[float], floor: int, tolerance: float,
                   transient: float) -> Optional[int]:
     """The step the automatic freeze would have chosen with this ``end`` of the transient, replayed
-    with the optimizers' own tests on a recorded spread (entry ``k`` is the spread at the end of
-    step ``k + 1``); None when the record ends first."""
+    with the optimizers' own decision on a recorded spread (entry ``k`` is the spread at the end of
+    step ``k + 1``; the cap left out: every record ends before it); None when the record ends first."""
     peak = 0.0
     for step, value in enumerate(spread, start=1):
         if value is not None:
             peak = max(peak, value)
-        if step >= floor and (F.settled(value, tolerance) or F.transient_passed(value, peak, transient, end)):
+        if F.freeze_due(step, value, peak, floor, math.inf, tolerance, transient, end):
             return step
     return None
 
@@ -330,14 +330,16 @@ def replayed_ends(runs: List[Tuple[str, str, dict]], traces: Dict[Tuple[str, int
     freeze (the spread is recorded only while the freeze is still to come), so that only ends that
     fire earlier can be replayed on it. Beside it, the freeze steps the runs themselves took with
     the default and with the rule before (where it ran), the check of the replay."""
+    from onebitlamb.train.pretrain import DEFAULTS
+
     own = {}
     for preset, _, m in runs:
         cfg = m["config"]
         if cfg["optimizer"] == "onebitlamb" and cfg["auto_freeze"]:
             own[(preset, cfg["seed"], cfg["freeze_transient_end"] or None)] = m
     rows = []
-    for (preset, seed, end), m in own.items():
-        if end != 2.5:
+    for (preset, seed, rule_end), m in own.items():
+        if rule_end != DEFAULTS["freeze_transient_end"]:
             continue
         cfg = m["config"]
         spread = traces.get((preset, seed), m)["freeze_spread"]

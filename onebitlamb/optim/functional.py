@@ -204,6 +204,17 @@ def transient_passed(spread: Optional[float], peak: float, transient: Optional[f
     return spread <= (peak / 2 if end is None else end)
 
 
+def freeze_due(step: int, spread: Optional[float], peak: float, floor: int, cap: float, tolerance: float,
+               transient: Optional[float], end: Optional[float]) -> bool:
+    """The automatic freeze's decision at the end of warm-up step ``step``: always at the cap,
+    never before the floor, and in between once ``settled`` or ``transient_passed``."""
+    if step >= cap:
+        return True
+    if step < floor:
+        return False
+    return settled(spread, tolerance) or transient_passed(spread, peak, transient, end)
+
+
 def window_spread(history: torch.Tensor, count: int) -> Optional[float]:
     """How far the least settled layer statistic moved over the window (max minus min, log
     scale); None until the window is full or while no layer has a gradient."""

@@ -314,14 +314,10 @@ class StagedOptimizer(Optimizer):
             return False
         if self.freeze_step != "auto":
             return flat["step"] == self.freeze_step
-        if flat["step"] >= self.defaults["max_freeze_step"]:
-            return True
-        if flat["step"] < self.defaults["min_freeze_step"]:
-            return False
-        spread = F.window_spread(flat["freeze_history"], flat["freeze_history_count"])
-        return (F.settled(spread, self.defaults["freeze_tolerance"])
-                or F.transient_passed(spread, flat.get("freeze_spread_peak", 0.0),
-                                      self.defaults["freeze_transient"], self.defaults["freeze_transient_end"]))
+        d = self.defaults
+        return F.freeze_due(flat["step"], F.window_spread(flat["freeze_history"], flat["freeze_history_count"]),
+                            flat.get("freeze_spread_peak", 0.0), d["min_freeze_step"], d["max_freeze_step"],
+                            d["freeze_tolerance"], d["freeze_transient"], d["freeze_transient_end"])
 
     def _record_warmup(self, coeff: torch.Tensor, param_norms: torch.Tensor, update_norms: torch.Tensor) -> None:
         """What the freeze and the guard need from a warm-up step, all from synchronized state:
