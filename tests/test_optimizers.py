@@ -489,6 +489,182 @@ def test_a_spike_on_a_plateau_that_is_not_left_still_freezes_it():
     assert _spike_on_a_drifting_plateau_run(spike=False) == 150
 
 
+def _spike_then_exit_run(unfreeze_rise, cap=150, resume_at=None):
+    """The drifting plateau above with its one-step spike at step 30 (so rule 2 freezes at 40), then
+    layer 0 leaves the plateau over steps 70-80 (gradients grow 1000x) and holds. Returns the stage
+    of every step, the steps at whose end a freeze was undone, and the largest rise seen."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(32))]
+    options = dict(lr=1e-3, freeze_step="auto", min_freeze_step=5, max_freeze_step=cap, freeze_window=10,
+                   unfreeze_rise=unfreeze_rise)
+    opt = onebitlamb.OneBitLamb(ps, **options)
+    gen = torch.Generator().manual_seed(1)
+    stages, largest_rise = [], -math.inf
+    for t in range(1, 161):
+        scale = 1e-3 * 1.05 ** min(t, 60) * (1000.0 if t == 30 else 1.0)
+        exit_ = 1000 ** (min(max(t - 70, 0), 10) / 10)
+        ps[0].grad = exit_ * scale * (1 + 0.1 * torch.randn(64, generator=gen))
+        ps[1].grad = 0.5 * scale * (1 + 0.1 * torch.randn(32, generator=gen))
+        stages.append(opt.stage)
+        opt.step()
+        if opt.variance_rise is not None:
+            largest_rise = max(largest_rise, max(opt.variance_rise))
+        if t == resume_at:
+            buffer = io.BytesIO()
+            torch.save(opt.state_dict(), buffer)
+            buffer.seek(0)
+            opt = onebitlamb.OneBitLamb(ps, **options)
+            opt.load_state_dict(torch.load(buffer))
+    return stages, opt.state["flat"].get("unfrozen_at"), largest_rise
+
+
+def test_an_undone_freeze_catches_a_plateau_exit_after_a_spike():
+    """unfreeze_rise against rule 2's documented limit: the spike freezes the plateau at step 40;
+    when the layer then leaves the plateau its local variance rises far above the frozen one, so the
+    freeze is undone (back to full communication) and the criterion freezes again once the exit is
+    over. Without the option, or with a cap before the exit, the freeze at 40 stays."""
+    stages, unfrozen_at, _ = _spike_then_exit_run(unfreeze_rise=3.0)
+    assert stages[:40] == ["warmup"] * 40 and stages[40] == "compression"
+    assert len(unfrozen_at) == 1 and 70 < unfrozen_at[0] <= 82, unfrozen_at
+    refrozen_at = stages.index("compression", unfrozen_at[0])
+    # a full window of new levels, and not before the exit's rise (steps 70-80) has left it
+    assert refrozen_at >= unfrozen_at[0] + 11 and refrozen_at >= 80 + 10, refrozen_at
+    assert stages[unfrozen_at[0]:refrozen_at] == ["warmup"] * (refrozen_at - unfrozen_at[0])
+    assert set(stages[refrozen_at:]) == {"compression"}
+    stages_off, unfrozen_off, rise_off = _spike_then_exit_run(unfreeze_rise=None)
+    assert unfrozen_off is None and stages_off[40:] == ["compression"] * 120 and rise_off == -math.inf
+    stages_capped, unfrozen_capped, rise_capped = _spike_then_exit_run(unfreeze_rise=3.0, cap=72)
+    assert unfrozen_capped == [] and stages_capped[40:] == ["compression"] * 120
+    assert rise_capped > 3.0  # the rise was there; the cap forbade the undoing
+    # a checkpoint during the first frozen stretch and one after the undoing both resume exactly
+    for resume_at in (60, unfrozen_at[0] + 3):
+        assert _spike_then_exit_run(unfreeze_rise=3.0, resume_at=resume_at)[:2] == (stages, unfrozen_at)
+
+
+def test_variance_rise_is_the_rise_of_the_local_gradient_variance_since_the_freeze():
+    """A constant gradient g gives a bias-corrected local variance of exactly g^2; after the freeze
+    a gradient twice as large makes it rise by log((b2 * (1 - b2^(t-1)) g^2 + (1 - b2) 4 g^2)
+    / (1 - b2^t) / g^2). Not reported before the freeze or without the option."""
+    ps = [torch.nn.Parameter(torch.ones(16)), torch.nn.Parameter(torch.ones(4))]
+    opt = onebitlamb.OneBitAdam(ps, lr=1e-3, freeze_step="auto", max_freeze_step=3, unfreeze_rise=10.0)
+    for t in range(1, 5):
+        assert opt.variance_rise is None  # measured by frozen steps only (the freeze: end of step 3)
+        ps[0].grad = torch.full((16,), 2.0 if t == 4 else 1.0)
+        ps[1].grad = torch.zeros(4)  # never a gradient: no level, no rise
+        opt.step()
+    b2 = 0.999
+    expected = math.log((b2 * (1 - b2 ** 3) + (1 - b2) * 4.0) / (1 - b2 ** 4))
+    rise = opt.variance_rise
+    assert rise[0] == pytest.approx(expected, rel=1e-4) and math.isnan(rise[1])
+    plain = onebitlamb.OneBitAdam([torch.nn.Parameter(torch.ones(4))], lr=1e-3, freeze_step="auto",
+                                  max_freeze_step=1)
+    plain.param_groups[0]["params"][0].grad = torch.ones(4)
+    plain.step()
+    plain.step()
+    assert plain.variance_rise is None
+
+
+@pytest.mark.parametrize("kind", ["onebitlamb", "onebitadam"])
+def test_a_rise_that_never_undoes_the_freeze_only_watches(kind):
+    """Until it undoes a freeze, unfreeze_rise changes nothing: the same parameters, bit for bit,
+    as without it (the benchmark of undone freezes relies on this)."""
+    finals = []
+    for drift in (None, 1e6):
+        params = [torch.nn.Parameter(t.clone()) for t in initial_params()]
+        opt = make_optimizer(kind, params, LRS, [0.01, 0.0, 0.01, 0.0], "auto", max_freeze_step=30,
+                             freeze_window=4, unfreeze_rise=drift)
+        for t in range(1, 41):
+            for p, g in zip(params, grads_for(params, 0, t)):
+                p.grad = g
+            opt.step()
+        assert opt.stage == "compression" and (opt.variance_rise is None) == (drift is None)
+        finals.append([p.detach().clone() for p in params])
+    for a, b in zip(*finals):
+        assert torch.equal(a, b)
+
+
+def test_window_rise_by_hand():
+    from onebitlamb.optim.functional import window_rise
+    hist = torch.tensor([[0.0, 5.0, -math.inf, 1.0],
+                         [2.0, 4.0, -math.inf, 1.0],
+                         [1.0, 3.0, 7.0, math.nan]])
+    rise = window_rise(hist, count=3)
+    assert rise[0] == 1.0 and rise[1] == 0.0  # above the window's lowest; a fall is no rise
+    assert rise[2] == 0.0 and math.isnan(rise[3])  # a first gradient is no rise; no level now: no rise
+    assert window_rise(hist, count=2)[0] == 0.0  # only the last two rows are in the window yet
+    assert window_rise(hist, count=9)[0] == 1.0  # a full window is the whole history
+
+
+def test_a_slow_creep_does_not_undo_the_freeze():
+    """Gradients growing 2% a step after the freeze: over 150 steps the local variance ends far
+    above its level at the freeze, but within any 10-step window it rises by about 0.4, not like a
+    plateau exit, so the freeze stays."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = onebitlamb.OneBitAdam([p], lr=1e-3, freeze_step="auto", max_freeze_step=200, freeze_window=10,
+                                freeze_tolerance=10.0, min_freeze_step=20, unfreeze_rise=1.0)
+    gen = torch.Generator().manual_seed(1)
+    for t in range(1, 171):
+        p.grad = 1.02 ** max(t - 20, 0) * (1 + 0.1 * torch.randn(64, generator=gen))
+        opt.step()
+        if t == 20:
+            level_at_freeze = float(opt.state["flat"]["rise_history"][-1, 0])
+    flat = opt.state["flat"]
+    assert flat["frozen_at"] == 20 and flat["unfrozen_at"] == []
+    assert max(opt.variance_rise) < 1.0
+    assert float(flat["rise_history"][-1, 0]) - level_at_freeze > 2.0  # how far it crept in all
+
+
+def _unfreeze_distributed_run(rank, n, steps, resume_at):
+    """Each rank: its own noisy gradients; layer 0 jumps 1000x at step 20 (after the freeze at 12)."""
+    def fresh(init):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = onebitlamb.OneBitLamb(params, lr=1e-3, freeze_step="auto", max_freeze_step=40, freeze_window=4,
+                                    freeze_tolerance=10.0, min_freeze_step=12, unfreeze_rise=2.0)
+        return params, opt
+
+    def run(params, opt, start, stop):
+        stages = []
+        for t in range(start, stop + 1):
+            for i, (p, g) in enumerate(zip(params, grads_for(params, rank, t))):
+                p.grad = g * (1000.0 if i == 0 and t >= 20 else 1.0)
+            stages.append(opt.stage)
+            opt.step()
+        return stages, [p.detach().clone() for p in params]
+
+    params, opt = fresh(initial_params())
+    stages, final = run(params, opt, 1, steps)
+    resumed = {}
+    for stop in resume_at:
+        params, opt = fresh(initial_params())
+        run(params, opt, 1, stop)
+        blob = io.BytesIO()
+        torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, blob)
+        blob.seek(0)
+        ckpt = torch.load(blob, weights_only=False)
+        params, opt = fresh(ckpt["params"])
+        opt.load_state_dict(ckpt["opt"])
+        resumed[stop] = run(params, opt, stop + 1, steps)[1]
+    return {"stages": stages, "final": final, "resumed": resumed, "unfrozen_at": opt.state["flat"]["unfrozen_at"]}
+
+
+def test_undone_freeze_same_steps_on_all_ranks_and_exact_resume():
+    """On 2 gloo ranks: both freeze at 12, both undo it at the same step after the jump (the rise is
+    averaged over the ranks), both freeze again, and stay bit-identical; resume is exact from a
+    checkpoint in either frozen stretch and in the warm-up between them."""
+    out = spawn_local(_unfreeze_distributed_run, 2, (36, (15, 22, 30)), timeout_s=180)
+    stages = out[0]["stages"]
+    assert stages == out[1]["stages"] and out[0]["unfrozen_at"] == out[1]["unfrozen_at"] == [20]
+    assert stages[:12] == ["warmup"] * 12 and stages[12:20] == ["compression"] * 8 and stages[20] == "warmup"
+    assert "compression" in stages[21:]
+    for a, b in zip(out[0]["final"], out[1]["final"]):
+        assert torch.equal(a, b)
+    for r in range(2):
+        for stop, final in out[r]["resumed"].items():
+            for a, b in zip(final, out[r]["final"]):
+                assert torch.equal(a, b), f"rank {r}: resume after step {stop}"
+
+
 def test_update_guard_bounds_a_blow_up():
     """A gradient 1000x larger than in warm-up, after the freeze: with the guard the layer's step
     stays within update_guard times its warm-up relative step; without it, it does not."""
@@ -525,6 +701,9 @@ def test_update_guard_bounds_a_blow_up():
     ({"freeze_step": "sometime"}, "freeze_step"),
     ({"freeze_step": 5, "compression_space": "gradient"}, "compression_space"),
     ({"freeze_step": 5, "update_guard": 0.5}, "update_guard"),
+    ({"freeze_step": 5, "unfreeze_rise": 3.0}, "unfreeze_rise=3.0 needs freeze_step='auto'"),
+    ({"freeze_step": "auto", "max_freeze_step": 10, "unfreeze_rise": 0}, "unfreeze_rise: 0"),
+    ({"freeze_step": "auto", "max_freeze_step": 10, "unfreeze_rise": math.inf}, "unfreeze_rise: inf"),
 ])
 @pytest.mark.parametrize("cls", [onebitlamb.OneBitLamb, onebitlamb.OneBitAdam])
 def test_invalid_onebit_options(cls, kwargs, match):

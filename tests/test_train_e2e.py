@@ -97,8 +97,8 @@ def test_resume_is_bit_identical(compared, tmp_path, corpus_dir):
 def test_auto_freeze_run_records_the_levels_and_plots_them(compared, tmp_path, corpus_dir):
     _, cache, _ = compared
     _cli("pretrain", "--preset", "tiny", "--optimizer", "onebitlamb", "--auto-freeze", "--freeze-window", "2",
-         "--freeze-frac", "0.75", "--out", str(tmp_path), "--corpus", corpus_dir, "--cache-dir", str(cache),
-         "--no-progress")
+         "--freeze-frac", "0.75", "--unfreeze-rise", "50", "--out", str(tmp_path), "--corpus", corpus_dir,
+         "--cache-dir", str(cache), "--no-progress")
     with open(tmp_path / "metrics.json") as f:
         m = json.load(f)
     levels, freeze = m["freeze_levels"], m["freeze_step"]
@@ -106,6 +106,11 @@ def test_auto_freeze_run_records_the_levels_and_plots_them(compared, tmp_path, c
     recorded = [i + 1 for i, row in enumerate(levels["per_step"]) if row is not None]
     assert 1 <= freeze <= 6 and recorded == list(range(1, freeze))  # every warm-up step before the freeze's own
     assert all(len(levels["per_step"][i - 1]) == len(levels["layers"]) for i in recorded)
+    # --unfreeze-rise: the rise of every layer on every step after the freeze (none undid it)
+    rises = m["variance_rise"]
+    assert rises["layers"] == levels["layers"]
+    assert [i + 1 for i, row in enumerate(rises["per_step"]) if row is not None] == list(range(freeze + 1, 9))
+    assert m["unfrozen_at"] == [] and m["warmup_steps"] == freeze
     with open(tmp_path / "freeze.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -134,6 +139,10 @@ def test_changed_settings_ignores_only_what_the_run_does_not_read():
     del older["freeze_transient_end"]
     assert set(pretrain.changed_settings(cfg(*auto), older)) == {"freeze_transient_end"}
     assert pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0"), older) == {}
+    del older["unfreeze_rise"]  # a run from before the undone freeze: it had none
+    assert pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0"), older) == {}
+    assert set(pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0", "--unfreeze-rise", "4"),
+                                         older)) == {"unfreeze_rise"}
     fixed = ["--optimizer", "onebitlamb"]
     assert changed(fixed + ["--freeze-tolerance", "0.25"], fixed) == set()  # a fixed freeze never reads it
     assert changed(fixed + ["--freeze-frac", "0.2"], fixed) == {"freeze_frac"}

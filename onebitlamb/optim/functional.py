@@ -225,3 +225,17 @@ def window_spread(history: torch.Tensor, count: int) -> Optional[float]:
         return None
     window = history[:, finite]
     return float((window.max(dim=0).values - window.min(dim=0).values).max())
+
+
+def window_rise(history: torch.Tensor, count: int) -> torch.Tensor:
+    """Per column, how far the last of the most recent ``min(count, rows)`` rows lies above the
+    lowest finite one (log scale, so a rise of 5 is a factor e^5); ``nan`` where the last is not
+    finite (a layer with no gradient). Unlike ``window_spread`` it counts rises only: a layer
+    whose variance falls is no reason to undo a freeze."""
+    window = history[-min(count, history.shape[0]):]
+    finite = torch.isfinite(window)
+    lowest = torch.where(finite, window, torch.full_like(window, math.inf)).min(dim=0).values
+    last = window[-1]
+    known = torch.isfinite(last) & torch.isfinite(lowest)
+    return torch.where(known, last - torch.where(known, lowest, torch.zeros_like(lowest)), torch.full_like(last, math.nan))
+

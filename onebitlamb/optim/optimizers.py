@@ -2,6 +2,7 @@
 hyper-parameters up front and picks an update rule."""
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch.distributed as dist
@@ -18,7 +19,7 @@ def _is_int(value) -> bool:
 
 def _onebit_options(cls_name: str, freeze_step, min_freeze_step, max_freeze_step, freeze_window,
                     freeze_tolerance, freeze_transient, freeze_transient_end, compression_space,
-                    update_guard) -> Dict[str, Any]:
+                    update_guard, unfreeze_rise) -> Dict[str, Any]:
     """Validate what 1-bit LAMB and 1-bit Adam share: when to freeze, where to compress, the guard."""
     if freeze_step is None:
         raise ValueError(
@@ -47,6 +48,12 @@ def _onebit_options(cls_name: str, freeze_step, min_freeze_step, max_freeze_step
                              f"and below freeze_transient={freeze_transient!r})")
     elif not _is_int(freeze_step) or freeze_step < 1:
         raise ValueError(f"Invalid freeze_step: {freeze_step!r} (must be an integer >= 1 or 'auto')")
+    if unfreeze_rise is not None:
+        if freeze_step != "auto":
+            raise ValueError(f"unfreeze_rise={unfreeze_rise!r} needs freeze_step='auto' (after an undone freeze "
+                             f"the automatic criterion decides the next one), got freeze_step={freeze_step!r}")
+        if not isinstance(unfreeze_rise, (int, float)) or not unfreeze_rise > 0 or not math.isfinite(unfreeze_rise):
+            raise ValueError(f"Invalid unfreeze_rise: {unfreeze_rise!r} (None, or a finite number > 0)")
     if compression_space not in COMPRESSION_SPACES:
         raise ValueError(f"Invalid compression_space: {compression_space!r} (one of {COMPRESSION_SPACES})")
     if update_guard is not None and (not isinstance(update_guard, (int, float)) or not update_guard >= 1):
@@ -54,7 +61,7 @@ def _onebit_options(cls_name: str, freeze_step, min_freeze_step, max_freeze_step
     return dict(min_freeze_step=min_freeze_step, max_freeze_step=max_freeze_step, freeze_window=freeze_window,
                 freeze_tolerance=freeze_tolerance, freeze_transient=freeze_transient,
                 freeze_transient_end=freeze_transient_end,
-                compression_space=compression_space, update_guard=update_guard)
+                compression_space=compression_space, update_guard=update_guard, unfreeze_rise=unfreeze_rise)
 
 
 def _validate_lamb(min_coeff: float, max_coeff: float) -> None:
@@ -111,11 +118,11 @@ class OneBitLamb(StagedOptimizer):
                  update_guard: Optional[float] = None, min_freeze_step: int = 1,
                  max_freeze_step: Optional[int] = None, freeze_window: int = 20,
                  freeze_tolerance: float = 0.3, freeze_transient: Optional[float] = 5.0,
-                 freeze_transient_end: Optional[float] = 2.5,
+                 freeze_transient_end: Optional[float] = 2.5, unfreeze_rise: Optional[float] = None,
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
         onebit = _onebit_options(type(self).__name__, freeze_step, min_freeze_step, max_freeze_step,
                                  freeze_window, freeze_tolerance, freeze_transient, freeze_transient_end,
-                                 compression_space, update_guard)
+                                 compression_space, update_guard, unfreeze_rise)
         validate_common(lr, betas, eps, weight_decay)
         _validate_lamb(min_coeff, max_coeff)
         if not 0.0 <= coeff_beta < 1.0:
@@ -147,11 +154,11 @@ class OneBitAdam(StagedOptimizer):
                  update_guard: Optional[float] = None, min_freeze_step: int = 1,
                  max_freeze_step: Optional[int] = None, freeze_window: int = 20,
                  freeze_tolerance: float = 0.3, freeze_transient: Optional[float] = 5.0,
-                 freeze_transient_end: Optional[float] = 2.5,
+                 freeze_transient_end: Optional[float] = 2.5, unfreeze_rise: Optional[float] = None,
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
         onebit = _onebit_options(type(self).__name__, freeze_step, min_freeze_step, max_freeze_step,
                                  freeze_window, freeze_tolerance, freeze_transient, freeze_transient_end,
-                                 compression_space, update_guard)
+                                 compression_space, update_guard, unfreeze_rise)
         validate_common(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, **onebit)

@@ -82,6 +82,7 @@ class StagedOptimizer(Optimizer):
         self._scratch: Dict[str, torch.Tensor] = {}
         self._last_coeff: Optional[torch.Tensor] = None
         self._last_guarded: Optional[torch.Tensor] = None
+        self._last_rise: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ layout and state
     def _build_layout(self) -> Dict[str, Any]:
@@ -132,6 +133,12 @@ class StagedOptimizer(Optimizer):
             flat["freeze_history"] = torch.zeros(self.defaults["freeze_window"] + 1, L, **f32)
             flat["freeze_history_count"] = 0
             flat["freeze_spread_peak"] = 0.0
+        if self._watching_rise():
+            flat["local_variance"] = torch.zeros(L, **f32)
+            # the local levels of the freeze's step and the frozen steps since, the last window of them
+            flat["rise_history"] = torch.zeros(self.defaults["freeze_window"] + 1, L, **f32)
+            flat["rise_history_count"] = 0
+            flat["unfrozen_at"] = []  # the steps at whose end a freeze was undone
 
     def _check_loaded_state(self) -> None:
         flat = self._flat
@@ -195,6 +202,18 @@ class StagedOptimizer(Optimizer):
             return None
         return self._flat["freeze_history"][-1].tolist()
 
+    @property
+    def variance_rise(self) -> Optional[List[float]]:
+        """With ``unfreeze_rise``, if the last step ran frozen: per parameter (flat order), how far
+        (log scale) the variance of the workers' local gradients had risen within the last
+        ``freeze_window`` steps since the freeze (above its lowest level there; ``nan`` for one
+        without a gradient), the numbers that step decided on; the freeze is undone when the
+        largest is above ``unfreeze_rise``. None otherwise."""
+        return None if self._last_rise is None else self._last_rise.tolist()
+
+    def _watching_rise(self) -> bool:
+        return self.freeze_step == "auto" and self.defaults.get("unfreeze_rise") is not None
+
     def _auto_freeze_watching(self) -> bool:
         """``freeze_step="auto"``, stepped at least once (every warm-up step records), not frozen yet."""
         return self.freeze_step == "auto" and "flat" in self.state and self.stage == WARMUP
@@ -231,16 +250,21 @@ class StagedOptimizer(Optimizer):
         if self._layout["numel"] == 0:
             return loss
         bytes_before = self.comm_stats.bytes_sent
+        self._last_rise = None
         grads = self._gather_grads()
         flat = self._flat
         compressing = self.stage == COMPRESSION  # decided by the steps completed so far
         flat["step"] += 1
+        if self._watching_rise():
+            self._track_local_variance(grads)  # before anything is averaged: the local gradients
         if not compressing:
             self._warmup_step(grads)
             if self._freeze_now():
                 self._freeze()
         else:
             self._compression_step(grads)
+            if self._unfreeze_now():
+                self._unfreeze()
         self.last_step_bytes = self.comm_stats.bytes_sent - bytes_before
         return loss
 
@@ -319,6 +343,61 @@ class StagedOptimizer(Optimizer):
                             flat.get("freeze_spread_peak", 0.0), d["min_freeze_step"], d["max_freeze_step"],
                             d["freeze_tolerance"], d["freeze_transient"], d["freeze_transient_end"])
 
+    def _track_local_variance(self, grads: torch.Tensor) -> None:
+        """Each layer's mean squared *local* gradient, averaged over the ranks (one all-reduce of
+        one float per layer) and then over time like Adam's ``v``. After the freeze it is what
+        still shows how each layer's variance moves: the 1-bit momentum cannot (every element of a
+        chunk comes back with the same magnitude, whichever layer it belongs to). Local rather than
+        averaged gradients on both sides of the freeze, so the two levels compare like with like."""
+        flat, lay = self._flat, self._layout
+        mean_squares = F.norms([grads[s] for s in lay["slices"]]).pow_(2).div_(self._per_layer(lay["numels"]))
+        allreduce_mean_(mean_squares, self.process_group, self.comm_stats)
+        beta2 = self.defaults["betas"][1]
+        flat["local_variance"].mul_(beta2).add_(mean_squares, alpha=1 - beta2)
+
+    def _local_levels(self) -> torch.Tensor:
+        """``log`` of the bias-corrected ``local_variance`` (``-inf`` for a layer with no gradient)."""
+        beta2 = self.defaults["betas"][1]
+        return torch.log(self._flat["local_variance"] / (1 - beta2 ** self._flat["step"]))
+
+    def _record_local_level(self) -> None:
+        flat = self._flat
+        hist = flat["rise_history"]
+        hist.copy_(torch.roll(hist, -1, dims=0))
+        hist[-1] = self._local_levels()
+        flat["rise_history_count"] += 1
+
+    def _unfreeze_now(self) -> bool:
+        """Undo the freeze when some layer's variance rises within a window as fast as a plateau
+        exit does (an exit that began after the freeze: the frozen variance no longer fits), but
+        never at or after the cap, which bounds the steps with full communication. A slow creep,
+        however far it goes in the end, is not an exit and does not undo it."""
+        if not self._watching_rise():
+            return False
+        self._record_local_level()
+        flat = self._flat
+        self._last_rise = rise = F.window_rise(flat["rise_history"], flat["rise_history_count"])
+        rise = rise[torch.isfinite(rise)]
+        return (flat["step"] < self.defaults["max_freeze_step"] and rise.numel() > 0
+                and float(rise.max()) > self.defaults["unfreeze_rise"])
+
+    def _unfreeze(self) -> None:
+        """Back to the warm-up: the variance continues from its frozen value (so ``v_hat`` is where
+        it was frozen) and learns the new gradients again with full communication; the automatic
+        criterion decides the next freeze after a full window of new levels (the transient's peak
+        is kept: the run has been through one). The compression errors, at most one step's
+        rounding, are dropped with the rest of stage 2's state."""
+        flat = self._flat
+        _, bc2 = self._bias_corrections()
+        flat["exp_avg_sq"].mul_(bc2)
+        for key in ("frozen_coeff", "prev_factor", "momentum_scale", "momentum_mask", "exp_avg_sq_fresh",
+                    "worker_error", "server_error"):
+            flat.pop(key, None)
+        flat["frozen_at"] = None
+        flat["freeze_history_count"] = 0
+        flat["unfrozen_at"].append(flat["step"])
+        self._scratch = {}  # the caches derived from the frozen variance
+
     def _record_warmup(self, coeff: torch.Tensor, param_norms: torch.Tensor, update_norms: torch.Tensor) -> None:
         """What the freeze and the guard need from a warm-up step, all from synchronized state:
         the relative step per unit learning rate (the guard's yardstick), and for ``"auto"`` each
@@ -372,6 +451,9 @@ class StagedOptimizer(Optimizer):
             flat["exp_avg_sq_fresh"] = v.clone()
         v.div_(bc2)  # now v_frozen = v_hat
         flat["frozen_at"] = flat["step"]
+        if self._watching_rise():
+            flat["rise_history_count"] = 0
+            self._record_local_level()  # the level at the freeze: the first of the window
         flat["frozen_coeff"] = (F.corrected_ema(flat["coeff_ema"], flat["coeff_ema_count"],
                                                 self.defaults["coeff_beta"])
                                 if self._layerwise else self._per_layer([1.0] * len(lay["params"])))

@@ -125,8 +125,9 @@ def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
     """How an automatic freeze decided (one run with ``--auto-freeze``). Top: every layer's
     ``log ||v_hat||`` over the warm-up, the layers that rose most in colour (on a plateau a layer
     sits low and flat; its exit is the rise). Bottom: the spread the criterion watches (the least
-    settled layer's rise over the window), with the thresholds and the freeze step.
-    Returns False (and draws nothing) for a run without the record."""
+    settled layer's rise over the window), with the thresholds and the freeze step; with
+    ``--unfreeze-rise``, the largest rise of a layer's local variance within the window while
+    frozen, its threshold and every undone freeze. Returns False (and draws nothing) for a run without the record."""
     levels = metrics.get("freeze_levels")
     if not levels or not any(row is not None for row in levels["per_step"]):
         return False
@@ -157,6 +158,18 @@ def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
                                (cfg.get("freeze_tolerance"), "tolerance", ":")):
         if value:
             ax_spread.axhline(value, color="tab:red", ls=style, lw=1, label=f"{text} ({value:g})")
+    frozen_rises = metrics.get("variance_rise")
+    if frozen_rises:
+        largest = [(i + 1, max(v for v in row if v is not None)) for i, row in enumerate(frozen_rises["per_step"])
+                   if row is not None and any(v is not None for v in row)]
+        if largest:
+            ax_spread.plot(*zip(*largest), color="tab:purple", label="frozen: largest rise within the window")
+        if cfg.get("unfreeze_rise"):
+            ax_spread.axhline(cfg["unfreeze_rise"], color="tab:purple", ls="--", lw=1,
+                              label=f"unfreeze rise ({cfg['unfreeze_rise']:g})")
+    for k, step in enumerate(metrics.get("unfrozen_at") or []):
+        for ax in (ax_levels, ax_spread):
+            ax.axvline(step, color="tab:purple", ls=":", lw=1.5, label=None if k or ax is ax_levels else "freeze undone")
     freeze = metrics.get("freeze_step")
     if freeze:
         for ax in (ax_levels, ax_spread):

@@ -58,7 +58,7 @@ DEFAULTS = dict(
     # 1-bit optimizers: freeze_frac is the freeze, or with auto_freeze the latest it may happen
     auto_freeze=False, min_freeze_frac=0.05, freeze_window=20, freeze_tolerance=0.3, freeze_transient=5.0,
     # half the transient threshold, not half the spread's peak (docs/convergence.md, "A spike on the plateau")
-    freeze_transient_end=2.5,
+    freeze_transient_end=2.5, unfreeze_rise=0.0,
     compression_space="momentum", update_guard=0.0,
 )
 PRESETS = {
@@ -115,6 +115,7 @@ class TrainConfig:
     freeze_tolerance: float
     freeze_transient: float
     freeze_transient_end: float
+    unfreeze_rise: float
     compression_space: str
     update_guard: float
     cache_dir: str = ""
@@ -170,7 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True
                  steps=int, lr=float, lr_lamb=float, lr_adam=float, warmup_frac=float, freeze_frac=float,
                  weight_decay=float, clip=float, beta1=float, beta2=float, eps=float, mask_prob=float,
                  eval_every=int, eval_samples=int, ckpt_every=int, min_freeze_frac=float, freeze_window=int,
-                 freeze_tolerance=float, freeze_transient=float, freeze_transient_end=float, compression_space=str,
+                 freeze_tolerance=float, freeze_transient=float, freeze_transient_end=float, unfreeze_rise=float, compression_space=str,
                  update_guard=float)
     helps = dict(workers="local worker processes (ignored under torchrun)",
                  lr="learning rate (default: --lr-lamb for (1-bit) LAMB, --lr-adam for 1-bit Adam)",
@@ -185,6 +186,10 @@ def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True
                                   "comes once the spread is back to --freeze-transient-end (0 = off)",
                  freeze_transient_end="with --auto-freeze: the freeze after a transient comes once the spread "
                                       "is back to this (default 2.5; 0 = half its peak, the rule before)",
+                 unfreeze_rise="with --auto-freeze: undo the freeze (back to full communication until the "
+                               "criterion fires again) when a layer's local gradient variance rises this far "
+                               "(log scale) within --freeze-window frozen steps, before --freeze-frac; e.g. 5, "
+                               "as --freeze-transient (0 = off)",
                  compression_space="1-bit optimizers: 'momentum' (the paper's) or 'update' (preconditioned)",
                  update_guard="1-bit optimizers: bound stage-2 relative steps to this multiple of the "
                               "warm-up's (0 = off)",
@@ -330,11 +335,12 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
 
     # state of the run: what the metrics file reports, saved in every checkpoint
     history = {"eval": [], "train_loss": [], "bytes": [], "stage": [], "lr": [], "diagnostics": [],
-               "freeze_spread": [], "freeze_levels": [], "train_time_s": 0.0, "wall_time_s": 0.0}
+               "freeze_spread": [], "freeze_levels": [], "variance_rise": [], "train_time_s": 0.0, "wall_time_s": 0.0}
     start_step = 0
     if cfg.resume:
         start_step, history = load_checkpoint(cfg, rank, world, model, optimizer, scheduler, history, device)
-        history.setdefault("freeze_levels", [None] * start_step)  # a checkpoint from before it was recorded
+        for key in ("freeze_levels", "variance_rise"):  # a checkpoint from before they were recorded
+            history.setdefault(key, [None] * start_step)
     elif master:
         _fresh_out_dir(cfg)
     if master:
@@ -391,6 +397,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
         history["stage"].append(stage)
         history["freeze_spread"].append(optimizer.freeze_spread)  # --auto-freeze: how settled, per step
         history["freeze_levels"].append(_finite_or_none(optimizer.freeze_levels))
+        history["variance_rise"].append(_finite_or_none(getattr(optimizer, "variance_rise", None)))
         history["lr"].append(scheduler.get_last_lr()[0])
         if diagnose:
             history["diagnostics"].append(layer_report(step + 1, names, before, optimizer))
@@ -429,6 +436,11 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
     return summary
 
 
+def _last_freeze(stages: List[str]) -> int:
+    """The step at whose end the last freeze happened: the last warm-up step."""
+    return max((i + 1 for i, stage in enumerate(stages) if stage == "warmup"), default=0)
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float):
     """BERT's two groups: weight decay on the weight matrices, none on biases and LayerNorm.
     Also returns ``{name: parameter}`` in the optimizer's (flat) order, for the diagnostics."""
@@ -453,7 +465,8 @@ def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
                       min_freeze_step=min(cfg.freeze_step, max(1, round(cfg.min_freeze_frac * cfg.steps))),
                       freeze_window=cfg.freeze_window, freeze_tolerance=cfg.freeze_tolerance,
                       freeze_transient=cfg.freeze_transient or None,
-                      freeze_transient_end=cfg.freeze_transient_end or None)
+                      freeze_transient_end=cfg.freeze_transient_end or None,
+                      unfreeze_rise=cfg.unfreeze_rise or None)
     else:
         onebit.update(freeze_step=cfg.freeze_step)
     cls = onebitlamb.OneBitLamb if cfg.optimizer == "onebitlamb" else onebitlamb.OneBitAdam
@@ -621,9 +634,9 @@ def check_resumable(cfg: TrainConfig, saved: Optional[dict] = None) -> None:
 # Settings only the 1-bit optimizers read, and of those, the ones only the automatic freeze reads
 ONEBIT_SETTINGS = {"freeze_frac", "compression_space", "update_guard"}
 AUTO_FREEZE_SETTINGS = {"min_freeze_frac", "freeze_window", "freeze_tolerance", "freeze_transient",
-                        "freeze_transient_end"}
+                        "freeze_transient_end", "unfreeze_rise"}
 # Settings added after runs were saved, and the value those runs had in effect
-ADDED_SETTINGS = {"freeze_transient_end": 0.0}
+ADDED_SETTINGS = {"freeze_transient_end": 0.0, "unfreeze_rise": 0.0}
 
 
 def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
@@ -679,8 +692,12 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
         "final_eval_loss": history["eval"][-1][1],
         "samples": samples,
         "steps": cfg.steps,
-        # the step the freeze happened at (with --auto-freeze, the optimizer decided it)
-        "freeze_step": history["stage"].count("warmup") if cfg.optimizer != "lamb" else None,
+        # the step the (last) freeze happened at (with --auto-freeze, the optimizer decided it)
+        "freeze_step": _last_freeze(history["stage"]) if cfg.optimizer != "lamb" else None,
+        # --unfreeze-rise: the steps at whose end a freeze was undone, and all full-communication steps
+        "unfrozen_at": [i + 1 for i in range(1, len(history["stage"]))
+                        if history["stage"][i - 1] == "compression" and history["stage"][i] == "warmup"],
+        "warmup_steps": history["stage"].count("warmup"),
         "bytes_sent_per_rank": sum(ranks_bytes) / len(ranks_bytes),
         "bytes_sent_by_rank": ranks_bytes,
         "wall_time_s": history["wall_time_s"],
@@ -693,6 +710,9 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
         # --auto-freeze, per warm-up step: each layer's log ||v_hat|| (None: no gradient yet)
         "freeze_levels": ({"layers": list(names), "per_step": history["freeze_levels"]}
                           if any(row is not None for row in history["freeze_levels"]) else None),
+        # --unfreeze-rise, per stage-2 step: each layer's rise of its local gradient variance since the freeze
+        "variance_rise": ({"layers": list(names), "per_step": history["variance_rise"]}
+                           if any(row is not None for row in history["variance_rise"]) else None),
         "stage": history["stage"],
         "lr": history["lr"],
         "diagnostics": history["diagnostics"],
