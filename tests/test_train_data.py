@@ -1,5 +1,6 @@
 """The pretraining example's data: corpus split, tokenizer, blocks, batches and BERT masking."""
 import os
+import sys
 
 import pytest
 import torch
@@ -87,6 +88,38 @@ def test_prepare_corpus_blocks_and_cache(corpus):
     assert [i for _, i in vocab] == list(range(512))  # canonical ids, whatever the trainer's hash order
     assert tokens[:data.NUM_SPECIAL] == data.SPECIAL_TOKENS and tokens[data.NUM_SPECIAL:] == sorted(tokens[5:])
     assert tok.encode("[CLS] def [MASK] x").ids[0] == data.CLS_ID
+
+
+def test_builtin_module_help_leaves_out_the_values_of_the_process():
+    docs = {d.name: d.text for d in data._builtin_module_docs()}
+    assert "builtin/sys" in docs and "exc_info(" in docs["builtin/sys"]  # its functions are documented
+    assert sys.argv[0] not in docs["builtin/sys"] and "argv =" not in docs["builtin/sys"]
+    assert "\nDATA\n" not in docs["builtin/sys"] and "\nFUNCTIONS\n" in docs["builtin/sys"]
+
+
+def _vocabulary_of_a_tied_corpus(_rank, _n):
+    """Every ordered pair of 8 letters followed by x, y or z, each word equally often: the
+    vocabulary's cut-off falls among merges that all tie, the case the trainer used to break in
+    hash-map order."""
+    import itertools
+    import string
+
+    words = ["".join(p) + q for p in itertools.permutations(string.ascii_lowercase[:8], 2) for q in "xyz"]
+    tok = data.train_tokenizer([" ".join(words)] * 3, 60)
+    return sorted(tok.get_vocab().items())
+
+
+def test_the_same_texts_give_the_same_vocabulary_in_every_process():
+    """In separate processes (each with its own hash seeds) the trainer alone chose different
+    merges on this corpus nearly every time; train_tokenizer must not."""
+    from onebitlamb.comm.launch import spawn_local
+
+    first, *others = spawn_local(_vocabulary_of_a_tied_corpus, 3, (), timeout_s=120)
+    assert len(first) == 60 and all(vocab == first for vocab in others)
+    tokens = dict(first)
+    assert "##a" in tokens and "##x" in tokens
+    tok = data.train_tokenizer(["ab ab [MASK] ##x"], 40)
+    assert tok.encode("ab ##x").tokens == ["ab", "#", "#", "x"]  # the pieces are no special tokens
 
 
 def test_mask_tokens_rate_and_special_tokens():

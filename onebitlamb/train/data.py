@@ -34,7 +34,8 @@ PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))
 NUM_SPECIAL = len(SPECIAL_TOKENS)
 IGNORE_INDEX = -100  # label of positions that are not predicted (the loss skips them)
 
-CACHE_VERSION = 2  # bump when the tokenization below changes
+WORDPIECE_PREFIX = "##"
+CACHE_VERSION = 3  # bump when the tokenization below changes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,8 +88,21 @@ def _builtin_module_docs() -> List[Document]:
             text = pydoc.render_doc(importlib.import_module(name), renderer=pydoc.plaintext)
         except Exception:  # a module that cannot be imported or rendered is simply left out
             continue
-        docs.append(Document(f"builtin/{name}", text))
+        docs.append(Document(f"builtin/{name}", _without_data_section(text)))
     return docs
+
+
+def _without_data_section(text: str) -> str:
+    """A module's plain-text help without its DATA section: the values of the running process
+    (``sys.argv``, ``sys.path``, ``sys.modules``, ...) would make the corpus differ from one run,
+    folder or machine to the next."""
+    kept, in_data = [], False
+    for line in text.splitlines(keepends=True):
+        if line.strip() and not line[0].isspace():  # a section's title starts a line
+            in_data = line.strip() == "DATA"
+        if not in_data:
+            kept.append(line)
+    return "".join(kept)
 
 
 def path_documents(paths: Sequence[str]) -> List[Document]:
@@ -165,21 +179,35 @@ def split_documents(docs: Iterable[Document], heldout_fraction: float) -> Tuple[
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int):
-    """A BERT-style WordPiece tokenizer (cased) trained from scratch on ``texts``."""
+    """A BERT-style WordPiece tokenizer (cased) trained from scratch on ``texts``; the same texts
+    give the same vocabulary in every process."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=False, strip_accents=False, clean_text=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
+    def fresh(model):
+        tok = Tokenizer(model)
+        tok.normalizer = normalizers.BertNormalizer(lowercase=False, strip_accents=False, clean_text=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        return tok
+
+    texts = list(texts)
+    tok = fresh(models.WordPiece(unk_token="[UNK]"))
+    # The trainer breaks ties between equally frequent merges by token id, and numbers the
+    # word-internal pieces ("##e") in hash-map order, which changes from process to process: in
+    # about one training in three the vocabulary differed by a token or two at its cut-off, and
+    # so did every number of a run. Registering those pieces up front, in sorted order, fixes
+    # their ids and so the ties. They are dropped as special tokens again below.
+    inner = sorted({c for text in texts for word, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(text))
+                    for c in word[1:]})
+    pieces = [WORDPIECE_PREFIX + c for c in inner]
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + pieces,
+                                        show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
-    # The trainer numbers its tokens in hash-map order, which changes from process to process.
-    # Renumber: special tokens first, then the rest sorted, so the same token set always gets the
-    # same ids. (The set itself can still differ by a token or two whose counts tie at the
-    # vocabulary's cut-off, hence the cache: every run that shares it sees the same tokens.)
+    # Ids: special tokens first, then the rest sorted (the trainer's own numbering is in hash-map
+    # order), in a tokenizer whose only special tokens are SPECIAL_TOKENS
     ordered = SPECIAL_TOKENS + sorted(t for t in tok.get_vocab() if t not in SPECIAL_TOKENS)
-    tok.model = models.WordPiece({t: i for i, t in enumerate(ordered)}, unk_token="[UNK]")
+    tok = fresh(models.WordPiece({t: i for i, t in enumerate(ordered)}, unk_token="[UNK]"))
+    tok.add_special_tokens(SPECIAL_TOKENS)
     for i, t in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(t) == i, f"special token {t} got id {tok.token_to_id(t)}"
     return tok
