@@ -255,7 +255,7 @@ class StagedOptimizer(Optimizer):
         flat = self._flat
         compressing = self.stage == COMPRESSION  # decided by the steps completed so far
         flat["step"] += 1
-        if self._watching_rise():
+        if self._watching_rise() and flat["step"] < self.defaults["max_freeze_step"]:
             self._track_local_variance(grads)  # before anything is averaged: the local gradients
         if not compressing:
             self._warmup_step(grads)
@@ -370,16 +370,15 @@ class StagedOptimizer(Optimizer):
     def _unfreeze_now(self) -> bool:
         """Undo the freeze when some layer's variance rises within a window as fast as a plateau
         exit does (an exit that began after the freeze: the frozen variance no longer fits), but
-        never at or after the cap, which bounds the steps with full communication. A slow creep,
+        only before the cap, which bounds the steps with full communication. A slow creep,
         however far it goes in the end, is not an exit and does not undo it."""
-        if not self._watching_rise():
-            return False
+        if not self._watching_rise() or self._flat["step"] >= self.defaults["max_freeze_step"]:
+            return False  # from the cap on the freeze is final, and nothing is watched (or sent)
         self._record_local_level()
         flat = self._flat
         self._last_rise = rise = F.window_rise(flat["rise_history"], flat["rise_history_count"])
         rise = rise[torch.isfinite(rise)]
-        return (flat["step"] < self.defaults["max_freeze_step"] and rise.numel() > 0
-                and float(rise.max()) > self.defaults["unfreeze_rise"])
+        return rise.numel() > 0 and float(rise.max()) > self.defaults["unfreeze_rise"]
 
     def _unfreeze(self) -> None:
         """Back to the warm-up: the variance continues from its frozen value (so ``v_hat`` is where
