@@ -56,7 +56,8 @@ class StagedOptimizer(Optimizer):
 
     ``freeze_step=None`` means warm-up forever (plain LAMB or Adam, full communication);
     ``"auto"`` freezes once the warm-up has settled or has been through its transient (see
-    ``functional.settled`` and ``functional.transient_passed``).
+    ``functional.settled`` and ``functional.transient_passed``), and with ``unfreeze_rise`` undoes
+    a freeze that a later plateau exit shows to have come too early (``functional.window_rise``).
     """
 
     _layerwise = True
@@ -160,8 +161,8 @@ class StagedOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         if "flat" in self.state:
             # own copies: the caller's dict must not alias the live state
-            self.state["flat"] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                  for k, v in self.state["flat"].items()}
+            self.state["flat"] = {k: (v.clone() if isinstance(v, torch.Tensor) else list(v) if isinstance(v, list)
+                                      else v) for k, v in self.state["flat"].items()}
         self._layout = None
         self._scratch = {}
 
@@ -177,7 +178,8 @@ class StagedOptimizer(Optimizer):
     @property
     def stage(self) -> str:
         """The stage the next step runs: ``"warmup"`` until the freeze (at the end of step
-        ``freeze_step``, or of the step where ``"auto"`` decided), then ``"compression"``."""
+        ``freeze_step``, or of the step where ``"auto"`` decided), then ``"compression"`` (with
+        ``unfreeze_rise``, ``"warmup"`` again from a step at whose end the freeze was undone)."""
         if self.freeze_step is None or "flat" not in self.state:
             return WARMUP
         return WARMUP if self._flat["frozen_at"] is None else COMPRESSION
