@@ -1,6 +1,6 @@
 """Undoing a freeze that came too early: the main job with and without ``--unfreeze-rise``.
 
-    python -m onebitlamb.benchmarks.unfreeze            # every case (~30 min on 2 cores)
+    python -m onebitlamb.benchmarks.unfreeze            # every case (~45 min on 2 cores)
     python -m onebitlamb.benchmarks.unfreeze --list     # what would run
 
 Each case is an automatic freeze that came, or could come, too early, run at one seed with
