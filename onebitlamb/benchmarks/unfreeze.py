@@ -18,7 +18,7 @@ import os
 import sys
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
-from onebitlamb.benchmarks.convergence import PRESETS, run_one
+from onebitlamb.benchmarks.convergence import PRESETS, _gap, run_one
 from onebitlamb.benchmarks.report import command_line, heading, write_section
 
 # The threshold the cases run with: the automatic freeze's own mark of a plateau exit
@@ -85,7 +85,7 @@ def describe(metrics: dict, lamb: dict) -> str:
     events = ", ".join(f"{'undone at ' if kind == 'undone' else ''}{step}" for kind, step in freezes(metrics["stage"]))
     loss, ref = metrics["final_eval_loss"], lamb["final_eval_loss"]
     volume = lamb["bytes_sent_per_rank"] / metrics["bytes_sent_per_rank"]
-    return f"{events}; {loss:.3f} ({100 * (loss / ref - 1):+.1f}%); {volume:.2f}x less"
+    return f"{events}; {loss:.3f} ({_gap(loss, ref)}); {volume:.2f}x less"
 
 
 def render(results: List[Tuple[Case, dict, Optional[dict], dict]], command: str) -> str:

@@ -362,12 +362,14 @@ class StagedOptimizer(Optimizer):
         beta2 = self.defaults["betas"][1]
         return torch.log(self._flat["local_variance"] / (1 - beta2 ** self._flat["step"]))
 
-    def _record_local_level(self) -> None:
+    def _push_levels_(self, history: str, levels: torch.Tensor) -> None:
+        """Append one step's per-layer levels to a window kept in the state (``flat[history]``, its
+        oldest row dropping out; ``flat[history + "_count"]`` counts the rows ever pushed)."""
         flat = self._flat
-        hist = flat["rise_history"]
+        hist = flat[history]
         hist.copy_(torch.roll(hist, -1, dims=0))
-        hist[-1] = self._local_levels()
-        flat["rise_history_count"] += 1
+        hist[-1] = levels
+        flat[history + "_count"] += 1
 
     def _unfreeze_now(self) -> bool:
         """Undo the freeze when some layer's variance rises within a window as fast as a plateau
@@ -376,7 +378,7 @@ class StagedOptimizer(Optimizer):
         however far it goes in the end, is not an exit and does not undo it."""
         if not self._watching_rise() or self._flat["step"] >= self.defaults["max_freeze_step"]:
             return False  # from the cap on the freeze is final, and nothing is watched (or sent)
-        self._record_local_level()
+        self._push_levels_("rise_history", self._local_levels())
         flat = self._flat
         self._last_rise = rise = F.window_rise(flat["rise_history"], flat["rise_history_count"])
         rise = rise[torch.isfinite(rise)]
@@ -409,11 +411,8 @@ class StagedOptimizer(Optimizer):
         if self.freeze_step == "auto":
             _, bc2 = self._bias_corrections()
             v_norms = F.norms([flat["exp_avg_sq"][s] for s in self._layout["slices"]]) / bc2
-            hist = flat["freeze_history"]
-            hist.copy_(torch.roll(hist, -1, dims=0))
-            hist[-1] = torch.log(v_norms)
-            flat["freeze_history_count"] += 1
-            spread = F.window_spread(hist, flat["freeze_history_count"])
+            self._push_levels_("freeze_history", torch.log(v_norms))
+            spread = F.window_spread(flat["freeze_history"], flat["freeze_history_count"])
             if spread is not None:
                 flat["freeze_spread_peak"] = max(flat.get("freeze_spread_peak", 0.0), spread)
 
@@ -454,7 +453,7 @@ class StagedOptimizer(Optimizer):
         flat["frozen_at"] = flat["step"]
         if self._watching_rise():
             flat["rise_history_count"] = 0
-            self._record_local_level()  # the level at the freeze: the first of the window
+            self._push_levels_("rise_history", self._local_levels())  # the level at the freeze: the window's first
         flat["frozen_coeff"] = (F.corrected_ema(flat["coeff_ema"], flat["coeff_ema_count"],
                                                 self.defaults["coeff_beta"])
                                 if self._layerwise else self._per_layer([1.0] * len(lay["params"])))

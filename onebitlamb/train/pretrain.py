@@ -397,7 +397,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
         history["stage"].append(stage)
         history["freeze_spread"].append(optimizer.freeze_spread)  # --auto-freeze: how settled, per step
         history["freeze_levels"].append(_finite_or_none(optimizer.freeze_levels))
-        history["variance_rise"].append(_finite_or_none(getattr(optimizer, "variance_rise", None)))
+        history["variance_rise"].append(_finite_or_none(optimizer.variance_rise))
         history["lr"].append(scheduler.get_last_lr()[0])
         if diagnose:
             history["diagnostics"].append(layer_report(step + 1, names, before, optimizer))
