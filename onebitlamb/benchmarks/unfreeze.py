@@ -51,7 +51,8 @@ CASES: List[Case] = [
 
 
 def case_flags(case: Case, rise: Optional[float]) -> List[str]:
-    flags = PRESETS[case.preset] + ["--auto-freeze", "--freeze-frac", STUDY_CAP] + case.flags + ["--seed", str(case.seed)]
+    flags = PRESETS[case.preset] + ["--auto-freeze", "--freeze-frac", STUDY_CAP] + case.flags
+    flags += ["--seed", str(case.seed)]
     return flags + (["--unfreeze-rise", f"{rise:g}"] if rise is not None else [])
 
 
@@ -131,7 +132,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for case in CASES:
-            print(f"onebitlamb pretrain --preset demo --optimizer lamb {' '.join(PRESETS[case.preset] + ['--seed', str(case.seed)])}")
+            lamb_flags = PRESETS[case.preset] + ["--seed", str(case.seed)]
+            print(f"onebitlamb pretrain --preset demo --optimizer lamb {' '.join(lamb_flags)}")
             print(f"onebitlamb pretrain --preset demo --optimizer {case.optimizer} {' '.join(case_flags(case, RISE))}")
             print(f"onebitlamb pretrain --preset demo --optimizer {case.optimizer} {' '.join(case_flags(case, None))}"
                   "  (only if the run above undid a freeze)")

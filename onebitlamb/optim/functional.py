@@ -237,5 +237,6 @@ def window_rise(history: torch.Tensor, count: int) -> torch.Tensor:
     lowest = torch.where(finite, window, torch.full_like(window, math.inf)).min(dim=0).values
     last = window[-1]
     known = torch.isfinite(last) & torch.isfinite(lowest)
-    return torch.where(known, last - torch.where(known, lowest, torch.zeros_like(lowest)), torch.full_like(last, math.nan))
+    rise = last - torch.where(known, lowest, torch.zeros_like(lowest))
+    return torch.where(known, rise, torch.full_like(last, math.nan))
 

@@ -197,8 +197,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     # about one training in three the vocabulary differed by a token or two at its cut-off, and
     # so did every number of a run. Registering those pieces up front, in sorted order, fixes
     # their ids and so the ties. They are dropped as special tokens again below.
-    inner = sorted({c for text in texts for word, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(text))
-                    for c in word[1:]})
+    words = (word for text in texts
+             for word, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(text)))
+    inner = sorted({c for word in words for c in word[1:]})
     pieces = [WORDPIECE_PREFIX + c for c in inner]
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + pieces,
                                         show_progress=False)

@@ -171,8 +171,8 @@ def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True
                  steps=int, lr=float, lr_lamb=float, lr_adam=float, warmup_frac=float, freeze_frac=float,
                  weight_decay=float, clip=float, beta1=float, beta2=float, eps=float, mask_prob=float,
                  eval_every=int, eval_samples=int, ckpt_every=int, min_freeze_frac=float, freeze_window=int,
-                 freeze_tolerance=float, freeze_transient=float, freeze_transient_end=float, unfreeze_rise=float, compression_space=str,
-                 update_guard=float)
+                 freeze_tolerance=float, freeze_transient=float, freeze_transient_end=float, unfreeze_rise=float,
+                 compression_space=str, update_guard=float)
     helps = dict(workers="local worker processes (ignored under torchrun)",
                  lr="learning rate (default: --lr-lamb for (1-bit) LAMB, --lr-adam for 1-bit Adam)",
                  clip="max norm of each worker's local gradient, 0 = off",
@@ -335,7 +335,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
 
     # state of the run: what the metrics file reports, saved in every checkpoint
     history = {"eval": [], "train_loss": [], "bytes": [], "stage": [], "lr": [], "diagnostics": [],
-               "freeze_spread": [], "freeze_levels": [], "variance_rise": [], "train_time_s": 0.0, "wall_time_s": 0.0}
+               "freeze_spread": [], "freeze_levels": [], "variance_rise": [], "train_time_s": 0.0,
+               "wall_time_s": 0.0}
     start_step = 0
     if cfg.resume:
         start_step, history = load_checkpoint(cfg, rank, world, model, optimizer, scheduler, history, device)
