@@ -410,6 +410,16 @@ def test_transient_criterion_by_hand():
     assert not transient_passed(1.0, peak=4.9, transient=5.0, end=2.5)   # still no transient
 
 
+def _through_a_checkpoint(opt, fresh):
+    """A new optimizer from ``fresh()``, loaded with ``opt``'s state after a round trip through bytes."""
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = fresh()
+    resumed.load_state_dict(torch.load(buffer))
+    return resumed
+
+
 def _plateau_exit_run(transient, resume_at=None, end=None):
     """Layer 0 sits on a plateau (gradients 1e-3) and leaves it over steps 30-40 (gradients grow
     1000x); layer 1 drifts slowly all along. Returns the freeze step and the spread per step; with
@@ -429,11 +439,7 @@ def _plateau_exit_run(transient, resume_at=None, end=None):
         if opt.stage == "compression":
             break
         if t == resume_at:
-            buffer = io.BytesIO()
-            torch.save(opt.state_dict(), buffer)
-            buffer.seek(0)
-            opt = onebitlamb.OneBitLamb(ps, **options)
-            opt.load_state_dict(torch.load(buffer))
+            opt = _through_a_checkpoint(opt, lambda: onebitlamb.OneBitLamb(ps, **options))
     return opt.state["flat"]["frozen_at"], spreads
 
 
@@ -510,11 +516,7 @@ def _spike_then_exit_run(unfreeze_rise, cap=150, resume_at=None):
         if opt.variance_rise is not None:
             largest_rise = max(largest_rise, max(opt.variance_rise))
         if t == resume_at:
-            buffer = io.BytesIO()
-            torch.save(opt.state_dict(), buffer)
-            buffer.seek(0)
-            opt = onebitlamb.OneBitLamb(ps, **options)
-            opt.load_state_dict(torch.load(buffer))
+            opt = _through_a_checkpoint(opt, lambda: onebitlamb.OneBitLamb(ps, **options))
     return stages, opt.state["flat"].get("unfrozen_at"), largest_rise
 
 
