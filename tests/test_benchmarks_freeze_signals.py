@@ -138,14 +138,14 @@ def test_replayed_ends_use_the_longest_record_and_pair_the_two_rules():
                   "steps": 8, "min_freeze_frac": 0.25, "freeze_tolerance": 0.3, "freeze_transient": 5.0}
         return ("demo", "f", {"config": config, "freeze_step": freeze, "freeze_spread": spread})
 
-    runs = [run(1, 2.5, 6, [None, 1.0, 8.0, 8.0, 3.0, None]),      # the record stops before its freeze
-            run(1, 0.0, 5, [None, 1.0, 8.0, 8.0, None]),           # the rule before (saved as 0.0)
+    runs = [run(1, 2.5, 6, [None, 1.0, 8.0, 8.0, 3.0, 2.4]),       # the record ends with its freeze's spread
+            run(1, 0.0, 5, [None, 1.0, 8.0, 8.0, 3.0]),            # the rule before (saved as 0.0)
             run(2, 2.5, 7, [None, 1.0, 6.0, 2.6, None, None, None]),
             ("demo", "lamb", {"config": {"optimizer": "lamb", "auto_freeze": False, "seed": 1}})]
     trace = {"freeze_spread": [None, 1.0, 6.0, 2.6, 2.55, 2.5, 0.1, None]}
     rows = fs.replayed_ends(runs, {("demo", 2): trace})
     assert fs.REPLAYED_ENDS == (2.5, 3.0, 3.5, 4.0, None)
     assert [(r["seed"], r["freeze"], r["before"], r["steps"]) for r in rows] == [
-        (1, 6, 5, [None, 5, 5, 5, 5]),       # end 2.5 is past seed 1's record; 3.0 and up fire at 3.0
+        (1, 6, 5, [6, 5, 5, 5, 5]),          # end 2.5 replays the run's own freeze; 3.0 and up fire at 3.0
         (2, 7, None, [6, 4, 4, 4, 4])]       # the trace: 2.5 at step 6
-    assert "| demo, 1 | 6 | 5 | - | 5 | 5 | 5 | 5 |" in fs.render_ends(rows)
+    assert "| demo, 1 | 6 | 5 | 6 | 5 | 5 | 5 | 5 |" in fs.render_ends(rows)

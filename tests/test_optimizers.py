@@ -390,8 +390,11 @@ def test_freeze_levels_are_the_log_norms_of_the_bias_corrected_variance():
     levels = opt.freeze_levels
     assert levels[0] == pytest.approx(math.log(32.0), rel=1e-5) and levels[1] == -math.inf
     ps[0].grad, ps[1].grad = torch.full((64,), 2.0), torch.zeros(8)
-    opt.step()  # the cap: frozen
-    assert opt.stage == "compression" and opt.freeze_levels is None
+    opt.step()  # the cap: frozen at the end of this step, whose levels are the freeze's own
+    assert opt.stage == "compression" and opt.freeze_levels[0] == pytest.approx(math.log(32.0), rel=1e-5)
+    ps[0].grad, ps[1].grad = torch.full((64,), 2.0), torch.zeros(8)
+    opt.step()  # a frozen step: the levels are no longer watched
+    assert opt.freeze_levels is None and opt.freeze_spread is None
     fixed = onebitlamb.OneBitLamb([torch.nn.Parameter(torch.ones(4))], lr=1e-3, freeze_step=5)
     fixed.param_groups[0]["params"][0].grad = torch.ones(4)
     fixed.step()
@@ -451,6 +454,7 @@ def test_auto_freeze_after_the_transient_and_not_before():
     peak = max(s for s in spreads if s is not None)
     assert peak > 8 and 40 < frozen_at < 55, (frozen_at, peak)
     assert spreads[-2] > peak / 2      # the step before the freeze was still above half the peak
+    assert spreads[-1] <= peak / 2     # the freeze's own step records the spread that decided it
     assert _plateau_exit_run(transient=5.0, resume_at=frozen_at - 3)[0] == frozen_at
     settled_at, _ = _plateau_exit_run(transient=None)
     assert settled_at > frozen_at + 10, (settled_at, frozen_at)
@@ -464,6 +468,7 @@ def test_auto_freeze_after_the_transient_waits_for_an_absolute_end():
     assert frozen_at > half_peak_at, (frozen_at, half_peak_at)
     after_peak = spreads[spreads.index(max(s for s in spreads if s is not None)):-1]
     assert min(after_peak) > 1.0, after_peak  # up to the step before the freeze, still moving more than that
+    assert spreads[-1] <= 1.0  # and the freeze's own step: the spread that decided it
     assert _plateau_exit_run(transient=5.0, resume_at=frozen_at - 3, end=1.0)[0] == frozen_at
 
 
@@ -505,7 +510,7 @@ def _spike_then_exit_run(unfreeze_rise, cap=150, resume_at=None):
                    unfreeze_rise=unfreeze_rise)
     opt = onebitlamb.OneBitLamb(ps, **options)
     gen = torch.Generator().manual_seed(1)
-    stages, largest_rise = [], -math.inf
+    stages, largest_rise, levels_at = [], -math.inf, []
     for t in range(1, 161):
         scale = 1e-3 * 1.05 ** min(t, 60) * (1000.0 if t == 30 else 1.0)
         exit_ = 1000 ** (min(max(t - 70, 0), 10) / 10)
@@ -515,9 +520,11 @@ def _spike_then_exit_run(unfreeze_rise, cap=150, resume_at=None):
         opt.step()
         if opt.variance_rise is not None:
             largest_rise = max(largest_rise, max(opt.variance_rise))
+        if opt.freeze_levels is not None:
+            levels_at.append(t)
         if t == resume_at:
             opt = _through_a_checkpoint(opt, lambda: onebitlamb.OneBitLamb(ps, **options))
-    return stages, opt.state["flat"].get("unfrozen_at"), largest_rise
+    return stages, opt.state["flat"].get("unfrozen_at"), largest_rise, levels_at
 
 
 def test_an_undone_freeze_catches_a_plateau_exit_after_a_spike():
@@ -525,7 +532,7 @@ def test_an_undone_freeze_catches_a_plateau_exit_after_a_spike():
     when the layer then leaves the plateau its local variance rises far above the frozen one, so the
     freeze is undone (back to full communication) and the criterion freezes again once the exit is
     over. Without the option, or with a cap before the exit, the freeze at 40 stays."""
-    stages, unfrozen_at, _ = _spike_then_exit_run(unfreeze_rise=3.0)
+    stages, unfrozen_at, _, levels_at = _spike_then_exit_run(unfreeze_rise=3.0)
     assert stages[:40] == ["warmup"] * 40 and stages[40] == "compression"
     assert len(unfrozen_at) == 1 and 70 < unfrozen_at[0] <= 82, unfrozen_at
     refrozen_at = stages.index("compression", unfrozen_at[0])
@@ -533,9 +540,12 @@ def test_an_undone_freeze_catches_a_plateau_exit_after_a_spike():
     assert refrozen_at >= unfrozen_at[0] + 11 and refrozen_at >= 80 + 10, refrozen_at
     assert stages[unfrozen_at[0]:refrozen_at] == ["warmup"] * (refrozen_at - unfrozen_at[0])
     assert set(stages[refrozen_at:]) == {"compression"}
-    stages_off, unfrozen_off, rise_off = _spike_then_exit_run(unfreeze_rise=None)
+    # the levels are recorded at every step that ran the warm-up (both freezes' own steps
+    # included) and at no other: not at the step that undid the freeze, which ran frozen
+    assert levels_at == [t for t, stage in enumerate(stages, start=1) if stage == "warmup"]
+    stages_off, unfrozen_off, rise_off, _ = _spike_then_exit_run(unfreeze_rise=None)
     assert unfrozen_off is None and stages_off[40:] == ["compression"] * 120 and rise_off == -math.inf
-    stages_capped, unfrozen_capped, rise_capped = _spike_then_exit_run(unfreeze_rise=3.0, cap=72)
+    stages_capped, unfrozen_capped, rise_capped, _ = _spike_then_exit_run(unfreeze_rise=3.0, cap=72)
     assert unfrozen_capped == [] and stages_capped[40:] == ["compression"] * 120
     assert rise_capped < 3.0  # watched until the cap only: the exit came after it
     # a checkpoint during the first frozen stretch and one after the undoing both resume exactly

@@ -104,7 +104,7 @@ def test_auto_freeze_run_records_the_levels_and_plots_them(compared, tmp_path, c
     levels, freeze = m["freeze_levels"], m["freeze_step"]
     assert levels["layers"] == [layer["name"] for layer in m["diagnostics"][0]["layers"]]
     recorded = [i + 1 for i, row in enumerate(levels["per_step"]) if row is not None]
-    assert 1 <= freeze <= 6 and recorded == list(range(1, freeze))  # every warm-up step before the freeze's own
+    assert 1 <= freeze <= 6 and recorded == list(range(1, freeze + 1))  # every warm-up step, the freeze's own too
     assert all(len(levels["per_step"][i - 1]) == len(levels["layers"]) for i in recorded)
     # --unfreeze-rise: the rise of every layer on every step after the freeze, up to the cap (6 of 8
     # steps: from there the freeze is final and nothing is watched); none undid it

@@ -326,9 +326,9 @@ def replay_freeze(spread: Sequence[Optional[float]], end: Optional[float], floor
 def replayed_ends(runs: List[Tuple[str, str, dict]], traces: Dict[Tuple[str, int], dict]) -> List[dict]:
     """Per 1-bit LAMB run of the study with the default rule (at the main job's rate), the step each
     of REPLAYED_ENDS would have frozen at, on the longest spread recorded at its seed: a trace with
-    the freeze held off where there is one, else the run's own, which stops the step before its
-    freeze (the spread is recorded only while the freeze is still to come), so that only ends that
-    fire earlier can be replayed on it. Beside it, the freeze steps the runs themselves took with
+    the freeze held off where there is one, else the run's own, which ends at its freeze (in runs
+    recorded before the freeze's own step was, the step before), so that only ends that fire no
+    later can be replayed on it. Beside it, the freeze steps the runs themselves took with
     the default and with the rule before (where it ran), the check of the replay."""
     from onebitlamb.train.pretrain import DEFAULTS
 
@@ -358,8 +358,8 @@ def render_ends(rows: List[dict]) -> str:
         "",
         "Where another end of the transient would have frozen 1-bit LAMB at the main job's rate, replayed with "
         "the optimizers' own tests on the spread recorded at each seed (the trace with the freeze held off at "
-        "the traced seeds, else the default's run, whose record stops the step before its freeze: `-`, the "
-        "record ends first). The steps the runs took, with the default and with the rule before, check the "
+        "the traced seeds, else the default's run, whose record ends at its freeze, or the step before in runs "
+        "recorded before the freeze's own step was: `-`, the record ends first). The steps the runs took, with the default and with the rule before, check the "
         "replay.",
         "",
         "| preset, seed | default's run | rule before's run | " + " | ".join(names) + " |",

@@ -186,22 +186,24 @@ class StagedOptimizer(Optimizer):
 
     @property
     def freeze_spread(self) -> Optional[float]:
-        """With ``freeze_step="auto"``, before the freeze: how far (log scale) the least settled
-        layer's variance moved over the last ``freeze_window`` steps; the freeze comes when this is
-        at most ``freeze_tolerance``, or at most ``freeze_transient_end`` (None: half its peak) once
-        that peak has reached ``freeze_transient``. None otherwise."""
+        """With ``freeze_step="auto"``, if the last step ran the warm-up (the freeze's own step
+        included): how far (log scale) the least settled layer's variance moved over the last
+        ``freeze_window`` steps; the freeze comes when this is at most ``freeze_tolerance``, or at
+        most ``freeze_transient_end`` (None: half its peak) once that peak has reached
+        ``freeze_transient``. None otherwise, and until a window of levels is in."""
         if not self._auto_freeze_watching():
             return None
         return F.window_spread(self._flat["freeze_history"], self._flat["freeze_history_count"])
 
     @property
     def freeze_levels(self) -> Optional[List[float]]:
-        """With ``freeze_step="auto"``, before the freeze: each parameter's ``log ||v_hat||`` at the
-        last warm-up step (flat order; ``-inf`` for one with no gradient yet), the statistic whose
-        spread over the window decides the freeze. Recorded per step, it shows which layers hold
-        the freeze back and how far their plateau exit still has to go. None otherwise."""
-        if not self._auto_freeze_watching():
-            return None
+        """With ``freeze_step="auto"``, if the last step ran the warm-up (the freeze's own step
+        included): each parameter's ``log ||v_hat||`` at that step (flat order; ``-inf`` for one
+        with no gradient yet), the statistic whose spread over the window decides the freeze.
+        Recorded per step, it shows which layers hold the freeze back and how far their plateau
+        exit still has to go. None otherwise."""
+        if not self._auto_freeze_watching() or self._flat["freeze_history_count"] == 0:
+            return None  # the count is 0 after an undone freeze: that step ran frozen
         return self._flat["freeze_history"][-1].tolist()
 
     @property
@@ -217,8 +219,12 @@ class StagedOptimizer(Optimizer):
         return self.freeze_step == "auto" and self.defaults.get("unfreeze_rise") is not None
 
     def _auto_freeze_watching(self) -> bool:
-        """``freeze_step="auto"``, stepped at least once (every warm-up step records), not frozen yet."""
-        return self.freeze_step == "auto" and "flat" in self.state and self.stage == WARMUP
+        """``freeze_step="auto"``, stepped at least once (every warm-up step records), and the last
+        step ran the warm-up: not frozen yet, or frozen at that step's end (the numbers that
+        decided the freeze)."""
+        if self.freeze_step != "auto" or "flat" not in self.state:
+            return False
+        return self._flat["frozen_at"] in (None, self._flat["step"])
 
     def layer_diagnostics(self) -> List[Dict[str, Optional[float]]]:
         """Per trainable parameter (flat order): the coefficient applied at the last step
