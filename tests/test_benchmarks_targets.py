@@ -41,6 +41,10 @@ def test_verdicts_within_one_percent_divergence_and_the_other_targets():
     assert "| demo | 5.000 | 30, NaN, +nan% | 4.00x | **not met** |" in body
     assert "Within 1% of LAMB with the defaults: **not met** on 1 of 4 presets." in body
     assert "1-bit LAMB ahead: **not met**." in body and "as good as it: met at this seed" in body
+    body = tg.render(_results({"b512": 5.0, "demo": 5.0, "b4096": 5.0, "b1024": 5.0}, adam=math.nan), "cmd")
+    assert "1-bit LAMB ahead: met." in body  # 1-bit Adam diverged
+    body = tg.render(_results({"b512": 5.0, "demo": 5.0, "b4096": math.nan, "b1024": 5.0}, adam=math.nan), "cmd")
+    assert "1-bit LAMB ahead: **not met**." in body  # both diverged
 
 
 def test_main_runs_each_check_once_in_the_study_folders_and_writes_its_section(monkeypatch, tmp_path):

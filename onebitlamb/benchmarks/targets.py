@@ -74,7 +74,8 @@ def render(results: Dict[Tuple[str, str], dict], command_text: str) -> str:
     lines += ["", f"Within 1% of LAMB with the defaults: {_met(all(verdicts))} on {sum(verdicts)} of "
                   f"{len(verdicts)} presets."]
     lamb, auto, adam = (results[("b4096", v)] for v in ("lamb", _AUTO, _ADAM_AUTO))
-    ahead = auto["final_eval_loss"] < adam["final_eval_loss"] or adam["final_eval_loss"] != adam["final_eval_loss"]
+    ahead = not adam["final_eval_loss"] <= auto["final_eval_loss"]  # True where only 1-bit Adam diverged
+    ahead &= auto["final_eval_loss"] == auto["final_eval_loss"]
     lines.append(f"`b4096` (a batch of 4096): 1-bit LAMB {_loss(auto['final_eval_loss'])} against 1-bit Adam "
                  f"(\"{_ADAM_AUTO}\") {_loss(adam['final_eval_loss'])}, "
                  f"{_gap(adam['final_eval_loss'], lamb['final_eval_loss'])} against LAMB: 1-bit LAMB ahead: "
