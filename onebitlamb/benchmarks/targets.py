@@ -80,17 +80,17 @@ def render(results: Dict[Tuple[str, str], dict], command_text: str) -> str:
                   if auto["bytes_sent_per_rank"] else "-")
         lines.append(f"| {preset} | {_loss(lamb['final_eval_loss'])} | {_freeze(auto)}, "
                      f"{_loss(loss)}, {_gap(loss, lamb['final_eval_loss'])} | {volume} | {_met(ok)} |")
-    lines += ["", f"Within 1% of LAMB with the defaults: {_met(all(verdicts))} on {sum(verdicts)} of "
+    lines += ["", f"- Within 1% of LAMB with the defaults: {_met(all(verdicts))} on {sum(verdicts)} of "
                   f"{len(verdicts)} presets."]
     lamb, auto, adam = (results[("b4096", v)] for v in ("lamb", _AUTO, _ADAM_AUTO))
     ahead = not adam["final_eval_loss"] <= auto["final_eval_loss"]  # True where only 1-bit Adam diverged
     ahead &= auto["final_eval_loss"] == auto["final_eval_loss"]
-    lines.append(f"`b4096` (a batch of 4096): 1-bit LAMB {_loss(auto['final_eval_loss'])} against 1-bit Adam "
+    lines.append(f"- `b4096` (a batch of 4096): 1-bit LAMB {_loss(auto['final_eval_loss'])} against 1-bit Adam "
                  f"(\"{_ADAM_AUTO}\") {_loss(adam['final_eval_loss'])}, "
                  f"{_gap(adam['final_eval_loss'], lamb['final_eval_loss'])} against LAMB: 1-bit LAMB ahead: "
                  f"{_met(ahead)}.")
     auto, hand = results[("b1024", _AUTO)], results[("b1024", HAND_PICKED)]
-    lines.append(f"`b1024`: the automatic freeze {_loss(auto['final_eval_loss'])} against the hand-picked 20% "
+    lines.append(f"- `b1024`: the automatic freeze {_loss(auto['final_eval_loss'])} against the hand-picked 20% "
                  f"(step {hand.get('freeze_step')}) {_loss(hand['final_eval_loss'])}, "
                  f"{_gap(auto['final_eval_loss'], hand['final_eval_loss'])}: as good as it: "
                  f"{_met(auto['final_eval_loss'] <= hand['final_eval_loss'])} at this seed (one seed cannot settle "
