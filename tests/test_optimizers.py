@@ -111,6 +111,18 @@ def _distributed_run(rank, n, kind, steps, freeze, resume_at, options=None, jump
             "numel": sum(p.numel() for p in params), "unfrozen_at": opt.state["flat"].get("unfrozen_at")}
 
 
+def _assert_ranks_agree_and_resume_exactly(out):
+    """Every rank of a ``_distributed_run`` ends with rank 0's parameters, to the bit, and every run
+    resumed from a checkpoint ends where the uninterrupted one did."""
+    for r in range(1, len(out)):
+        for a, b in zip(out[0]["history"][-1], out[r]["history"][-1]):
+            assert torch.equal(a, b), f"rank {r} differs from rank 0 at the end"
+    for r in range(len(out)):
+        for stop, final in out[r]["resumed"].items():
+            for a, b in zip(final, out[r]["history"][-1]):
+                assert torch.equal(a, b), f"rank {r}: resume after step {stop}"
+
+
 @pytest.mark.parametrize("n,space", [(2, "momentum"), (4, "momentum"), (2, "update")])
 def test_ranks_bit_identical_match_simulation_bytes_and_resume(n, space):
     steps, freeze = 30, 10
@@ -137,10 +149,7 @@ def test_ranks_bit_identical_match_simulation_bytes_and_resume(n, space):
     assert out[0]["stages"] == ["warmup"] * freeze + ["compression"] * (steps - freeze)
     assert out[0]["bytes"] == [warm] * freeze + [compressed] * (steps - freeze)
     # exact resume from a checkpoint in warm-up and in the compression stage
-    for r in range(n):
-        for stop, final in out[r]["resumed"].items():
-            for a, b in zip(final, out[r]["history"][-1]):
-                assert torch.equal(a, b), f"rank {r}: resume after step {stop} is not bit-identical"
+    _assert_ranks_agree_and_resume_exactly(out)
 
 
 def _convergence_run(rank, n, kind, steps, freeze, lr):
@@ -334,12 +343,7 @@ def test_auto_freeze_same_step_on_all_ranks_guard_and_exact_resume():
     assert stages == out[1]["stages"]
     frozen_at = stages.index("compression")
     assert 8 <= frozen_at <= 25, frozen_at
-    for a, b in zip(out[0]["history"][-1], out[1]["history"][-1]):
-        assert torch.equal(a, b)
-    for r in range(2):
-        for stop, final in out[r]["resumed"].items():
-            for a, b in zip(final, out[r]["history"][-1]):
-                assert torch.equal(a, b), f"rank {r}: resume after step {stop}"
+    _assert_ranks_agree_and_resume_exactly(out)
 
 
 def test_settled_criterion_by_hand():
@@ -640,12 +644,7 @@ def test_undone_freeze_same_steps_on_all_ranks_and_exact_resume():
     assert stages == out[1]["stages"] and out[0]["unfrozen_at"] == out[1]["unfrozen_at"] == [20]
     assert stages[:12] == ["warmup"] * 12 and stages[12:20] == ["compression"] * 8 and stages[20] == "warmup"
     assert "compression" in stages[21:]
-    for a, b in zip(out[0]["history"][-1], out[1]["history"][-1]):
-        assert torch.equal(a, b)
-    for r in range(2):
-        for stop, final in out[r]["resumed"].items():
-            for a, b in zip(final, out[r]["history"][-1]):
-                assert torch.equal(a, b), f"rank {r}: resume after step {stop}"
+    _assert_ranks_agree_and_resume_exactly(out)
 
 
 def test_update_guard_bounds_a_blow_up():
