@@ -1,6 +1,6 @@
 """The convergence targets with the defaults, at one seed: the check to run first after a change.
 
-    python -m onebitlamb.benchmarks.targets            # every run (~1.5 h on 2 cores)
+    python -m onebitlamb.benchmarks.targets            # every run (~2 h on 2 cores)
     python -m onebitlamb.benchmarks.targets --list     # what would run
 
 The full convergence study (``python -m onebitlamb.benchmarks.convergence``, docs/convergence.md)
