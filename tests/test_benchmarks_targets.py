@@ -6,8 +6,7 @@ from onebitlamb.benchmarks.convergence import _ADAM_AUTO, _AUTO, DEFAULT_PLAN
 
 
 def _m(loss, nbytes=100, freeze=None):
-    return {"final_eval_loss": loss, "bytes_sent_per_rank": nbytes, "freeze_step": freeze,
-            "config": {"steps": 100, "freeze_frac": 0.75}}
+    return {"final_eval_loss": loss, "bytes_sent_per_rank": nbytes, "freeze_step": freeze}
 
 
 def _results(auto_losses, adam=5.0, hand=4.5):
@@ -38,10 +37,10 @@ def test_verdicts_within_one_percent_divergence_and_the_other_targets():
     assert "the automatic freeze 4.600 against the hand-picked 20% (step 80) 4.500, +2.2%: as good as it: " \
            "**not met** at this seed" in body
     results = _results({"b512": 5.06, "demo": math.nan, "b4096": 5.2, "b1024": 4.4}, adam=5.1)
-    results[("demo", _AUTO)]["config"]["steps"] = 40  # 30 = 75% of 40: the cap made this freeze
+    results[("demo", _AUTO)]["freeze_step"] = 384  # 75% of demo's 512 steps: the cap made this freeze
     body = tg.render(results, "cmd")
     assert "| b512 | 5.000 | 30, 5.060, +1.2% | 4.00x | **not met** |" in body
-    assert "| demo | 5.000 | 30 (the cap), NaN, +nan% | 4.00x | **not met** |" in body
+    assert "| demo | 5.000 | 384 (the cap), NaN, +nan% | 4.00x | **not met** |" in body
     assert "Within 1% of LAMB with the defaults: **not met** on 1 of 4 presets." in body
     assert "1-bit LAMB ahead: **not met**." in body and "as good as it: met at this seed" in body
     body = tg.render(_results({"b512": 5.0, "demo": 5.0, "b4096": 5.0, "b1024": 5.0}, adam=math.nan), "cmd")
