@@ -262,6 +262,17 @@ def freeze_step_variant(step: int, steps: int) -> Tuple[str, str, List[str]]:
     return f"{FREEZE_STEP_VARIANT}{step}", "onebitlamb", ["--freeze-frac", repr(step / steps)]
 
 
+def row_at_seed(preset: str, variant: str, optimizer: str, flags: List[str], seed: int = DEFAULT_SEED,
+                swept: bool = False) -> Row:
+    """The study's row of ``variant`` on ``preset`` at ``seed``: its label, flags and so its run folder
+    (other benchmarks that run the same configuration use this, so that they share the run)."""
+    # the default seed's rows keep their plain label and flags: their run folders predate --seeds
+    if seed == DEFAULT_SEED:
+        return Row(preset, variant, optimizer, PRESETS[preset] + flags, variant, swept=swept)
+    return Row(preset, f"{variant}, seed {seed}", optimizer, PRESETS[preset] + flags + ["--seed", str(seed)],
+               variant, seed=seed, swept=swept)
+
+
 def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str] = (),
          freeze_steps: Sequence[str] = ()) -> List[Row]:
     """Every run of the default plan on ``presets``; ``sweep`` (see ``parse_sweep``) marks the rows
@@ -283,12 +294,7 @@ def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str]
                 and (seed == DEFAULT_SEED or variant != _AUTO_BEFORE))
 
     def at_seed(preset: str, variant: str, optimizer: str, flags: List[str], seed: int) -> Row:
-        # the default seed's rows keep their plain label and flags: their run folders predate --seeds
-        swept_here = is_swept(preset, variant, optimizer, seed)
-        if seed == DEFAULT_SEED:
-            return Row(preset, variant, optimizer, PRESETS[preset] + flags, variant, swept=swept_here)
-        return Row(preset, f"{variant}, seed {seed}", optimizer, PRESETS[preset] + flags + ["--seed", str(seed)],
-                   variant, seed=seed, swept=swept_here)
+        return row_at_seed(preset, variant, optimizer, flags, seed, swept=is_swept(preset, variant, optimizer, seed))
 
     rows = []
     for preset in presets:
@@ -354,6 +360,14 @@ def _loss(loss: float) -> str:
     return f"{loss:.3f}" if loss == loss else "NaN"
 
 
+def mean_and_standard_error(values: Sequence[float]) -> Tuple[float, float]:
+    """The mean of per-seed values and its standard error: how far the seeds pin the mean down
+    (at least two values)."""
+    average = sum(values) / len(values)
+    deviation = math.sqrt(sum((v - average) ** 2 for v in values) / (len(values) - 1))
+    return average, deviation / math.sqrt(len(values))
+
+
 def _auto_against_hand_picked(repeats: Dict[Tuple[str, str], Dict[int, dict]]) -> List[str]:
     """The issue's question on each seeded preset, at the seeds both ran: is the automatic freeze at
     least as good as the best hand-picked one (SEEDED's first two rows)? The rule before too, where it
@@ -378,10 +392,8 @@ def _auto_against_hand_picked(repeats: Dict[Tuple[str, str], Dict[int, dict]]) -
                 no_worse += gaps[-1] <= 0
         mean = "-"
         if len(gaps) == len(seeds):
-            # the standard error of the mean gap says how far the seeds pin it down
-            average = sum(gaps) / len(gaps)
-            deviation = math.sqrt(sum((g - average) ** 2 for g in gaps) / (len(gaps) - 1))
-            mean = f"{average:+.1f}% ± {deviation / math.sqrt(len(gaps)):.1f}"
+            average, error = mean_and_standard_error(gaps)
+            mean = f"{average:+.1f}% ± {error:.1f}"
         lines.append(f"| {preset} | {auto} | {picked} | {', '.join(cells)} | {mean} | {no_worse} of {len(seeds)} |")
     if not lines:
         return []

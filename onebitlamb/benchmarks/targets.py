@@ -1,7 +1,8 @@
-"""The convergence targets with the defaults, at one seed: the check to run first after a change.
+"""The convergence targets with the defaults: the check to run first after a change.
 
-    python -m onebitlamb.benchmarks.targets            # every run (~2 h on 2 cores)
-    python -m onebitlamb.benchmarks.targets --list     # what would run
+    python -m onebitlamb.benchmarks.targets                  # every run at seed 1234 (~2 h on 2 cores)
+    python -m onebitlamb.benchmarks.targets --seeds b4096:3  # and b4096's runs at 2 more seeds
+    python -m onebitlamb.benchmarks.targets --list           # what would run
 
 The full convergence study (``python -m onebitlamb.benchmarks.convergence``, docs/convergence.md)
 takes most of a day with its sweeps and seeds. This runs the part of it that the issue's targets
@@ -9,20 +10,24 @@ are about, at the main job's seed: on every preset LAMB and 1-bit LAMB with the 
 and every default (the study's 75% cap, so that the criterion decides: "within 1% of LAMB, no
 divergence, and the volume reduction next to it"); on ``b4096`` 1-bit Adam with the automatic
 freeze too ("1-bit LAMB ahead of 1-bit Adam at a batch of 4K"); on ``b1024`` the hand-picked 20%
-freeze ("as good as the best hand-picked fraction", the target still open there). The runs are
-the study's own rows, in its folders (``--out`` is shared with it by default), so each benchmark
+freeze ("as good as the best hand-picked fraction", the target still open there). One seed cannot
+settle the last two (docs/convergence.md), so ``--seeds PRESET:N`` repeats a preset's runs at N
+seeds in all and judges by the mean over them. The runs are the study's own rows, in its folders
+(``--out`` is shared with it by default; more seeds are its ``--seeds`` rows), so each benchmark
 reuses what the other has run.
 Results go to the "targets" section of BENCHMARKS.md.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from onebitlamb.benchmarks.convergence import (_ADAM_AUTO, _AUTO, PRESETS, VARIANTS, _gap, _loss, folder_name,
-                                               pretrain_config, run_one)
+from onebitlamb.benchmarks.convergence import (_ADAM_AUTO, _AUTO, DEFAULT_SEED, PRESETS, VARIANTS, Row, _gap, _loss,
+                                               folder_name, mean_and_standard_error, parse_seeds, pretrain_config,
+                                               row_at_seed, run_one)
 from onebitlamb.benchmarks.report import command_line, heading, write_section
 
 HAND_PICKED = "1bit-lamb freeze 20%"
@@ -36,14 +41,35 @@ CHECKS: Dict[str, List[str]] = {
 WITHIN = 0.01  # the target: at most 1% above LAMB's held-out loss
 
 
-def runs() -> List[Tuple[str, str]]:
-    """(preset, variant) in the order they run: the short presets first."""
-    return [(preset, variant) for preset, variants in CHECKS.items() for variant in variants]
+class Comparison(NamedTuple):
+    """A target that sets the automatic freeze against another run of the same preset."""
+    other: str       # the variant it is set against (CHECKS' third)
+    name: str        # what the tables call that run
+    claim: str       # the target, as its verdict words it
+    strict: bool     # the automatic freeze must end below it (ahead), not only no higher (as good)
 
 
-def command(preset: str, variant: str) -> str:
-    optimizer, flags = VARIANTS[variant]
-    return f"onebitlamb pretrain --preset demo --optimizer {optimizer} {' '.join(PRESETS[preset] + flags)}".rstrip()
+COMPARISONS: Dict[str, Comparison] = {
+    "b4096": Comparison(_ADAM_AUTO, "1-bit Adam auto", "1-bit LAMB ahead of 1-bit Adam", strict=True),
+    "b1024": Comparison(HAND_PICKED, "hand-picked 20%", "the automatic freeze as good as the hand-picked 20%",
+                        strict=False),
+}
+Results = Dict[Tuple[str, str, int], dict]  # (preset, variant, seed) -> the run's metrics
+
+
+def runs(seeds: Optional[Dict[str, int]] = None) -> List[Row]:
+    """The runs in the order they run: every preset at the main job's seed (the short presets first),
+    then the presets ``seeds`` repeats (see ``parse_seeds``), seed by seed."""
+    order = [row_at_seed(preset, variant, *VARIANTS[variant]) for preset, variants in CHECKS.items()
+             for variant in variants]
+    for preset, count in (seeds or {}).items():
+        order += [row_at_seed(preset, variant, *VARIANTS[variant], seed)
+                  for seed in range(DEFAULT_SEED + 1, DEFAULT_SEED + count) for variant in CHECKS[preset]]
+    return order
+
+
+def command(row: Row) -> str:
+    return f"onebitlamb pretrain --preset demo --optimizer {row.optimizer} {' '.join(row.flags)}".rstrip()
 
 
 def _freeze(metrics: dict, preset: str) -> str:
@@ -60,10 +86,69 @@ def _met(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
 
-def render(results: Dict[Tuple[str, str], dict], command_text: str) -> str:
-    lines = heading("Convergence targets with the defaults, at one seed", command_text)
+def _vs(loss: float, ref: float) -> str:
+    return _gap(loss, ref) if loss == loss else "diverged"
+
+
+def _within(auto: dict, lamb: dict) -> bool:
+    return auto["final_eval_loss"] <= (1 + WITHIN) * lamb["final_eval_loss"]  # False for NaN: a divergence
+
+
+def _seeds(results: Results, preset: str) -> List[int]:
+    return sorted(seed for (p, variant, seed) in results if p == preset and variant == _AUTO)
+
+
+def _comparison(results: Results, preset: str, target: Comparison) -> Tuple[List[str], List[str]]:
+    """The automatic freeze against ``target.other`` at every seed the preset ran: the per-seed table
+    (more than one seed) and the verdict's bullet. With one seed the verdict is that seed's; with more,
+    the mean of the per-seed differences, with its standard error to say whether the seeds settle it.
+    A divergence of the automatic freeze loses the target; the other run's diverging counts as a seed
+    the automatic freeze won, outside the mean."""
+    seeds = _seeds(results, preset)
+    table, differences, won, auto_diverged = [], [], 0, False
+    for seed in seeds:
+        lamb, auto, other = (results[(preset, v, seed)] for v in ("lamb", _AUTO, target.other))
+        ours, theirs = auto["final_eval_loss"], other["final_eval_loss"]
+        if ours != ours:
+            auto_diverged, cell = True, "auto diverged"
+        elif theirs != theirs:
+            won, cell = won + 1, f"{target.name} diverged"
+        else:
+            differences.append(100 * (ours / theirs - 1))
+            won += ours < theirs if target.strict else ours <= theirs
+            cell = f"{differences[-1]:+.1f}%"
+        table.append(f"| {seed} | {_loss(lamb['final_eval_loss'])} | {_freeze(auto, preset)}, {_loss(ours)}, "
+                     f"{_vs(ours, lamb['final_eval_loss'])} | {other.get('freeze_step') or '-'}, {_loss(theirs)}, "
+                     f"{_vs(theirs, lamb['final_eval_loss'])} | {cell} |")
+    if len(seeds) == 1:
+        seed = seeds[0]
+        auto, other = results[(preset, _AUTO, seed)], results[(preset, target.other, seed)]
+        ours, theirs = auto["final_eval_loss"], other["final_eval_loss"]
+        ok = not auto_diverged and (not theirs == theirs or (ours < theirs if target.strict else ours <= theirs))
+        return [], [f"- `{preset}`: the automatic freeze {_loss(ours)} against {target.name} (step "
+                    f"{other.get('freeze_step')}) {_loss(theirs)}"
+                    + (f", {_gap(ours, theirs)}" if ours == ours and theirs == theirs else "")
+                    + f": {target.claim}: {_met(ok)} at this one seed (one seed cannot settle it: `--seeds "
+                    f"{preset}:N`)."]
+    table = ["", f"`{preset}` at {len(seeds)} seeds (the last column: the automatic freeze against {target.name}, "
+                 f"negative: the automatic freeze ahead):", "",
+             f"| seed | LAMB | 1-bit LAMB auto: freeze, loss, vs LAMB | {target.name}: freeze, loss, vs LAMB | "
+             f"auto vs it |", "|---:|---:|---|---|---:|", *table]
+    if len(differences) >= 2:
+        mean, error = mean_and_standard_error(differences)
+        settled = "the seeds settle it" if abs(mean) > 2 * error else "within the seeds' spread"
+        average = f"mean {mean:+.1f}% ± {error:.1f} (standard error; {settled})"
+    else:
+        mean, average = (differences[0] if differences else -math.inf), "too few seeds with both runs for a mean"
+    ok = not auto_diverged and (mean < 0 if target.strict else mean <= 0)
+    return table, [f"- `{preset}`: {target.claim}: {_met(ok)} over {len(seeds)} seeds: the automatic freeze "
+                   f"{'ahead' if target.strict else 'no worse'} at {won} of {len(seeds)}, {average}."]
+
+
+def render(results: Results, command_text: str) -> str:
+    lines = heading("Convergence targets with the defaults", command_text)
     lines += [
-        "Held-out MLM loss at the end of each preset's run (seed 1234), 1-bit LAMB with `--auto-freeze "
+        f"Held-out MLM loss at the end of each preset's run (seed {DEFAULT_SEED}), 1-bit LAMB with `--auto-freeze "
         "--freeze-frac 0.75` and otherwise the defaults (the study's row \"" + _AUTO + "\"). Freeze: the "
         "step at whose end it froze (\"the cap\": 75% of the steps, where the criterion had not fired yet). "
         "Volume: LAMB's bytes per worker over the run divided by the run's. "
@@ -74,52 +159,52 @@ def render(results: Dict[Tuple[str, str], dict], command_text: str) -> str:
     ]
     verdicts = []
     for preset in CHECKS:
-        lamb, auto = results[(preset, "lamb")], results[(preset, _AUTO)]
+        lamb, auto = results[(preset, "lamb", DEFAULT_SEED)], results[(preset, _AUTO, DEFAULT_SEED)]
         loss = auto["final_eval_loss"]
-        ok = loss <= (1 + WITHIN) * lamb["final_eval_loss"]  # False for NaN: a divergence
-        verdicts.append(ok)
+        verdicts.append(_within(auto, lamb))
         volume = (f"{lamb['bytes_sent_per_rank'] / auto['bytes_sent_per_rank']:.2f}x"
                   if auto["bytes_sent_per_rank"] else "-")
         lines.append(f"| {preset} | {_loss(lamb['final_eval_loss'])} | {_freeze(auto, preset)}, "
-                     f"{_loss(loss)}, {_gap(loss, lamb['final_eval_loss'])} | {volume} | {_met(ok)} |")
-    lines += ["", f"- Within 1% of LAMB with the defaults: {_met(all(verdicts))} on {sum(verdicts)} of "
-                  f"{len(verdicts)} presets."]
-    lamb, auto, adam = (results[("b4096", v)] for v in ("lamb", _AUTO, _ADAM_AUTO))
-    # a NaN is a divergence: 1-bit LAMB is ahead where it did not diverge and 1-bit Adam did or ended higher
-    lamb_loss, adam_loss = auto["final_eval_loss"], adam["final_eval_loss"]
-    ahead = lamb_loss == lamb_loss and not adam_loss <= lamb_loss
-    lines.append(f"- `b4096` (a batch of 4096): 1-bit LAMB {_loss(auto['final_eval_loss'])} against 1-bit Adam "
-                 f"(\"{_ADAM_AUTO}\") {_loss(adam['final_eval_loss'])}, "
-                 f"{_gap(adam['final_eval_loss'], lamb['final_eval_loss'])} against LAMB: 1-bit LAMB ahead: "
-                 f"{_met(ahead)}.")
-    auto, hand = results[("b1024", _AUTO)], results[("b1024", HAND_PICKED)]
-    lines.append(f"- `b1024`: the automatic freeze {_loss(auto['final_eval_loss'])} against the hand-picked 20% "
-                 f"(step {hand.get('freeze_step')}) {_loss(hand['final_eval_loss'])}, "
-                 f"{_gap(auto['final_eval_loss'], hand['final_eval_loss'])}: as good as it: "
-                 f"{_met(auto['final_eval_loss'] <= hand['final_eval_loss'])} at this seed (one seed cannot settle "
-                 f"this target; docs/convergence.md has seven).")
-    return "\n".join(lines) + "\n"
+                     f"{_loss(loss)}, {_vs(loss, lamb['final_eval_loss'])} | {volume} | {_met(verdicts[-1])} |")
+    others = [_within(results[(p, _AUTO, seed)], results[(p, "lamb", seed)])
+              for p in CHECKS for seed in _seeds(results, p) if seed != DEFAULT_SEED]
+    bullets = [f"- Within 1% of LAMB with the defaults: {_met(all(verdicts + others))} on {sum(verdicts)} of "
+               f"{len(verdicts)} presets" + (f", and at {sum(others)} of the {len(others)} runs at other seeds (the "
+                                             f"tables below)." if others else ".")]
+    for preset, target in COMPARISONS.items():
+        table, verdict = _comparison(results, preset, target)
+        lines += table
+        bullets += verdict
+    return "\n".join(lines + [""] + bullets) + "\n"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m onebitlamb.benchmarks.targets",
                                      description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", nargs="+", default=[], metavar="PRESET:N",
+                        help="also run the preset's checks at more seeds, N in all (e.g. b4096:3: seeds "
+                             f"{DEFAULT_SEED}-{DEFAULT_SEED + 2}); its targets are then judged by the mean")
     parser.add_argument("--out", default="runs/convergence",
                         help="run folders, the convergence study's by default (reused when finished)")
     parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
     parser.add_argument("--list", action="store_true", help="print the runs and exit")
     args = parser.parse_args(argv)
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as exc:
+        parser.error(str(exc))
+    plan = runs(seeds)
     if args.list:
-        for preset, variant in runs():
-            print(f"{preset:6s} {command(preset, variant)}")
+        for row in plan:
+            print(f"{row.preset:6s} {command(row)}")
         return 0
     cache = os.path.join(args.out, "cache")
-    results = {}
-    for k, (preset, variant) in enumerate(runs(), start=1):
-        print(f"[{k}/{len(runs())}] {preset}: {variant}", file=sys.stderr, flush=True)
-        optimizer, flags = VARIANTS[variant]
-        results[(preset, variant)] = run_one(os.path.join(args.out, preset, folder_name(variant)), optimizer,
-                                             PRESETS[preset] + flags, cache)
+    results: Results = {}
+    for k, row in enumerate(plan, start=1):
+        print(f"[{k}/{len(plan)}] {row.preset}: {row.label}", file=sys.stderr, flush=True)
+        results[(row.preset, row.variant, row.seed)] = run_one(os.path.join(args.out, row.preset,
+                                                                            folder_name(row.label)),
+                                                               row.optimizer, row.flags, cache)
     body = render(results, command_line(argv))
     print(body)
     write_section("targets", body, args.results)
