@@ -2,7 +2,7 @@
 import math
 
 from onebitlamb.benchmarks import targets as tg
-from onebitlamb.benchmarks.convergence import _ADAM_AUTO, _AUTO, DEFAULT_PLAN, plan
+from onebitlamb.benchmarks.convergence import _ADAM, _ADAM_AUTO, _AUTO, DEFAULT_PLAN, plan
 
 
 def _m(loss, nbytes=100, freeze=None):
@@ -10,20 +10,22 @@ def _m(loss, nbytes=100, freeze=None):
 
 
 def _results(auto_losses, adam=5.0, hand=4.5, seed=1234):
-    """LAMB at 5.0 (400 bytes) everywhere; the automatic freeze at the given losses (100 bytes)."""
+    """LAMB at 5.0 (400 bytes) everywhere; the automatic freeze at the given losses (100 bytes);
+    uncompressed Adam at 5.0 too."""
     out = {}
     for preset, loss in auto_losses.items():
         out[(preset, "lamb", seed)] = _m(5.0, 400)
         out[(preset, _AUTO, seed)] = _m(loss, 100, freeze=30)
     out[("b4096", _ADAM_AUTO, seed)] = _m(adam, freeze=60)
+    out[("b4096", _ADAM, seed)] = _m(5.0, 400, freeze=100)
     out[("b1024", tg.HAND_PICKED, seed)] = _m(hand, freeze=80)
     return out
 
 
-def _seed(results, seed, b4096=None, adam=None, b1024=None, hand=None):
+def _seed(results, seed, b4096=None, adam=None, plain_adam=None, b1024=None, hand=None):
     """``results`` with b4096's and b1024's runs at one more seed (LAMB at 5.0 again)."""
-    for preset, variant, loss in (("b4096", _AUTO, b4096), ("b4096", _ADAM_AUTO, adam), ("b1024", _AUTO, b1024),
-                                  ("b1024", tg.HAND_PICKED, hand)):
+    for preset, variant, loss in (("b4096", _AUTO, b4096), ("b4096", _ADAM_AUTO, adam), ("b4096", _ADAM, plain_adam),
+                                  ("b1024", _AUTO, b1024), ("b1024", tg.HAND_PICKED, hand)):
         if loss is not None:
             results[(preset, "lamb", seed)] = _m(5.0, 400)
             results[(preset, variant, seed)] = _m(loss, 100, freeze=70)
@@ -41,10 +43,10 @@ def test_the_runs_are_rows_of_the_study_on_every_preset():
 
 def test_more_seeds_are_the_studys_seeded_rows_after_every_preset_at_the_first():
     seeded = tg.runs({"b4096": 3})
-    assert seeded[:10] == tg.runs()
-    assert [(r.variant, r.seed) for r in seeded[10:]] == [(v, s) for s in (1235, 1236) for v in tg.CHECKS["b4096"]]
+    assert seeded[:11] == tg.runs()
+    assert [(r.variant, r.seed) for r in seeded[11:]] == [(v, s) for s in (1235, 1236) for v in tg.CHECKS["b4096"]]
     study = {(r.label, tuple(r.flags)) for r in plan(["b4096"], seeds=["b4096:3"])}
-    for row in seeded[10:]:
+    for row in seeded[11:]:
         assert (row.label, tuple(row.flags)) in study  # the same run folder and flags as the study's --seeds
         assert row.flags[-2:] == ["--seed", str(row.seed)] and row.label.endswith(f", seed {row.seed}")
 
@@ -56,6 +58,11 @@ def test_verdicts_within_one_percent_divergence_and_the_other_targets():
     assert "Within 1% of LAMB with the defaults: met on 4 of 4 presets." in body
     assert ("the automatic freeze 4.800 against 1-bit Adam auto (step 60) 5.000, -4.0%: 1-bit LAMB ahead of 1-bit "
             "Adam: met at this one seed") in body
+    # 1-bit LAMB -4.0% against 1-bit Adam = LAMB 0.0% against Adam, 1-bit LAMB -4.0% against LAMB, 1-bit Adam
+    # +0.0% against Adam
+    assert ("Where the order comes from (1 of 1 seeds, none diverged): LAMB against Adam, both uncompressed, "
+            "+0.0%; what the compression costs, 1-bit LAMB against LAMB -4.0%, 1-bit Adam auto against Adam "
+            "+0.0%.") in body
     assert ("the automatic freeze 4.600 against hand-picked 20% (step 80) 4.500, +2.2%: the automatic freeze as "
             "good as the hand-picked 20%: **not met** at this one seed") in body
     assert "at 3 seeds" not in body  # no per-seed tables at one seed
@@ -75,20 +82,25 @@ def test_verdicts_within_one_percent_divergence_and_the_other_targets():
 
 def test_more_seeds_judge_by_the_mean_and_its_standard_error():
     results = _results({"b512": 5.0, "demo": 5.0, "b4096": 4.8, "b1024": 4.59}, adam=5.0, hand=4.5)
-    _seed(results, 1235, b4096=5.1, adam=5.0, b1024=4.68, hand=4.5)
-    _seed(results, 1236, b4096=5.06, adam=math.nan, b1024=4.635, hand=4.5)
+    _seed(results, 1235, b4096=5.1, adam=5.0, plain_adam=4.0, b1024=4.68, hand=4.5)
+    _seed(results, 1236, b4096=5.06, adam=math.nan, plain_adam=5.0, b1024=4.635, hand=4.5)
     body = tg.render(results, "cmd")
     # b4096: -4.0% and +2.0% (mean -1.0, standard deviation 4.24, error 3.0); 1-bit Adam diverged at 1236
-    assert "| 1235 | 5.000 | 70, 5.100, +2.0% | 70, 5.000, +0.0% | +2.0% |" in body
-    assert "| 1236 | 5.000 | 70, 5.060, +1.2% | 70, NaN, diverged | 1-bit Adam auto diverged |" in body
+    assert "| 1235 | 5.000 | 70, 5.100, +2.0% | 70, 5.000, +0.0% | 4.000, -20.0% | +2.0% |" in body
+    assert "| 1236 | 5.000 | 70, 5.060, +1.2% | 70, NaN, diverged | 5.000, +0.0% | 1-bit Adam auto diverged |" in body
+    # at the two seeds none diverged: LAMB against Adam 0% and +25%, the costs -4% and +2%, 0% and +25%
+    assert ("Where the order comes from (2 of 3 seeds, none diverged): LAMB against Adam, both uncompressed, mean "
+            "+12.5% ± 12.5 (standard error; within the seeds' spread); what the compression costs, 1-bit LAMB "
+            "against LAMB mean -1.0% ± 3.0 (standard error; within the seeds' spread), 1-bit Adam auto against "
+            "Adam mean +12.5% ± 12.5") in body
     assert ("1-bit LAMB ahead of 1-bit Adam: met over 3 seeds: the automatic freeze ahead at 2 of 3, mean -1.0% "
             "± 3.0 (standard error; within the seeds' spread).") in body
     # b1024: +2.0%, +4.0%, +3.0% (mean +3.0, error 1/sqrt(3) = 0.58: more than two errors from 0)
     assert ("as good as the hand-picked 20%: **not met** over 3 seeds: the automatic freeze no worse at 0 of 3, "
             "mean +3.0% ± 0.6 (standard error; the seeds settle it).") in body
     # 5.1 and 5.06 are more than 1% above LAMB's 5.0: the seed-1234 presets alone no longer make it met
-    assert ("Within 1% of LAMB with the defaults: **not met** on 4 of 4 presets, and at 2 of the 4 runs at "
-            "other seeds") in body
+    assert ("Within 1% of LAMB with the defaults: **not met** on 4 of 4 presets at seed 1234 and on 2 of the 4 "
+            "runs at other seeds") in body
     results[("b4096", _AUTO, 1235)]["final_eval_loss"] = math.nan  # a divergence loses, whatever the mean
     assert "1-bit LAMB ahead of 1-bit Adam: **not met** over 3 seeds" in tg.render(results, "cmd")
 
@@ -103,7 +115,7 @@ def test_main_runs_each_check_once_in_the_study_folders_and_writes_its_section(m
     monkeypatch.setattr(tg, "run_one", fake_run_one)
     results = tmp_path / "B.md"
     assert tg.main(["--out", str(tmp_path / "runs"), "--results", str(results)]) == 0
-    assert len(ran) == len(tg.runs()) == 10
+    assert len(ran) == len(tg.runs()) == 11
     assert ran[1] == (str(tmp_path / "runs" / "b512" / "1bit-lamb_auto_cap_75pct_transient_end_2.5"), "onebitlamb",
                       ["--global-batch", "512", "--steps", "128", "--eval-every", "16", "--auto-freeze",
                        "--freeze-frac", "0.75", "--freeze-transient-end", "2.5"])
@@ -111,6 +123,6 @@ def test_main_runs_each_check_once_in_the_study_folders_and_writes_its_section(m
     assert "<!-- begin targets -->" in text and "met on 4 of 4 presets" in text
     ran.clear()
     assert tg.main(["--seeds", "b4096:2", "--out", str(tmp_path / "runs"), "--results", str(results)]) == 0
-    assert len(ran) == 13 and ran[11][0] == str(tmp_path / "runs" / "b4096" /
+    assert len(ran) == 15 and ran[12][0] == str(tmp_path / "runs" / "b4096" /
                                                 "1bit-lamb_auto_cap_75pct_transient_end_2.5_seed_1235")
     assert "`b4096` at 2 seeds" in results.read_text()

@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from onebitlamb.benchmarks.convergence import (_ADAM_AUTO, _AUTO, DEFAULT_SEED, PRESETS, VARIANTS, Row, _gap, _loss,
+from onebitlamb.benchmarks.convergence import (_ADAM, _ADAM_AUTO, _AUTO, DEFAULT_SEED, PRESETS, VARIANTS, Row, _gap, _loss,
                                                folder_name, mean_and_standard_error, parse_seeds, pretrain_config,
                                                row_at_seed, run_one)
 from onebitlamb.benchmarks.report import command_line, heading, write_section
@@ -35,7 +35,7 @@ HAND_PICKED = "1bit-lamb freeze 20%"
 CHECKS: Dict[str, List[str]] = {
     "b512": ["lamb", _AUTO],
     "demo": ["lamb", _AUTO],
-    "b4096": ["lamb", _AUTO, _ADAM_AUTO],
+    "b4096": ["lamb", _AUTO, _ADAM_AUTO, _ADAM],
     "b1024": ["lamb", _AUTO, HAND_PICKED],
 }
 WITHIN = 0.01  # the target: at most 1% above LAMB's held-out loss
@@ -47,10 +47,14 @@ class Comparison(NamedTuple):
     name: str        # what the tables call that run
     claim: str       # the target, as its verdict words it
     strict: bool     # the automatic freeze must end below it (ahead), not only no higher (as good)
+    # the other run without its compression (Adam for 1-bit Adam): splits the order into the
+    # uncompressed optimizers' order and what each compression costs
+    uncompressed: Optional[str] = None
 
 
 COMPARISONS: Dict[str, Comparison] = {
-    "b4096": Comparison(_ADAM_AUTO, "1-bit Adam auto", "1-bit LAMB ahead of 1-bit Adam", strict=True),
+    "b4096": Comparison(_ADAM_AUTO, "1-bit Adam auto", "1-bit LAMB ahead of 1-bit Adam", strict=True,
+                        uncompressed=_ADAM),
     "b1024": Comparison(HAND_PICKED, "hand-picked 20%", "the automatic freeze as good as the hand-picked 20%",
                         strict=False),
 }
@@ -117,9 +121,13 @@ def _comparison(results: Results, preset: str, target: Comparison) -> Tuple[List
             differences.append(100 * (ours / theirs - 1))
             won += ours < theirs if target.strict else ours <= theirs
             cell = f"{differences[-1]:+.1f}%"
+        plain = ""
+        if target.uncompressed:
+            loss = results[(preset, target.uncompressed, seed)]["final_eval_loss"]
+            plain = f" {_loss(loss)}, {_vs(loss, lamb['final_eval_loss'])} |"
         table.append(f"| {seed} | {_loss(lamb['final_eval_loss'])} | {_freeze(auto, preset)}, {_loss(ours)}, "
                      f"{_vs(ours, lamb['final_eval_loss'])} | {other.get('freeze_step') or '-'}, {_loss(theirs)}, "
-                     f"{_vs(theirs, lamb['final_eval_loss'])} | {cell} |")
+                     f"{_vs(theirs, lamb['final_eval_loss'])} |{plain} {cell} |")
     if len(seeds) == 1:
         seed = seeds[0]
         auto, other = results[(preset, _AUTO, seed)], results[(preset, target.other, seed)]
@@ -129,20 +137,53 @@ def _comparison(results: Results, preset: str, target: Comparison) -> Tuple[List
                     f"{other.get('freeze_step')}) {_loss(theirs)}"
                     + (f", {_gap(ours, theirs)}" if ours == ours and theirs == theirs else "")
                     + f": {target.claim}: {_met(ok)} at this one seed (one seed cannot settle it: `--seeds "
-                    f"{preset}:N`)."]
+                    f"{preset}:N`)." + _split(results, preset, target, seeds)]
+    plain = f" {target.uncompressed.split(' (')[0].capitalize()}: loss, vs LAMB |" if target.uncompressed else ""
     table = ["", f"`{preset}` at {len(seeds)} seeds (the last column: the automatic freeze against {target.name}, "
                  f"negative: the automatic freeze ahead):", "",
-             f"| seed | LAMB | 1-bit LAMB auto: freeze, loss, vs LAMB | {target.name}: freeze, loss, vs LAMB | "
-             f"auto vs it |", "|---:|---:|---|---|---:|", *table]
+             f"| seed | LAMB | 1-bit LAMB auto: freeze, loss, vs LAMB | {target.name}: freeze, loss, vs LAMB |"
+             f"{plain} auto vs it |", "|---:|---:|---|---|" + ("---|" if plain else "") + "---:|", *table]
+    mean = differences[0] if len(differences) == 1 else -math.inf
     if len(differences) >= 2:
-        mean, error = mean_and_standard_error(differences)
-        settled = "the seeds settle it" if abs(mean) > 2 * error else "within the seeds' spread"
-        average = f"mean {mean:+.1f}% ± {error:.1f} (standard error; {settled})"
-    else:
-        mean, average = (differences[0] if differences else -math.inf), "too few seeds with both runs for a mean"
+        mean, _ = mean_and_standard_error(differences)
+    average = (_mean_text(differences) if len(differences) >= 2
+               else "too few seeds with both runs for a mean")
     ok = not auto_diverged and (mean < 0 if target.strict else mean <= 0)
     return table, [f"- `{preset}`: {target.claim}: {_met(ok)} over {len(seeds)} seeds: the automatic freeze "
-                   f"{'ahead' if target.strict else 'no worse'} at {won} of {len(seeds)}, {average}."]
+                   f"{'ahead' if target.strict else 'no worse'} at {won} of {len(seeds)}, {average}."
+                   + _split(results, preset, target, seeds)]
+
+
+def _mean_text(values: Sequence[float]) -> str:
+    """One seed's value, or the mean over seeds with its standard error and whether the seeds settle
+    its sign (more than two standard errors from zero)."""
+    if len(values) == 1:
+        return f"{values[0]:+.1f}%"
+    mean, error = mean_and_standard_error(values)
+    settled = "the seeds settle it" if abs(mean) > 2 * error else "within the seeds' spread"
+    return f"mean {mean:+.1f}% ± {error:.1f} (standard error; {settled})"
+
+
+def _split(results: Results, preset: str, target: Comparison, seeds: Sequence[int]) -> str:
+    """Where the order of the two compressed runs comes from, at the seeds none of the four diverged:
+    1-bit LAMB / 1-bit Adam = (LAMB / Adam) x (1-bit LAMB / LAMB) / (1-bit Adam / Adam), the order
+    of the uncompressed optimizers and what each compression costs."""
+    if not target.uncompressed:
+        return ""
+    orders, lamb_costs, other_costs = [], [], []
+    for seed in seeds:
+        lamb, auto, other, plain = (results[(preset, v, seed)]["final_eval_loss"]
+                                    for v in ("lamb", _AUTO, target.other, target.uncompressed))
+        if all(loss == loss for loss in (lamb, auto, other, plain)):
+            orders.append(100 * (lamb / plain - 1))
+            lamb_costs.append(100 * (auto / lamb - 1))
+            other_costs.append(100 * (other / plain - 1))
+    if not orders:
+        return " (A run diverged at every seed: no split of the order.)"
+    name = target.uncompressed.split(" (")[0].capitalize()
+    return (f" Where the order comes from ({len(orders)} of {len(seeds)} seeds, none diverged): LAMB against "
+            f"{name}, both uncompressed, {_mean_text(orders)}; what the compression costs, 1-bit LAMB against LAMB "
+            f"{_mean_text(lamb_costs)}, {target.name} against {name} {_mean_text(other_costs)}.")
 
 
 def render(results: Results, command_text: str) -> str:
@@ -169,8 +210,8 @@ def render(results: Results, command_text: str) -> str:
     others = [_within(results[(p, _AUTO, seed)], results[(p, "lamb", seed)])
               for p in CHECKS for seed in _seeds(results, p) if seed != DEFAULT_SEED]
     bullets = [f"- Within 1% of LAMB with the defaults: {_met(all(verdicts + others))} on {sum(verdicts)} of "
-               f"{len(verdicts)} presets" + (f", and at {sum(others)} of the {len(others)} runs at other seeds (the "
-                                             f"tables below)." if others else ".")]
+               f"{len(verdicts)} presets" + (f" at seed {DEFAULT_SEED} and on {sum(others)} of the {len(others)} runs "
+                                             f"at other seeds (the tables below)." if others else ".")]
     for preset, target in COMPARISONS.items():
         table, verdict = _comparison(results, preset, target)
         lines += table
