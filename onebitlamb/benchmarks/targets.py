@@ -50,11 +50,12 @@ class Comparison(NamedTuple):
     # the other run without its compression (Adam for 1-bit Adam): splits the order into the
     # uncompressed optimizers' order and what each compression costs
     uncompressed: Optional[str] = None
+    uncompressed_name: str = ""
 
 
 COMPARISONS: Dict[str, Comparison] = {
     "b4096": Comparison(_ADAM_AUTO, "1-bit Adam auto", "1-bit LAMB ahead of 1-bit Adam", strict=True,
-                        uncompressed=_ADAM),
+                        uncompressed=_ADAM, uncompressed_name="Adam"),
     "b1024": Comparison(HAND_PICKED, "hand-picked 20%", "the automatic freeze as good as the hand-picked 20%",
                         strict=False),
 }
@@ -138,7 +139,7 @@ def _comparison(results: Results, preset: str, target: Comparison) -> Tuple[List
                     + (f", {_gap(ours, theirs)}" if ours == ours and theirs == theirs else "")
                     + f": {target.claim}: {_met(ok)} at this one seed (one seed cannot settle it: `--seeds "
                     f"{preset}:N`)." + _split(results, preset, target, seeds)]
-    plain = f" {target.uncompressed.split(' (')[0].capitalize()}: loss, vs LAMB |" if target.uncompressed else ""
+    plain = f" {target.uncompressed_name}: loss, vs LAMB |" if target.uncompressed else ""
     table = ["", f"`{preset}` at {len(seeds)} seeds (the last column: the automatic freeze against {target.name}, "
                  f"negative: the automatic freeze ahead):", "",
              f"| seed | LAMB | 1-bit LAMB auto: freeze, loss, vs LAMB | {target.name}: freeze, loss, vs LAMB |"
@@ -180,7 +181,7 @@ def _split(results: Results, preset: str, target: Comparison, seeds: Sequence[in
             other_costs.append(100 * (other / plain - 1))
     if not orders:
         return " (A run diverged at every seed: no split of the order.)"
-    name = target.uncompressed.split(" (")[0].capitalize()
+    name = target.uncompressed_name
     return (f" Where the order comes from ({len(orders)} of {len(seeds)} seeds, none diverged): LAMB against "
             f"{name}, both uncompressed, {_mean_text(orders)}; what the compression costs, 1-bit LAMB against LAMB "
             f"{_mean_text(lamb_costs)}, {target.name} against {name} {_mean_text(other_costs)}.")
