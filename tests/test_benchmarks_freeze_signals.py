@@ -39,8 +39,10 @@ def test_stage2_steps_per_unit_rate_after_the_freeze():
     metrics = {
         # lr[k] is the rate step k + 2 used: steps 2, 3, 4, 5 ran at 0.1, 0.2, 0.2, 0
         "lr": [0.1, 0.2, 0.2, 0.0, 0.0],
+        "stage": ["warmup", "warmup", "compression", "compression", "compression"],  # frozen at the end of step 2
         "diagnostics": [
-            {"step": 2, "stage": "warmup", "layers": [layer("a", 1.0)]},
+            # labelled with the stage after the step, as records did before: step 2 ran the warm-up
+            {"step": 2, "stage": "compression", "layers": [layer("a", 1.0)]},
             {"step": 3, "stage": "compression",
              "layers": [layer("a", 0.2), layer("b", 0.4), layer("c", 1.2), layer("x.attention.self.key.bias", 99.0)]},
             {"step": 4, "stage": "compression", "layers": [layer("a", 0.4), layer("b", 0.6), layer("c", None)]},
@@ -48,7 +50,7 @@ def test_stage2_steps_per_unit_rate_after_the_freeze():
         ]}
     # step 3: ratios 1, 2, 6 -> largest 6, median 2; step 4: 2, 3 -> largest 3, median 2.5
     assert fs.stage2_steps(metrics) == pytest.approx((3.0, 6.0, 2.0, 2.5))
-    assert fs.stage2_steps({"lr": [0.1], "diagnostics": []}) is None
+    assert fs.stage2_steps({"lr": [0.1], "stage": ["warmup"], "diagnostics": []}) is None
 
 
 def test_render_sets_the_failed_freeze_against_those_that_worked():

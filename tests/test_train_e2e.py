@@ -97,10 +97,13 @@ def test_resume_is_bit_identical(compared, tmp_path, corpus_dir):
 def test_auto_freeze_run_records_the_levels_and_plots_them(compared, tmp_path, corpus_dir):
     _, cache, _ = compared
     _cli("pretrain", "--preset", "tiny", "--optimizer", "onebitlamb", "--auto-freeze", "--freeze-window", "2",
-         "--freeze-frac", "0.75", "--unfreeze-rise", "50", "--out", str(tmp_path), "--corpus", corpus_dir,
-         "--cache-dir", str(cache), "--no-progress")
+         "--freeze-frac", "0.75", "--unfreeze-rise", "50", "--eval-every", "1", "--out", str(tmp_path), "--corpus",
+         corpus_dir, "--cache-dir", str(cache), "--no-progress")
     with open(tmp_path / "metrics.json") as f:
         m = json.load(f)
+    # a diagnostic at every step says the stage that step ran in, the freeze's own step (warm-up) included
+    assert [d["step"] for d in m["diagnostics"]] == list(range(1, 9))
+    assert [d["stage"] for d in m["diagnostics"]] == m["stage"] and m["stage"][m["freeze_step"] - 1] == "warmup"
     levels, freeze = m["freeze_levels"], m["freeze_step"]
     assert levels["layers"] == [layer["name"] for layer in m["diagnostics"][0]["layers"]]
     recorded = [i + 1 for i, row in enumerate(levels["per_step"]) if row is not None]

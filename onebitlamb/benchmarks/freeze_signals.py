@@ -93,11 +93,13 @@ def largest_jump(spread: Sequence[Optional[float]], step: int) -> Optional[float
 def stage2_steps(metrics: dict) -> Optional[Tuple[float, float, float, float]]:
     """The relative step per unit learning rate after the freeze, at each diagnosed step where the
     rate is above 0: (lowest, highest) of the largest layer's, then of the median layer's. The key
-    biases are left out. ``lr[k]`` is the rate set after step ``k + 1``, the one step ``k + 2`` used."""
+    biases are left out. ``lr[k]`` is the rate set after step ``k + 1``, the one step ``k + 2`` used.
+    The stage is the one each step ran in (``stage``): records from before the main job fixed it label
+    a diagnostic at the freeze's own step, a warm-up step, with the stage after it."""
     largest, median = [], []
     for diag in metrics["diagnostics"]:
         step = diag["step"]
-        if diag["stage"] != "compression" or step < 2 or metrics["lr"][step - 2] <= 0:
+        if metrics["stage"][step - 1] != "compression" or step < 2 or metrics["lr"][step - 2] <= 0:
             continue
         rate = metrics["lr"][step - 2]
         ratios = [layer["rel_step"] / rate for layer in diag["layers"]

@@ -401,7 +401,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
         history["variance_rise"].append(_finite_or_none(optimizer.variance_rise))
         history["lr"].append(scheduler.get_last_lr()[0])
         if diagnose:
-            history["diagnostics"].append(layer_report(step + 1, names, before, optimizer))
+            history["diagnostics"].append(layer_report(step + 1, stage, names, before, optimizer))
         if bar is not None:
             bar.update(1)
             sps = (step + 1 - start_step) * cfg.global_batch / max(train_time - train_time_before, 1e-9)
@@ -490,10 +490,11 @@ def evaluate_mlm(model, inputs, labels, batch: int, device) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
-def layer_report(step: int, names: dict, before: List[torch.Tensor], optimizer) -> dict:
+def layer_report(step: int, stage: str, names: dict, before: List[torch.Tensor], optimizer) -> dict:
     """Per layer at this step: the coefficient the optimizer applied (LAMB's live trust ratio; in
     1-bit LAMB's compression stage, frozen coefficient x factor) and the relative step size
-    ``|x_after - x_before| / |x_before|`` measured on the parameters themselves."""
+    ``|x_after - x_before| / |x_before|`` measured on the parameters themselves. ``stage`` is the
+    stage the step ran in: at a freeze's own step the optimizer is already frozen after it."""
     diag = optimizer.layer_diagnostics()
     layers = []
     for i, ((name, p), x0) in enumerate(zip(names.items(), before)):
@@ -502,7 +503,7 @@ def layer_report(step: int, names: dict, before: List[torch.Tensor], optimizer) 
         layers.append({"name": name, "trust_ratio": d.get("trust_ratio"), "frozen_coeff": d.get("frozen_coeff"),
                        "factor": d.get("factor"),
                        "rel_step": float((p.detach().float() - x0.float()).norm()) / x0n if x0n > 0 else None})
-    return {"step": step, "stage": optimizer.stage, "layers": layers}
+    return {"step": step, "stage": stage, "layers": layers}
 
 
 # ---- stopping on Ctrl-C / SIGTERM at a step boundary, all ranks together
