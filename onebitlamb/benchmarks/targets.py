@@ -131,15 +131,11 @@ def _comparison(results: Results, preset: str, target: Comparison) -> Tuple[List
         table.append(f"| {seed} | {_loss(lamb['final_eval_loss'])} | {_freeze(auto, preset)}, {_loss(ours)}, "
                      f"{_vs(ours, lamb['final_eval_loss'])} | {other.get('freeze_step') or '-'}, {_loss(theirs)}, "
                      f"{_vs(theirs, lamb['final_eval_loss'])} |{plain} {cell} |")
-    if len(seeds) == 1:
-        seed = seeds[0]
-        auto, other = results[(preset, _AUTO, seed)], results[(preset, target.other, seed)]
-        ours, theirs = auto["final_eval_loss"], other["final_eval_loss"]
-        ok = not auto_diverged and (not theirs == theirs or (ours < theirs if target.strict else ours <= theirs))
+    if len(seeds) == 1:  # the loop's last (only) seed decides: won it or not
         return [], [f"- `{preset}`: the automatic freeze {_loss(ours)} against {target.name} (step "
                     f"{other.get('freeze_step')}) {_loss(theirs)}"
                     + (f", {_gap(ours, theirs)}" if ours == ours and theirs == theirs else "")
-                    + f": {target.claim}: {_met(ok)} at this one seed (one seed cannot settle it: `--seeds "
+                    + f": {target.claim}: {_met(won == 1)} at this one seed (one seed cannot settle it: `--seeds "
                     f"{preset}:N`)." + _split(results, preset, target, seeds)]
     plain = f" {target.uncompressed_name}: loss, vs LAMB |" if target.uncompressed else ""
     table = ["", f"`{preset}` at {len(seeds)} seeds (the last column: the automatic freeze against {target.name}, "
