@@ -6,7 +6,8 @@ from onebitlamb.benchmarks.convergence import _ADAM, _ADAM_AUTO, _AUTO, DEFAULT_
 
 
 def _m(loss, nbytes=100, freeze=None):
-    return {"final_eval_loss": loss, "bytes_sent_per_rank": nbytes, "freeze_step": freeze}
+    # no evaluations before the end and no diagnostics: the tables' columns for them read "-"
+    return {"final_eval_loss": loss, "bytes_sent_per_rank": nbytes, "freeze_step": freeze, "diagnostics": []}
 
 
 def _results(auto_losses, adam=5.0, hand=4.5, seed=1234):
@@ -86,8 +87,8 @@ def test_more_seeds_judge_by_the_mean_and_its_standard_error():
     _seed(results, 1236, b4096=5.06, adam=math.nan, plain_adam=5.0, b1024=4.635, hand=4.5)
     body = tg.render(results, "cmd")
     # b4096: -4.0% and +2.0% (mean -1.0, standard deviation 4.24, error 3.0); 1-bit Adam diverged at 1236
-    assert "| 1235 | 5.000 | 70, 5.100, +2.0% | 70, 5.000, +0.0% | 4.000, -20.0% | +2.0% |" in body
-    assert "| 1236 | 5.000 | 70, 5.060, +1.2% | 70, NaN, diverged | 5.000, +0.0% | 1-bit Adam auto diverged |" in body
+    assert "| 1235 | 5.000 | 70, 5.100, +2.0% | 70, 5.000, +0.0% | 4.000, -20.0% | - | +2.0% |" in body
+    assert "| 1236 | 5.000 | 70, 5.060, +1.2% | 70, NaN, diverged | 5.000, +0.0% | - | 1-bit Adam auto diverged |" in body
     # at the two seeds none diverged: LAMB against Adam 0% and +25%, the costs -4% and +2%, 0% and +25%; their
     # differences -4 and -23 points (mean -13.5, standard deviation 19 / sqrt(2), error 9.5)
     assert ("Where the order comes from (2 of 3 seeds, none diverged): LAMB against Adam, both uncompressed, mean "
@@ -142,3 +143,36 @@ def test_ahead_needs_the_seeds_to_settle_it_and_as_good_only_the_mean():
     # b1024 at -2.0% and +1.0% (mean -0.5): as good on average is met without settling anything
     results[("b1024", _AUTO, 1234)]["final_eval_loss"] = 4.545
     assert "as good as the hand-picked 20%: met over 2 seeds" in tg.render(results, "cmd")
+
+
+def _trace(final, at_150, at_300, median_steps):
+    """A 400-step record of 1-bit LAMB frozen at step 100, evaluated every 150 steps (the last at 300,
+    three quarters in) and at the end, diagnosed at steps 100 (the freeze's own, a warm-up step), 250
+    and 400 (the rate is 0 there): three layers with relative steps 0.5, the median layer's and 9 times
+    the rate, and a key bias with a step of 1000 times it."""
+    lr = [0.01] * 398 + [0.0, 0.0]  # lr[k]: the rate step k + 2 used
+    stage = ["warmup"] * 100 + ["compression"] * 300
+    diagnostics = []
+    for step, median in zip((100, 250, 400), median_steps):
+        rate = lr[step - 2] if lr[step - 2] > 0 else 1.0
+        diagnostics.append({"step": step, "layers": [
+            {"name": name, "rel_step": size * rate} for name, size in
+            (("a.weight", 0.5), ("b.weight", median), ("c.weight", 9.0), ("l0.attention.self.key.bias", 1000.0))]})
+    return {"final_eval_loss": final, "bytes_sent_per_rank": 100, "freeze_step": 100, "samples": 4000,
+            "steps": 400, "eval_curve": [[0, 8.0], [1500, at_150], [3000, at_300], [4000, final]],
+            "lr": lr, "stage": stage, "diagnostics": diagnostics}
+
+
+def test_where_the_runs_stood_three_quarters_in_and_their_stage2_steps():
+    results = _results({"b512": 5.0, "demo": 5.0, "b4096": 4.8, "b1024": 4.6})
+    _seed(results, 1235, b4096=4.8, adam=5.0, plain_adam=5.0, b1024=4.6, hand=4.5)
+    # seed 1235: the automatic freeze 2% ahead at step 300 (4.9 against 5.0), 2.2% behind at the end; its
+    # stage-2 steps 7 (step 250; step 100 ran the warm-up, step 400 at rate 0), the 20%'s 3
+    results[("b1024", _AUTO, 1235)] = _trace(4.6, 5.3, 4.9, (50.0, 7.0, 80.0))
+    results[("b1024", tg.HAND_PICKED, 1235)] = _trace(4.5, 5.4, 5.0, (50.0, 3.0, 80.0))
+    body = tg.render(results, "cmd")
+    assert "| auto vs it at step 300 | stage-2 step: auto / it | auto vs it |" in body
+    assert "| 1235 | 5.000 | 100, 4.600, -8.0% | 100, 4.500, -10.0% | -2.0% | 7.0 / 3.0 | +2.2% |" in body
+    assert "| 1234 | 5.000 | 30, 4.600, -8.0% | 80, 4.500, -10.0% | - | - / - | +2.2% |" in body
+    # 1-bit Adam's steps are not LAMB's: no such column on b4096, and no step where no evaluation came
+    assert "| 1235 | 5.000 | 70, 4.800, -4.0% | 70, 5.000, +0.0% | 5.000, +0.0% | - | -4.0% |" in body

@@ -12,7 +12,8 @@ divergence, and the volume reduction next to it"); on ``b4096`` 1-bit Adam with 
 freeze too ("1-bit LAMB ahead of 1-bit Adam at a batch of 4K"); on ``b1024`` the hand-picked 20%
 freeze ("as good as the best hand-picked fraction", the target still open there). One seed cannot
 settle the last two (docs/convergence.md), so ``--seeds PRESET:N`` repeats a preset's runs at N
-seeds in all and judges by the mean over them. The runs are the study's own rows, in its folders
+seeds in all and judges by the mean over them; its tables also show where the runs stood before the
+last quarter of the run, and on ``b1024`` how large the compressed steps were. The runs are the study's own rows, in its folders
 (``--out`` is shared with it by default; more seeds are its ``--seeds`` rows), so each benchmark
 reuses what the other has run.
 Results go to the "targets" section of BENCHMARKS.md.
@@ -28,6 +29,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 from onebitlamb.benchmarks.convergence import (_ADAM, _ADAM_AUTO, _AUTO, DEFAULT_SEED, PRESETS, VARIANTS, Row, _gap, _loss,
                                                folder_name, mean_and_standard_error, parse_seeds, pretrain_config,
                                                row_at_seed, run_one)
+from onebitlamb.benchmarks.freeze_signals import stage2_steps
 from onebitlamb.benchmarks.report import command_line, heading, write_section
 
 HAND_PICKED = "1bit-lamb freeze 20%"
@@ -99,6 +101,24 @@ def _within(auto: dict, lamb: dict) -> bool:
     return auto["final_eval_loss"] <= (1 + WITHIN) * lamb["final_eval_loss"]  # False for NaN: a divergence
 
 
+def _three_quarters(metrics: dict) -> Optional[Tuple[int, float]]:
+    """(step, held-out loss) of the last evaluation at or before three quarters of the run: where a
+    run stood before the learning rate's last quarter of decay, which on ``b1024`` reorders the runs."""
+    points = [(samples, loss) for samples, loss in metrics.get("eval_curve") or []
+              if samples <= 0.75 * metrics["samples"]]
+    if not points:
+        return None
+    samples, loss = points[-1]
+    return round(samples * metrics["steps"] / metrics["samples"]), loss
+
+
+def _stage2_step(metrics: dict) -> str:
+    """The median layer's relative step per unit learning rate after the freeze, the highest over the
+    diagnosed steps (LAMB's is about 1): how much larger than LAMB's the compressed steps were."""
+    steps = stage2_steps(metrics)
+    return f"{steps[3]:.1f}" if steps else "-"
+
+
 def _seeds(results: Results, preset: str) -> List[int]:
     return sorted(seed for (p, variant, seed) in results if p == preset and variant == _AUTO)
 
@@ -112,10 +132,18 @@ def _comparison(results: Results, preset: str, target: Comparison) -> Tuple[List
     A divergence of the automatic freeze loses the target; the other run's diverging counts as a seed
     the automatic freeze won, outside the mean."""
     seeds = _seeds(results, preset)
-    table, differences, won, auto_diverged = [], [], 0, False
+    table, differences, won, auto_diverged, then_step = [], [], 0, False, None
+    both_lamb = VARIANTS[target.other][0] == "onebitlamb"  # so that their step sizes compare
     for seed in seeds:
         lamb, auto, other = (results[(preset, v, seed)] for v in ("lamb", _AUTO, target.other))
         ours, theirs = auto["final_eval_loss"], other["final_eval_loss"]
+        ours_then, theirs_then = _three_quarters(auto), _three_quarters(other)
+        if ours_then and theirs_then and ours_then[0] == theirs_then[0]:
+            then_step = ours_then[0]
+            then = f" {_gap(ours_then[1], theirs_then[1])} |"
+        else:
+            then = " - |"
+        sizes = f" {_stage2_step(auto)} / {_stage2_step(other)} |" if both_lamb else ""
         if ours != ours:
             auto_diverged, cell = True, "auto diverged"
         elif theirs != theirs:
@@ -130,7 +158,7 @@ def _comparison(results: Results, preset: str, target: Comparison) -> Tuple[List
             plain = f" {_loss(loss)}, {_vs(loss, lamb['final_eval_loss'])} |"
         table.append(f"| {seed} | {_loss(lamb['final_eval_loss'])} | {_freeze(auto, preset)}, {_loss(ours)}, "
                      f"{_vs(ours, lamb['final_eval_loss'])} | {other.get('freeze_step') or '-'}, {_loss(theirs)}, "
-                     f"{_vs(theirs, lamb['final_eval_loss'])} |{plain} {cell} |")
+                     f"{_vs(theirs, lamb['final_eval_loss'])} |{plain}{then}{sizes} {cell} |")
     if len(seeds) == 1:  # the loop's last (only) seed decides: won it or not
         return [], [f"- `{preset}`: the automatic freeze {_loss(ours)} against {target.name} (step "
                     f"{other.get('freeze_step')}) {_loss(theirs)}"
@@ -138,10 +166,17 @@ def _comparison(results: Results, preset: str, target: Comparison) -> Tuple[List
                     + f": {target.claim}: {_met(won == 1)} at this one seed (one seed cannot settle it: `--seeds "
                     f"{preset}:N`)." + _split(results, preset, target, seeds)]
     plain = f" {target.uncompressed_name}: loss, vs LAMB |" if target.uncompressed else ""
-    table = ["", f"`{preset}` at {len(seeds)} seeds (the last column: the automatic freeze against {target.name}, "
-                 f"negative: the automatic freeze ahead):", "",
+    sizes = " stage-2 step: auto / it |" if both_lamb else ""
+    table = ["", f"`{preset}` at {len(seeds)} seeds. Last column: the automatic freeze against {target.name} at "
+                 "the end, negative where the automatic freeze is ahead. \"auto vs it\" before it: the same at the "
+                 "last evaluation before the run's last quarter" + (f" (step {then_step})" if then_step else "")
+                 + ", in which the learning rate decays to 0."
+                 + (" Stage-2 step: the median layer's relative step per unit learning rate after the freeze, the "
+                    "highest at the diagnosed steps (LAMB's is about 1)." if both_lamb else ""), "",
              f"| seed | LAMB | 1-bit LAMB auto: freeze, loss, vs LAMB | {target.name}: freeze, loss, vs LAMB |"
-             f"{plain} auto vs it |", "|---:|---:|---|---|" + ("---|" if plain else "") + "---:|", *table]
+             f"{plain} auto vs it {f'at step {then_step}' if then_step else 'three quarters in'} |{sizes} auto vs it |",
+             "|---:|---:|---|---|" + ("---|" if plain else "") + "---:|" + ("---|" if both_lamb else "") + "---:|",
+             *table]
     if len(differences) >= 2:
         mean, error = mean_and_standard_error(differences)
         average = _mean_text(differences)
