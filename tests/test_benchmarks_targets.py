@@ -56,7 +56,7 @@ def test_verdicts_within_one_percent_divergence_and_the_other_targets():
     # 5.05 is exactly 1% above LAMB's 5.0: still within; 5.06 is not; NaN (diverged) is not
     body = tg.render(_results({"b512": 5.05, "demo": 4.9, "b4096": 4.8, "b1024": 4.6}), "cmd")
     assert "| b512 | 5.000 | 30, 5.050, +1.0% | 4.00x | met |" in body
-    assert "Within 1% of LAMB with the defaults: met on 4 of 4 presets." in body
+    assert "Within 1% of LAMB with the defaults: met: within on 4 of 4 presets." in body
     assert ("the automatic freeze 4.800 against 1-bit Adam auto (step 60) 5.000, -4.0%: 1-bit LAMB ahead of 1-bit "
             "Adam: met at this one seed") in body
     # 1-bit LAMB -4.0% against 1-bit Adam = LAMB 0.0% against Adam, 1-bit LAMB -4.0% against LAMB, 1-bit Adam
@@ -72,7 +72,7 @@ def test_verdicts_within_one_percent_divergence_and_the_other_targets():
     body = tg.render(results, "cmd")
     assert "| b512 | 5.000 | 30, 5.060, +1.2% | 4.00x | **not met** |" in body
     assert "| demo | 5.000 | 384 (the cap), NaN, diverged | 4.00x | **not met** |" in body
-    assert "Within 1% of LAMB with the defaults: **not met** on 1 of 4 presets." in body
+    assert "Within 1% of LAMB with the defaults: **not met**: within on 1 of 4 presets." in body
     assert "1-bit LAMB ahead of 1-bit Adam: **not met** at this one seed" in body
     assert "as good as the hand-picked 20%: met at this one seed" in body
     body = tg.render(_results({"b512": 5.0, "demo": 5.0, "b4096": 5.0, "b1024": 5.0}, adam=math.nan), "cmd")
@@ -103,7 +103,7 @@ def test_more_seeds_judge_by_the_mean_and_its_standard_error():
     assert ("as good as the hand-picked 20%: **not met** over 3 seeds: the automatic freeze no worse at 0 of 3, "
             "mean +3.0% ± 0.6 (standard error; the seeds settle it).") in body
     # 5.1 and 5.06 are more than 1% above LAMB's 5.0: the seed-1234 presets alone no longer make it met
-    assert ("Within 1% of LAMB with the defaults: **not met** on 4 of 4 presets at seed 1234 and on 2 of the 4 "
+    assert ("Within 1% of LAMB with the defaults: **not met**: within on 4 of 4 presets at seed 1234 and on 2 of the 4 "
             "runs at other seeds") in body
     results[("b4096", _AUTO, 1235)]["final_eval_loss"] = math.nan  # a divergence loses, whatever the mean
     assert "1-bit LAMB ahead of 1-bit Adam: **not met** over 3 seeds" in tg.render(results, "cmd")
@@ -124,7 +124,7 @@ def test_main_runs_each_check_once_in_the_study_folders_and_writes_its_section(m
                       ["--global-batch", "512", "--steps", "128", "--eval-every", "16", "--auto-freeze",
                        "--freeze-frac", "0.75", "--freeze-transient-end", "2.5"])
     text = results.read_text()
-    assert "<!-- begin targets -->" in text and "met on 4 of 4 presets" in text
+    assert "<!-- begin targets -->" in text and "defaults: met: within on 4 of 4 presets" in text
     ran.clear()
     assert tg.main(["--seeds", "b4096:2", "--out", str(tmp_path / "runs"), "--results", str(results)]) == 0
     assert len(ran) == 15 and ran[12][0] == str(tmp_path / "runs" / "b4096" /

@@ -251,7 +251,7 @@ def render(results: Results, command_text: str) -> str:
                      f"{_loss(loss)}, {_vs(loss, lamb['final_eval_loss'])} | {volume} | {_met(verdicts[-1])} |")
     others = [_within(results[(p, _AUTO, seed)], results[(p, "lamb", seed)])
               for p in CHECKS for seed in _seeds(results, p) if seed != DEFAULT_SEED]
-    bullets = [f"- Within 1% of LAMB with the defaults: {_met(all(verdicts + others))} on {sum(verdicts)} of "
+    bullets = [f"- Within 1% of LAMB with the defaults: {_met(all(verdicts + others))}: within on {sum(verdicts)} of "
                f"{len(verdicts)} presets" + (f" at seed {DEFAULT_SEED} and on {sum(others)} of the {len(others)} runs "
                                              f"at other seeds (the tables below)." if others else ".")]
     for preset, target in COMPARISONS.items():
