@@ -174,5 +174,7 @@ def test_where_the_runs_stood_three_quarters_in_and_their_stage2_steps():
     assert "| auto vs it at step 300 | stage-2 step: auto / it | auto vs it |" in body
     assert "| 1235 | 5.000 | 100, 4.600, -8.0% | 100, 4.500, -10.0% | -2.0% | 7.0 / 3.0 | +2.2% |" in body
     assert "| 1234 | 5.000 | 30, 4.600, -8.0% | 80, 4.500, -10.0% | - | - / - | +2.2% |" in body
+    results[("b1024", tg.HAND_PICKED, 1235)]["eval_curve"][2][1] = math.nan  # diverged before step 300
+    assert "| 1235 | 5.000 | 100, 4.600, -8.0% | 100, 4.500, -10.0% | a run diverged | 7.0 / 3.0 |" in tg.render(results, "cmd")
     # 1-bit Adam's steps are not LAMB's: no such column on b4096, and no step where no evaluation came
     assert "| 1235 | 5.000 | 70, 4.800, -4.0% | 70, 5.000, +0.0% | 5.000, +0.0% | - | -4.0% |" in body

@@ -13,9 +13,9 @@ freeze too ("1-bit LAMB ahead of 1-bit Adam at a batch of 4K"); on ``b1024`` the
 freeze ("as good as the best hand-picked fraction", the target still open there). One seed cannot
 settle the last two (docs/convergence.md), so ``--seeds PRESET:N`` repeats a preset's runs at N
 seeds in all and judges by the mean over them; its tables also show where the runs stood before the
-last quarter of the run, and on ``b1024`` how large the compressed steps were. The runs are the study's own rows, in its folders
-(``--out`` is shared with it by default; more seeds are its ``--seeds`` rows), so each benchmark
-reuses what the other has run.
+last quarter of the run, and on ``b1024`` how large the compressed steps were. The runs are the
+study's own rows, in its folders (``--out`` is shared with it by default; more seeds are its
+``--seeds`` rows), so each benchmark reuses what the other has run.
 Results go to the "targets" section of BENCHMARKS.md.
 """
 from __future__ import annotations
@@ -140,7 +140,8 @@ def _comparison(results: Results, preset: str, target: Comparison) -> Tuple[List
         ours_then, theirs_then = _three_quarters(auto), _three_quarters(other)
         if ours_then and theirs_then and ours_then[0] == theirs_then[0]:
             then_step = ours_then[0]
-            then = f" {_gap(ours_then[1], theirs_then[1])} |"
+            finite = ours_then[1] == ours_then[1] and theirs_then[1] == theirs_then[1]  # NaN: diverged by then
+            then = f" {_gap(ours_then[1], theirs_then[1]) if finite else 'a run diverged'} |"
         else:
             then = " - |"
         sizes = f" {_stage2_step(auto)} / {_stage2_step(other)} |" if both_lamb else ""
