@@ -103,7 +103,8 @@ def _within(auto: dict, lamb: dict) -> bool:
 
 def _three_quarters(metrics: dict) -> Optional[Tuple[int, float]]:
     """(step, held-out loss) of the last evaluation at or before three quarters of the run: where a
-    run stood before the learning rate's last quarter of decay, which on ``b1024`` reorders the runs."""
+    run stood before the learning rate's last quarter of decay, where on ``b1024`` the order of two
+    runs can still change."""
     points = [(samples, loss) for samples, loss in metrics.get("eval_curve") or []
               if samples <= 0.75 * metrics["samples"]]
     if not points:
