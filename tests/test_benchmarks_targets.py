@@ -10,9 +10,9 @@ def _m(loss, nbytes=100, freeze=None):
     return {"final_eval_loss": loss, "bytes_sent_per_rank": nbytes, "freeze_step": freeze, "diagnostics": []}
 
 
-def _results(auto_losses, adam=5.0, hand=4.5, seed=1234):
+def _results(auto_losses, adam=5.0, hand=4.5, seed=1234, late=4.7):
     """LAMB at 5.0 (400 bytes) everywhere; the automatic freeze at the given losses (100 bytes);
-    uncompressed Adam at 5.0 too."""
+    uncompressed Adam at 5.0 too; b1024's 20% freeze at ``hand``, its 35% at ``late``."""
     out = {}
     for preset, loss in auto_losses.items():
         out[(preset, "lamb", seed)] = _m(5.0, 400)
@@ -20,13 +20,15 @@ def _results(auto_losses, adam=5.0, hand=4.5, seed=1234):
     out[("b4096", _ADAM_AUTO, seed)] = _m(adam, freeze=60)
     out[("b4096", _ADAM, seed)] = _m(5.0, 400, freeze=100)
     out[("b1024", tg.HAND_PICKED, seed)] = _m(hand, freeze=80)
+    out[("b1024", tg.HAND_PICKED_LATE, seed)] = _m(late, freeze=140)
     return out
 
 
-def _seed(results, seed, b4096=None, adam=None, plain_adam=None, b1024=None, hand=None):
+def _seed(results, seed, b4096=None, adam=None, plain_adam=None, b1024=None, hand=None, late=4.7):
     """``results`` with b4096's and b1024's runs at one more seed (LAMB at 5.0 again)."""
     for preset, variant, loss in (("b4096", _AUTO, b4096), ("b4096", _ADAM_AUTO, adam), ("b4096", _ADAM, plain_adam),
-                                  ("b1024", _AUTO, b1024), ("b1024", tg.HAND_PICKED, hand)):
+                                  ("b1024", _AUTO, b1024), ("b1024", tg.HAND_PICKED, hand),
+                                  ("b1024", tg.HAND_PICKED_LATE, late if b1024 is not None else None)):
         if loss is not None:
             results[(preset, "lamb", seed)] = _m(5.0, 400)
             results[(preset, variant, seed)] = _m(loss, 100, freeze=70)
@@ -44,10 +46,10 @@ def test_the_runs_are_rows_of_the_study_on_every_preset():
 
 def test_more_seeds_are_the_studys_seeded_rows_after_every_preset_at_the_first():
     seeded = tg.runs({"b4096": 3})
-    assert seeded[:11] == tg.runs()
-    assert [(r.variant, r.seed) for r in seeded[11:]] == [(v, s) for s in (1235, 1236) for v in tg.CHECKS["b4096"]]
+    assert seeded[:12] == tg.runs()
+    assert [(r.variant, r.seed) for r in seeded[12:]] == [(v, s) for s in (1235, 1236) for v in tg.CHECKS["b4096"]]
     study = {(r.label, tuple(r.flags)) for r in plan(["b4096"], seeds=["b4096:3"])}
-    for row in seeded[11:]:
+    for row in seeded[12:]:
         assert (row.label, tuple(row.flags)) in study  # the same run folder and flags as the study's --seeds
         assert row.flags[-2:] == ["--seed", str(row.seed)] and row.label.endswith(f", seed {row.seed}")
 
@@ -119,7 +121,7 @@ def test_main_runs_each_check_once_in_the_study_folders_and_writes_its_section(m
     monkeypatch.setattr(tg, "run_one", fake_run_one)
     results = tmp_path / "B.md"
     assert tg.main(["--out", str(tmp_path / "runs"), "--results", str(results)]) == 0
-    assert len(ran) == len(tg.runs()) == 11
+    assert len(ran) == len(tg.runs()) == 12
     assert ran[1] == (str(tmp_path / "runs" / "b512" / "1bit-lamb_auto_cap_75pct_transient_end_2.5"), "onebitlamb",
                       ["--global-batch", "512", "--steps", "128", "--eval-every", "16", "--auto-freeze",
                        "--freeze-frac", "0.75", "--freeze-transient-end", "2.5"])
@@ -127,7 +129,7 @@ def test_main_runs_each_check_once_in_the_study_folders_and_writes_its_section(m
     assert "<!-- begin targets -->" in text and "defaults: met: within on 4 of 4 presets" in text
     ran.clear()
     assert tg.main(["--seeds", "b4096:2", "--out", str(tmp_path / "runs"), "--results", str(results)]) == 0
-    assert len(ran) == 15 and ran[12][0] == str(tmp_path / "runs" / "b4096" /
+    assert len(ran) == 16 and ran[13][0] == str(tmp_path / "runs" / "b4096" /
                                                 "1bit-lamb_auto_cap_75pct_transient_end_2.5_seed_1235")
     assert "`b4096` at 2 seeds" in results.read_text()
 
@@ -178,3 +180,21 @@ def test_where_the_runs_stood_three_quarters_in_and_their_stage2_steps():
     assert "| 1235 | 5.000 | 100, 4.600, -8.0% | 100, 4.500, -10.0% | a run diverged | 7.0 / 3.0 |" in tg.render(results, "cmd")
     # 1-bit Adam's steps are not LAMB's: no such column on b4096, and no step where no evaluation came
     assert "| 1235 | 5.000 | 70, 4.800, -4.0% | 70, 5.000, +0.0% | 5.000, +0.0% | - | -4.0% |" in body
+
+
+def test_b1024_names_the_best_of_its_hand_picked_freezes_by_the_mean_against_lamb():
+    # one seed: the 20% at 4.5 (-10.0% against LAMB's 5.0), the 35% at 4.7 (-6.0%): the 20% is the best
+    body = tg.render(_results({"b512": 5.0, "demo": 5.0, "b4096": 5.0, "b1024": 4.6}), "cmd")
+    assert ("the automatic freeze 4.600 against hand-picked 35% (step 140) 4.700, -2.1%: the automatic freeze as "
+            "good as the hand-picked 35%: met at this one seed") in body
+    assert ("- `b1024`: the best hand-picked fraction over 1 seed (mean loss against LAMB: hand-picked 20% -10.0%, "
+            "hand-picked 35% -6.0%) is the hand-picked 20%") in body
+    # a second seed where the 35% is far ahead: means -5.0% (20%: -10% and 0%) against -13.0% (-6% and -20%)
+    results = _results({"b512": 5.0, "demo": 5.0, "b4096": 5.0, "b1024": 4.6})
+    _seed(results, 1235, b4096=5.0, adam=5.0, plain_adam=5.0, b1024=4.6, hand=5.0, late=4.0)
+    body = tg.render(results, "cmd")
+    assert "(mean loss against LAMB: hand-picked 20% -5.0%, hand-picked 35% -13.0%) is the hand-picked 35%" in body
+    assert "`b1024` at 2 seeds. Last column: the automatic freeze against hand-picked 35%" in body
+    # a divergence of the better fraction at one seed puts it last
+    results[("b1024", tg.HAND_PICKED_LATE, 1234)]["final_eval_loss"] = math.nan
+    assert "hand-picked 35% diverged at a seed) is the hand-picked 20%" in tg.render(results, "cmd")
