@@ -198,3 +198,29 @@ def test_b1024_names_the_best_of_its_hand_picked_freezes_by_the_mean_against_lam
     # a divergence of the better fraction at one seed puts it last
     results[("b1024", tg.HAND_PICKED_LATE, 1234)]["final_eval_loss"] = math.nan
     assert "hand-picked 35% diverged at a seed) is the hand-picked 20%" in tg.render(results, "cmd")
+
+
+def test_rank_correlation_by_hand():
+    assert tg._ranks([3.0, 1.0, 1.0, 2.0]) == [4.0, 1.5, 1.5, 3.0]  # the tie shares ranks 1 and 2
+    rho, p = tg.rank_correlation([1, 2, 3, 4], [40, 30, 20, 10])
+    assert rho == -1.0
+    assert abs(p - 2 / 24) < 0.01  # 2 of the 24 pairings are perfectly (anti-)ordered
+    rho, _ = tg.rank_correlation([1, 2, 3, 4], [1, 3, 2, 4])  # ranks' squared differences 0, 1, 1, 0
+    assert abs(rho - (1 - 6 * 2 / (4 * 15))) < 1e-12  # Spearman's formula without ties: 0.8
+
+
+def test_b1024_relates_the_stage2_step_to_the_loss_over_all_its_1bit_lamb_runs():
+    results = _results({"b512": 5.0, "demo": 5.0, "b4096": 5.0, "b1024": 4.6})
+    _seed(results, 1235, b4096=5.0, adam=5.0, plain_adam=5.0, b1024=4.6)
+    # six runs whose stage-2 steps (1.0 to 7.0, the median of three layers with 0.5 and 9) order their losses
+    # exactly the other way round
+    for k, (variant, seed) in enumerate([(v, s) for s in (1234, 1235)
+                                         for v in (_AUTO, tg.HAND_PICKED, tg.HAND_PICKED_LATE)]):
+        results[("b1024", variant, seed)] = _trace(4.9 - 0.1 * k, 5.3, 5.0, (50.0, 1.0 + 1.2 * k, 80.0))
+    body = tg.render(results, "cmd")
+    assert ("over its 6 1-bit LAMB runs (the automatic freeze and the hand-picked ones, every seed), the stage-2 "
+            "step ranges 1.0-7.0 and its rank correlation with the loss against LAMB is -1.00 (permutation p = "
+            "0.00") in body
+    # records without diagnostics (the first tests') give no such line
+    assert "larger compressed steps" not in tg.render(_results({"b512": 5.0, "demo": 5.0, "b4096": 5.0,
+                                                                 "b1024": 4.6}), "cmd")
