@@ -147,19 +147,21 @@ def test_ahead_needs_the_seeds_to_settle_it_and_as_good_only_the_mean():
     assert "as good as the hand-picked 20%: met over 2 seeds" in tg.render(results, "cmd")
 
 
-def _trace(final, at_150, at_300, median_steps):
+def _trace(final, at_150, at_300, median_steps, frozen_coeff=0.1):
     """A 400-step record of 1-bit LAMB frozen at step 100, evaluated every 150 steps (the last at 300,
     three quarters in) and at the end, diagnosed at steps 100 (the freeze's own, a warm-up step), 250
     and 400 (the rate is 0 there): three layers with relative steps 0.5, the median layer's and 9 times
-    the rate, and a key bias with a step of 1000 times it."""
+    the rate and frozen trust ratios 0.01, ``frozen_coeff`` and 0.9, and a key bias with a step of 1000
+    times it and a trust ratio of 5."""
     lr = [0.01] * 398 + [0.0, 0.0]  # lr[k]: the rate step k + 2 used
     stage = ["warmup"] * 100 + ["compression"] * 300
     diagnostics = []
     for step, median in zip((100, 250, 400), median_steps):
         rate = lr[step - 2] if lr[step - 2] > 0 else 1.0
         diagnostics.append({"step": step, "layers": [
-            {"name": name, "rel_step": size * rate} for name, size in
-            (("a.weight", 0.5), ("b.weight", median), ("c.weight", 9.0), ("l0.attention.self.key.bias", 1000.0))]})
+            {"name": name, "rel_step": size * rate, "frozen_coeff": None if step == 100 else coeff}
+            for name, size, coeff in (("a.weight", 0.5, 0.01), ("b.weight", median, frozen_coeff),
+                                      ("c.weight", 9.0, 0.9), ("l0.attention.self.key.bias", 1000.0, 5.0))]})
     return {"final_eval_loss": final, "bytes_sent_per_rank": 100, "freeze_step": 100, "samples": 4000,
             "steps": 400, "eval_curve": [[0, 8.0], [1500, at_150], [3000, at_300], [4000, final]],
             "lr": lr, "stage": stage, "diagnostics": diagnostics}
@@ -216,11 +218,15 @@ def test_b1024_relates_the_stage2_step_to_the_loss_over_all_its_1bit_lamb_runs()
     # exactly the other way round
     for k, (variant, seed) in enumerate([(v, s) for s in (1234, 1235)
                                          for v in (_AUTO, tg.HAND_PICKED, tg.HAND_PICKED_LATE)]):
-        results[("b1024", variant, seed)] = _trace(4.9 - 0.1 * k, 5.3, 5.0, (50.0, 1.0 + 1.2 * k, 80.0))
+        # and frozen trust ratios that order them the same way but for the last two, swapped
+        coeff = [0.1, 0.2, 0.3, 0.4, 0.6, 0.5][k]
+        results[("b1024", variant, seed)] = _trace(4.9 - 0.1 * k, 5.3, 5.0, (50.0, 1.0 + 1.2 * k, 80.0), coeff)
     body = tg.render(results, "cmd")
     assert ("over its 6 1-bit LAMB runs (the automatic freeze and the hand-picked ones, every seed), the stage-2 "
             "step ranges 1.0-7.0 and its rank correlation with the loss against LAMB is -1.00 (permutation p = "
             "0.00") in body
+    # Spearman without ties: 1 - 6 * (1 + 1) / (6 * 35) = 0.943 (negated: the losses fall)
+    assert "the median layer's frozen trust ratio ranges 0.100-0.600 and its rank correlation with that loss is -0.94" in body
     # records without diagnostics (the first tests') give no such line
     assert "larger compressed steps" not in tg.render(_results({"b512": 5.0, "demo": 5.0, "b4096": 5.0,
                                                                  "b1024": 4.6}), "cmd")

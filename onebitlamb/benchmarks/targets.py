@@ -32,7 +32,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 from onebitlamb.benchmarks.convergence import (_ADAM, _ADAM_AUTO, _AUTO, DEFAULT_SEED, PRESETS, VARIANTS, Row, _gap, _loss,
                                                folder_name, mean_and_standard_error, parse_seeds, pretrain_config,
                                                row_at_seed, run_one)
-from onebitlamb.benchmarks.freeze_signals import stage2_steps
+from onebitlamb.benchmarks.freeze_signals import IGNORED_SUFFIX, stage2_steps
 from onebitlamb.benchmarks.report import command_line, heading, write_section
 
 # b1024's hand-picked freezes: the paper's 20%, best on the version-2 corpus, and 35%, ahead of it at
@@ -293,26 +293,42 @@ def rank_correlation(xs: Sequence[float], ys: Sequence[float], shuffles: int = 2
     return rho, extreme / shuffles
 
 
+def _frozen_coefficient(metrics: dict) -> Optional[float]:
+    """The median layer's frozen trust ratio (the warm-up's average that stage 2 keeps; key biases
+    left out), from the first diagnosed step after the freeze; None where none was diagnosed."""
+    for diag in metrics.get("diagnostics") or []:
+        frozen = [layer["frozen_coeff"] for layer in diag["layers"]
+                  if layer.get("frozen_coeff") is not None and not layer["name"].endswith(IGNORED_SUFFIX)]
+        if frozen:
+            return statistics.median(frozen)
+    return None
+
+
 def _step_size_order(results: Results, preset: str) -> List[str]:
     """Do larger compressed steps go with a lower loss? Over every 1-bit LAMB run of the preset at
-    every seed (the automatic freeze and the hand-picked ones), the rank correlation of the stage-2
-    step (``_stage2_step``) with the loss against LAMB at the same seed. Nothing with under 4 runs."""
+    every seed (the automatic freeze and the hand-picked ones), the rank correlation with the loss
+    against LAMB at the same seed of the stage-2 step (``_stage2_step``) and of what sets much of it,
+    the frozen trust ratio (``_frozen_coefficient``). Nothing with under 4 runs."""
     variants = [v for v in CHECKS[preset][1:] if VARIANTS[v][0] == "onebitlamb"]
-    steps, gaps = [], []
+    steps, coefficients, gaps = [], [], []
     for variant in variants:
         for seed in _seeds(results, preset):
             run, lamb = results[(preset, variant, seed)], results[(preset, "lamb", seed)]
             sizes = stage2_steps(run) if run.get("diagnostics") else None
-            if sizes and run["final_eval_loss"] == run["final_eval_loss"]:
+            coefficient = _frozen_coefficient(run)
+            if sizes and coefficient is not None and run["final_eval_loss"] == run["final_eval_loss"]:
                 steps.append(sizes[3])
+                coefficients.append(coefficient)
                 gaps.append(100 * (run["final_eval_loss"] / lamb["final_eval_loss"] - 1))
     if len(steps) < 4:
         return []
-    rho, p = rank_correlation(steps, gaps)
+    (rho, p), (rho_c, p_c) = rank_correlation(steps, gaps), rank_correlation(coefficients, gaps)
     return [f"- `{preset}`, larger compressed steps against the loss: over its {len(steps)} 1-bit LAMB runs (the "
             f"automatic freeze and the hand-picked ones, every seed), the stage-2 step ranges {min(steps):.1f}-"
             f"{max(steps):.1f} and its rank correlation with the loss against LAMB is {rho:+.2f} (permutation p = "
-            f"{p:.3f}; negative: the larger the steps, the further ahead of LAMB the run ended)."]
+            f"{p:.3f}); the median layer's frozen trust ratio ranges {min(coefficients):.3f}-"
+            f"{max(coefficients):.3f} and its rank correlation with that loss is {rho_c:+.2f} (p = {p_c:.3f}). "
+            "Negative: the larger, the further ahead of LAMB the run ended."]
 
 
 def render(results: Results, command_text: str) -> str:
