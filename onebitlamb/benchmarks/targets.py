@@ -1,6 +1,6 @@
 """The convergence targets with the defaults: the check to run first after a change.
 
-    python -m onebitlamb.benchmarks.targets                  # every run at seed 1234 (~2 h on 2 cores)
+    python -m onebitlamb.benchmarks.targets                  # every run at seed 1234 (~2.5 h on 2 cores)
     python -m onebitlamb.benchmarks.targets --seeds b4096:3  # and b4096's runs at 2 more seeds
     python -m onebitlamb.benchmarks.targets --list           # what would run
 
