@@ -226,7 +226,8 @@ def test_b1024_relates_the_stage2_step_to_the_loss_over_all_its_1bit_lamb_runs()
             "step ranges 1.0-7.0 and its rank correlation with the loss against LAMB is -1.00 (permutation p = "
             "0.00") in body
     # Spearman without ties: 1 - 6 * (1 + 1) / (6 * 35) = 0.943 (negated: the losses fall)
-    assert "the median layer's frozen trust ratio ranges 0.100-0.600 and its rank correlation with that loss is -0.94" in body
+    assert ("the median layer's frozen trust ratio ranges 0.100-0.600 and its rank correlation with that loss is "
+            "-0.94") in body
     # records without diagnostics (the first tests') give no such line
     assert "larger compressed steps" not in tg.render(_results({"b512": 5.0, "demo": 5.0, "b4096": 5.0,
                                                                  "b1024": 4.6}), "cmd")

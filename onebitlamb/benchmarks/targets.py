@@ -35,8 +35,8 @@ from onebitlamb.benchmarks.convergence import (_ADAM, _ADAM_AUTO, _AUTO, DEFAULT
 from onebitlamb.benchmarks.freeze_signals import IGNORED_SUFFIX, stage2_steps
 from onebitlamb.benchmarks.report import command_line, heading, write_section
 
-# b1024's hand-picked freezes: the paper's 20%, best on the version-2 corpus, and 35%, ahead of it at
-# the two seeds it ran on version 3 (docs/convergence.md)
+# b1024's hand-picked freezes: the paper's 20%, the best on the version-2 corpus, and 35%, the best
+# on version 3 (docs/convergence.md)
 HAND_PICKED = "1bit-lamb freeze 20%"
 HAND_PICKED_LATE = "1bit-lamb freeze 35%"
 # preset -> the study's variants this check runs there (LAMB and the default automatic freeze first)
@@ -251,7 +251,7 @@ def _best_hand_picked(results: Results, preset: str) -> str:
                        ["final_eval_loss"] - 1) for seed in seeds]
         means[variant] = statistics.fmean(gaps)
     best = min(means, key=lambda v: (means[v] != means[v], means[v]))  # NaN (a divergence) last
-    name = dict((c.other, c.name) for p, c in COMPARISONS if p == preset)
+    name = {target.other: target.name for p, target in COMPARISONS if p == preset}
     listed = ", ".join(f"{name[v]} {means[v]:+.1f}%" if means[v] == means[v] else f"{name[v]} diverged at a seed"
                        for v in means)
     return (f"- `{preset}`: the best hand-picked fraction over {len(seeds)} seed{'s' if len(seeds) > 1 else ''} "
@@ -294,8 +294,9 @@ def rank_correlation(xs: Sequence[float], ys: Sequence[float], shuffles: int = 2
 
 
 def _frozen_coefficient(metrics: dict) -> Optional[float]:
-    """The median layer's frozen trust ratio (the warm-up's average that stage 2 keeps; key biases
-    left out), from the first diagnosed step after the freeze; None where none was diagnosed."""
+    """The median layer's frozen trust ratio (the running average of the last warm-up steps' trust
+    ratios that stage 2 keeps; key biases left out), from the first diagnosed step after the freeze;
+    None where none was diagnosed."""
     for diag in metrics.get("diagnostics") or []:
         frozen = [layer["frozen_coeff"] for layer in diag["layers"]
                   if layer.get("frozen_coeff") is not None and not layer["name"].endswith(IGNORED_SUFFIX)]
