@@ -240,6 +240,12 @@ def _split(results: Results, preset: str, target: Comparison, seeds: Sequence[in
             f"less the second {_mean_text([a - b for a, b in zip(lamb_costs, other_costs)], ' points')}.")
 
 
+def _percent_against_lamb(results: Results, preset: str, variant: str, seed: int) -> float:
+    """A run's final loss against LAMB's at the same seed, in percent (NaN for a divergence)."""
+    loss, lamb = (results[(preset, v, seed)]["final_eval_loss"] for v in (variant, "lamb"))
+    return 100 * (loss / lamb - 1)
+
+
 def _best_hand_picked(results: Results, preset: str) -> str:
     """The verdict's bullet naming the best of the preset's hand-picked freezes: the lowest mean, over
     the seeds, of its loss against LAMB's at the same seed (a divergence counts as worse than any
@@ -247,8 +253,7 @@ def _best_hand_picked(results: Results, preset: str) -> str:
     seeds = _seeds(results, preset)
     means = {}
     for variant in HAND_PICKED_OF[preset]:
-        gaps = [100 * (results[(preset, variant, seed)]["final_eval_loss"] / results[(preset, "lamb", seed)]
-                       ["final_eval_loss"] - 1) for seed in seeds]
+        gaps = [_percent_against_lamb(results, preset, variant, seed) for seed in seeds]
         means[variant] = statistics.fmean(gaps)
     best = min(means, key=lambda v: (means[v] != means[v], means[v]))  # NaN (a divergence) last
     name = {target.other: target.name for p, target in COMPARISONS if p == preset}
@@ -314,13 +319,13 @@ def _step_size_order(results: Results, preset: str) -> List[str]:
     steps, coefficients, gaps = [], [], []
     for variant in variants:
         for seed in _seeds(results, preset):
-            run, lamb = results[(preset, variant, seed)], results[(preset, "lamb", seed)]
+            run = results[(preset, variant, seed)]
             sizes = stage2_steps(run) if run.get("diagnostics") else None
             coefficient = _frozen_coefficient(run)
             if sizes and coefficient is not None and run["final_eval_loss"] == run["final_eval_loss"]:
                 steps.append(sizes[3])
                 coefficients.append(coefficient)
-                gaps.append(100 * (run["final_eval_loss"] / lamb["final_eval_loss"] - 1))
+                gaps.append(_percent_against_lamb(results, preset, variant, seed))
     if len(steps) < 4:
         return []
     (rho, p), (rho_c, p_c) = rank_correlation(steps, gaps), rank_correlation(coefficients, gaps)
