@@ -691,3 +691,90 @@ def test_update_guard_bounds_a_blow_up():
 def test_invalid_onebit_options(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
         cls([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_trust_rise_by_hand():
+    from onebitlamb.optim.functional import trust_peak_passed, trust_rise
+    history = torch.zeros(4, 3)
+    history[:, 0] = torch.tensor([0.0, 0.1, 0.2, 0.3])   # rising by 0.3 over the window
+    history[:, 1] = torch.tensor([1.0, 1.2, 1.1, 0.9])   # peaked inside it, now 0.1 below its start
+    history[:, 2] = torch.tensor([0.5, 0.5, 0.6, 0.7])   # rising by 0.2
+    assert trust_rise(history, count=4) == pytest.approx(0.2)  # the median layer
+    assert trust_rise(history, count=3) is None and not trust_peak_passed(None)  # the window is not full yet
+    history[3, 2] = 0.4  # the middle layer now 0.1 below its start
+    assert trust_rise(history, count=9) == pytest.approx(-0.1) and trust_peak_passed(-0.1)
+    history[:, 1] = -math.inf  # a layer whose trust ratio was never defined is left out
+    assert trust_rise(history, count=9) == pytest.approx(-0.1)  # the lower middle of (0.3, -0.1)
+    assert trust_rise(torch.full((4, 2), -math.inf), count=9) is None
+
+
+def _rising_trust_run(after_trust_peak, steps=120, resume_at=None):
+    """A small regression net whose trust ratios rise for a while after its variance has settled
+    (its weights grow, its Adam direction does not). Returns the optimizer, the step-by-step
+    trust ratios (layer_diagnostics) and trust_rise."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    x = torch.randn(256, 8)
+    y = (x @ torch.randn(8, 1)).tanh()
+    options = dict(lr=1e-2, freeze_step="auto", min_freeze_step=5, max_freeze_step=100, freeze_window=10,
+                   freeze_tolerance=1.0, freeze_after_trust_peak=after_trust_peak)
+    opt = onebitlamb.OneBitLamb(model.parameters(), **options)
+    ratios, rises = [], []
+    for t in range(1, steps + 1):
+        rows = torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(t))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+        ratios.append([d["trust_ratio"] for d in opt.layer_diagnostics()])
+        rises.append(opt.trust_rise)
+        if t == resume_at:
+            opt = _through_a_checkpoint(opt, lambda: onebitlamb.OneBitLamb(model.parameters(), **options))
+        if opt.stage == "compression":
+            break
+    return opt, ratios, rises
+
+
+def test_freeze_after_trust_peak_waits_until_the_median_trust_ratio_stops_rising():
+    """The variance criterion alone freezes at some step R; with freeze_after_trust_peak the freeze
+    comes at the first step from R on where the median layer's running-average trust ratio is no
+    higher than ``freeze_window`` steps before. Recomputed here from the trust ratios each step
+    applied (bias-corrected average with coeff_beta 0.9, as the frozen coefficient is)."""
+    plain, _, _ = _rising_trust_run(False)
+    ready = plain.state["flat"]["frozen_at"]
+    opt, ratios, rises = _rising_trust_run(True)
+    assert opt.freeze_ready_step == ready  # the warm-up is the same run up to the freeze
+    window, beta = 10, 0.9
+    average, levels = torch.zeros(4), []
+    for t, row in enumerate(ratios, start=1):
+        average = beta * average + (1 - beta) * torch.tensor(row)
+        levels.append(torch.log(average / (1 - beta ** t)))
+    expected = next(t for t in range(max(ready, window + 1), len(levels) + 1)
+                    if float((levels[t - 1] - levels[t - 1 - window]).sort().values[1]) <= 0)
+    frozen_at = opt.state["flat"]["frozen_at"]
+    assert frozen_at == expected and frozen_at > ready, (frozen_at, expected, ready)
+    assert all(r > 0 for r in rises[ready - 1:frozen_at - 1])  # waited while it rose
+    assert rises[frozen_at - 1] <= 0                           # the freeze's own step decided it
+    resumed, _, _ = _rising_trust_run(True, resume_at=ready + 2)  # a checkpoint taken while it waited
+    assert resumed.state["flat"]["frozen_at"] == frozen_at
+
+
+def test_freeze_after_trust_peak_still_freezes_at_the_cap():
+    """Trust ratios that rise at every step (the weights grow, the gradient stays the same) never
+    pass the peak: the cap freezes the run, as without the option."""
+    p = torch.nn.Parameter(torch.ones(16))
+    opt = onebitlamb.OneBitLamb([p], lr=1e-1, freeze_step="auto", max_freeze_step=30, freeze_window=5,
+                                freeze_tolerance=1.0, freeze_after_trust_peak=True)
+    for _ in range(30):
+        p.grad = -torch.ones(16)  # a constant descent direction: |x| grows, |u| stays 4
+        opt.step()
+    assert opt.freeze_ready_step is not None and opt.freeze_ready_step < 30
+    assert opt.state["flat"]["frozen_at"] == 30
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"freeze_step": 10, "freeze_after_trust_peak": True}, "freeze_after_trust_peak=True needs freeze_step='auto'"),
+    ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_after_trust_peak": 1}, "freeze_after_trust_peak: 1"),
+])
+def test_invalid_trust_peak_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        onebitlamb.OneBitLamb([torch.nn.Parameter(torch.zeros(2))], **kwargs)

@@ -119,6 +119,28 @@ def test_auto_freeze_run_records_the_levels_and_plots_them(compared, tmp_path, c
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_freeze_after_trust_peak_run_records_the_wait(compared, tmp_path, corpus_dir):
+    _, cache, _ = compared
+    _cli("pretrain", "--preset", "tiny", "--optimizer", "onebitlamb", "--auto-freeze", "--freeze-after-trust-peak",
+         "--freeze-window", "2", "--steps", "16", "--freeze-frac", "0.75", "--out", str(tmp_path), "--corpus",
+         corpus_dir, "--cache-dir", str(cache), "--no-progress")
+    with open(tmp_path / "metrics.json") as f:
+        m = json.load(f)
+    freeze, ready, rise = m["freeze_step"], m["freeze_ready_step"], m["trust_rise"]
+    assert ready is not None and ready <= freeze <= 12, (ready, freeze)
+    # recorded on every warm-up step once a window (3 levels) is in, the freeze's own included
+    assert [i + 1 for i, r in enumerate(rise) if r is not None] == list(range(3, freeze + 1))
+    assert all(r > 0 for r in rise[ready - 1:freeze - 1])  # it waited only while the trust ratios rose
+    assert freeze == 12 or rise[freeze - 1] <= 0
+
+
+def test_freeze_after_trust_peak_needs_the_automatic_freeze(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "onebitlamb", "pretrain", "--preset", "tiny", "--optimizer",
+                           "onebitlamb", "--freeze-after-trust-peak", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--freeze-after-trust-peak delays the automatic freeze" in proc.stderr
+
+
 def test_changed_settings_ignores_only_what_the_run_does_not_read():
     import dataclasses
 
@@ -147,6 +169,10 @@ def test_changed_settings_ignores_only_what_the_run_does_not_read():
     assert pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0"), older) == {}
     assert set(pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0", "--unfreeze-rise", "4"),
                                          older)) == {"unfreeze_rise"}
+    del older["freeze_after_trust_peak"]  # a run from before the option waited for no trust peak
+    assert pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0"), older) == {}
+    assert set(pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0", "--freeze-after-trust-peak"),
+                                         older)) == {"freeze_after_trust_peak"}
     fixed = ["--optimizer", "onebitlamb"]
     assert changed(fixed + ["--freeze-tolerance", "0.25"], fixed) == set()  # a fixed freeze never reads it
     assert changed(fixed + ["--freeze-frac", "0.2"], fixed) == {"freeze_frac"}

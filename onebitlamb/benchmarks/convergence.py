@@ -45,6 +45,8 @@ PRESETS: Dict[str, List[str]] = {
 }
 # the automatic freeze with the default rule, and with the rule before (see VARIANTS)
 _AUTO, _AUTO_BEFORE = "1bit-lamb auto (cap 75%), transient end 2.5", "1bit-lamb auto (cap 75%)"
+# the default rule, then wait for the median layer's trust ratio to stop rising (an option, not the default)
+_AUTO_TRUST_PEAK = "1bit-lamb auto (cap 75%), transient end 2.5, after trust peak"
 # The rule before with the two options against a blow-up (b512; demo at every seed): can they make
 # its earlier freeze safe where it froze in the middle of the plateau exit (demo seed 1236)?
 _AUTO_BEFORE_GUARDED = "1bit-lamb auto (cap 75%), update space + guard"
@@ -70,6 +72,8 @@ VARIANTS: Dict[str, Tuple[str, List[str]]] = {
     # the plateau"); their sweeps and seeds ran with it, and a row's meaning must not move
     _AUTO_BEFORE: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "0"]),
     _AUTO: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "2.5"]),
+    _AUTO_TRUST_PEAK: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "2.5",
+                                      "--freeze-after-trust-peak"]),
     _AUTO_BEFORE_GUARDED: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "0",
                                           "--compression-space", "update", "--update-guard", "4"]),
     # 1-bit Adam's rows name their rate: the main job's default moved from 1e-3 to 2e-3 (its best in

@@ -215,6 +215,32 @@ def freeze_due(step: int, spread: Optional[float], peak: float, floor: int, cap:
     return settled(spread, tolerance) or transient_passed(spread, peak, transient, end)
 
 
+def trust_rise(history: torch.Tensor, count: int) -> Optional[float]:
+    """How far the median layer's trust ratio rose over the window: the median over the layers of
+    the last row minus the first (rows: each warm-up step's per-layer ``log`` of the trust ratio's
+    running average; log scale, so 0.1 is about 10%). None until the window is full or while no
+    layer has a finite level throughout it.
+
+    Why it can hold a freeze back (``OneBitLamb(freeze_after_trust_peak=True)``): stage 2 keeps the
+    trust ratio of the freeze, and on the main job's ``b1024`` LAMB's own trust ratios keep rising
+    for 100-200 steps after the variance has left its transient. A freeze on that rise keeps a
+    smaller ratio than LAMB soon uses, and over the seeds measured the smaller the compressed steps,
+    the worse the run (docs/convergence.md). The median, not every layer: the most mobile layer's
+    ratio keeps moving by a factor of 3-4 long after the rest (``settled``).
+    """
+    if count < history.shape[0]:
+        return None
+    finite = torch.isfinite(history).all(dim=0)
+    if not bool(finite.any()):
+        return None
+    return float((history[-1, finite] - history[0, finite]).median())
+
+
+def trust_peak_passed(rise: Optional[float]) -> bool:
+    """The trust ratios have stopped rising: the median layer's is no higher than a window ago."""
+    return rise is not None and rise <= 0.0
+
+
 def window_spread(history: torch.Tensor, count: int) -> Optional[float]:
     """How far the least settled layer statistic moved over the window (max minus min, log
     scale); None until the window is full or while no layer has a gradient."""

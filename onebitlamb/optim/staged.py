@@ -56,8 +56,10 @@ class StagedOptimizer(Optimizer):
 
     ``freeze_step=None`` means warm-up forever (plain LAMB or Adam, full communication);
     ``"auto"`` freezes once the warm-up has settled or has been through its transient (see
-    ``functional.settled`` and ``functional.transient_passed``), and with ``unfreeze_rise`` undoes
-    a freeze that a later plateau exit shows to have come too early (``functional.window_rise``).
+    ``functional.settled`` and ``functional.transient_passed``), with ``freeze_after_trust_peak``
+    not before the trust ratios have then stopped rising (``functional.trust_rise``), and with
+    ``unfreeze_rise`` undoes a freeze that a later plateau exit shows to have come too early
+    (``functional.window_rise``).
     """
 
     _layerwise = True
@@ -134,6 +136,10 @@ class StagedOptimizer(Optimizer):
             flat["freeze_history"] = torch.zeros(self.defaults["freeze_window"] + 1, L, **f32)
             flat["freeze_history_count"] = 0
             flat["freeze_spread_peak"] = 0.0
+        if self._waiting_for_trust_peak():
+            flat["trust_history"] = torch.zeros(self.defaults["freeze_window"] + 1, L, **f32)
+            flat["trust_history_count"] = 0
+            flat["freeze_ready_at"] = None  # the step at whose end the variance criterion first held
         if self._watching_rise():
             flat["local_variance"] = torch.zeros(L, **f32)
             # the local levels of the freeze's step and the frozen steps since, the last window of them
@@ -214,6 +220,28 @@ class StagedOptimizer(Optimizer):
         without a gradient), the numbers that step decided on; the freeze is undone when the
         largest is above ``unfreeze_rise``. None otherwise."""
         return None if self._last_rise is None else self._last_rise.tolist()
+
+    @property
+    def trust_rise(self) -> Optional[float]:
+        """With ``freeze_after_trust_peak``, if the last step ran the warm-up (the freeze's own step
+        included): how far (log scale) the median layer's trust ratio (its running average, the one
+        stage 2 would keep) rose over the last ``freeze_window`` steps; once the variance criterion
+        has held, the freeze waits for this to be at most 0. None otherwise, and until a window is in."""
+        if not self._waiting_for_trust_peak() or not self._auto_freeze_watching():
+            return None
+        return F.trust_rise(self._flat["trust_history"], self._flat["trust_history_count"])
+
+    @property
+    def freeze_ready_step(self) -> Optional[int]:
+        """With ``freeze_after_trust_peak``: the step at whose end the variance criterion (or the
+        cap) first held, from which the freeze waited for the trust ratios; None before (and after
+        an undone freeze, until it holds again)."""
+        if not self._waiting_for_trust_peak() or "flat" not in self.state:
+            return None
+        return self._flat["freeze_ready_at"]
+
+    def _waiting_for_trust_peak(self) -> bool:
+        return self.freeze_step == "auto" and bool(self.defaults.get("freeze_after_trust_peak"))
 
     def _watching_rise(self) -> bool:
         return self.freeze_step == "auto" and self.defaults.get("unfreeze_rise") is not None
@@ -347,9 +375,18 @@ class StagedOptimizer(Optimizer):
         if self.freeze_step != "auto":
             return flat["step"] == self.freeze_step
         d = self.defaults
-        return F.freeze_due(flat["step"], F.window_spread(flat["freeze_history"], flat["freeze_history_count"]),
-                            flat.get("freeze_spread_peak", 0.0), d["min_freeze_step"], d["max_freeze_step"],
-                            d["freeze_tolerance"], d["freeze_transient"], d["freeze_transient_end"])
+        due = F.freeze_due(flat["step"], F.window_spread(flat["freeze_history"], flat["freeze_history_count"]),
+                           flat.get("freeze_spread_peak", 0.0), d["min_freeze_step"], d["max_freeze_step"],
+                           d["freeze_tolerance"], d["freeze_transient"], d["freeze_transient_end"])
+        if not self._waiting_for_trust_peak():
+            return due
+        if due and flat["freeze_ready_at"] is None:
+            # kept: the spread may move above the tolerance again while the trust ratios still rise
+            flat["freeze_ready_at"] = flat["step"]
+        if flat["step"] >= d["max_freeze_step"]:
+            return True
+        return (flat["freeze_ready_at"] is not None
+                and F.trust_peak_passed(F.trust_rise(flat["trust_history"], flat["trust_history_count"])))
 
     def _track_local_variance(self, grads: torch.Tensor) -> None:
         """Each layer's mean squared *local* gradient, averaged over the ranks (one all-reduce of
@@ -404,13 +441,17 @@ class StagedOptimizer(Optimizer):
             flat.pop(key, None)
         flat["frozen_at"] = None
         flat["freeze_history_count"] = 0
+        if self._waiting_for_trust_peak():
+            flat["trust_history_count"] = 0
+            flat["freeze_ready_at"] = None
         flat["unfrozen_at"].append(flat["step"])
         self._scratch = {}  # the caches derived from the frozen variance
 
     def _record_warmup(self, coeff: torch.Tensor, param_norms: torch.Tensor, update_norms: torch.Tensor) -> None:
         """What the freeze and the guard need from a warm-up step, all from synchronized state:
         the relative step per unit learning rate (the guard's yardstick), and for ``"auto"`` each
-        layer's variance level (whose settling triggers the freeze)."""
+        layer's variance level (whose settling triggers the freeze) and, with
+        ``freeze_after_trust_peak``, the level of the trust ratio that a freeze now would keep."""
         flat = self._flat
         step_ratio, defined = F.relative_steps(coeff, param_norms, update_norms)
         F.update_ema_(flat["step_ratio_ema"], flat["step_ratio_count"], step_ratio, defined, _STEP_RATIO_BETA)
@@ -421,6 +462,11 @@ class StagedOptimizer(Optimizer):
             spread = F.window_spread(flat["freeze_history"], flat["freeze_history_count"])
             if spread is not None:
                 flat["freeze_spread_peak"] = max(flat.get("freeze_spread_peak", 0.0), spread)
+        if self._waiting_for_trust_peak():
+            kept = F.corrected_ema(flat["coeff_ema"], flat["coeff_ema_count"], self.defaults["coeff_beta"])
+            # a layer whose trust ratio was never defined has no level (-inf): left out of the median
+            levels = torch.where(flat["coeff_ema_count"] > 0, torch.log(kept), torch.full_like(kept, -math.inf))
+            self._push_levels_("trust_history", levels)
 
     def _warmup_step(self, grads: torch.Tensor) -> None:
         """Stage 1 (all of LAMB): average the gradients, Adam moments, layer-wise trust ratio."""

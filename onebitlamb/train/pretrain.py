@@ -58,7 +58,7 @@ DEFAULTS = dict(
     # 1-bit optimizers: freeze_frac is the freeze, or with auto_freeze the latest it may happen
     auto_freeze=False, min_freeze_frac=0.05, freeze_window=20, freeze_tolerance=0.3, freeze_transient=5.0,
     # half the transient threshold, not half the spread's peak (docs/convergence.md, "A spike on the plateau")
-    freeze_transient_end=2.5, unfreeze_rise=0.0,
+    freeze_transient_end=2.5, unfreeze_rise=0.0, freeze_after_trust_peak=False,
     compression_space="momentum", update_guard=0.0,
 )
 PRESETS = {
@@ -116,6 +116,7 @@ class TrainConfig:
     freeze_transient: float
     freeze_transient_end: float
     unfreeze_rise: float
+    freeze_after_trust_peak: bool
     compression_space: str
     update_guard: float
     cache_dir: str = ""
@@ -146,6 +147,8 @@ class TrainConfig:
                              f"= {world_size} x {self.micro_batch}")
         if self.steps < 1 or self.eval_every < 1 or self.ckpt_every < 1:
             raise ValueError("--steps, --eval-every and --ckpt-every must be >= 1")
+        if self.freeze_after_trust_peak and not self.auto_freeze:
+            raise ValueError("--freeze-after-trust-peak delays the automatic freeze: it needs --auto-freeze")
 
 
 def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True) -> None:
@@ -198,6 +201,10 @@ def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True
         g.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=helps.get(name))
     g.add_argument("--auto-freeze", action="store_true", default=None,
                    help="1-bit optimizers: freeze_step='auto', between --min-freeze-frac and --freeze-frac")
+    g.add_argument("--freeze-after-trust-peak", action="store_true", default=None,
+                   help="1-bit LAMB with --auto-freeze: once the variance criterion holds, wait (up to "
+                        "--freeze-frac) until the median layer's trust ratio has stopped rising (1-bit Adam "
+                        "has no trust ratio: it ignores this)")
 
 
 def config_from_args(args: argparse.Namespace, optimizer: Optional[str] = None, out: Optional[str] = None) -> TrainConfig:
@@ -335,13 +342,14 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
 
     # state of the run: what the metrics file reports, saved in every checkpoint
     history = {"eval": [], "train_loss": [], "bytes": [], "stage": [], "lr": [], "diagnostics": [],
-               "freeze_spread": [], "freeze_levels": [], "variance_rise": [], "train_time_s": 0.0,
-               "wall_time_s": 0.0}
+               "freeze_spread": [], "freeze_levels": [], "variance_rise": [], "trust_rise": [],
+               "freeze_ready_step": None, "train_time_s": 0.0, "wall_time_s": 0.0}
     start_step = 0
     if cfg.resume:
         start_step, history = load_checkpoint(cfg, rank, world, model, optimizer, scheduler, history, device)
-        for key in ("freeze_levels", "variance_rise"):  # a checkpoint from before they were recorded
+        for key in ("freeze_levels", "variance_rise", "trust_rise"):  # a checkpoint from before they were recorded
             history.setdefault(key, [None] * start_step)
+        history.setdefault("freeze_ready_step", None)
     elif master:
         _fresh_out_dir(cfg)
     if master:
@@ -399,6 +407,9 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
         history["freeze_spread"].append(optimizer.freeze_spread)  # --auto-freeze: how settled, per step
         history["freeze_levels"].append(_finite_or_none(optimizer.freeze_levels))
         history["variance_rise"].append(_finite_or_none(optimizer.variance_rise))
+        history["trust_rise"].append(getattr(optimizer, "trust_rise", None))  # --freeze-after-trust-peak
+        if getattr(optimizer, "freeze_ready_step", None) is not None:
+            history["freeze_ready_step"] = optimizer.freeze_ready_step
         history["lr"].append(scheduler.get_last_lr()[0])
         if diagnose:
             history["diagnostics"].append(layer_report(step + 1, stage, names, before, optimizer))
@@ -470,8 +481,9 @@ def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
                       unfreeze_rise=cfg.unfreeze_rise or None)
     else:
         onebit.update(freeze_step=cfg.freeze_step)
-    cls = onebitlamb.OneBitLamb if cfg.optimizer == "onebitlamb" else onebitlamb.OneBitAdam
-    return cls(groups, **common, **onebit)
+    if cfg.optimizer == "onebitlamb":
+        return onebitlamb.OneBitLamb(groups, **common, **onebit, freeze_after_trust_peak=cfg.freeze_after_trust_peak)
+    return onebitlamb.OneBitAdam(groups, **common, **onebit)
 
 
 @torch.no_grad()
@@ -636,9 +648,9 @@ def check_resumable(cfg: TrainConfig, saved: Optional[dict] = None) -> None:
 # Settings only the 1-bit optimizers read, and of those, the ones only the automatic freeze reads
 ONEBIT_SETTINGS = {"freeze_frac", "compression_space", "update_guard"}
 AUTO_FREEZE_SETTINGS = {"min_freeze_frac", "freeze_window", "freeze_tolerance", "freeze_transient",
-                        "freeze_transient_end", "unfreeze_rise"}
+                        "freeze_transient_end", "unfreeze_rise", "freeze_after_trust_peak"}
 # Settings added after runs were saved, and the value those runs had in effect
-ADDED_SETTINGS = {"freeze_transient_end": 0.0, "unfreeze_rise": 0.0}
+ADDED_SETTINGS = {"freeze_transient_end": 0.0, "unfreeze_rise": 0.0, "freeze_after_trust_peak": False}
 
 
 def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
@@ -715,6 +727,10 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
         # --unfreeze-rise, per stage-2 step: each layer's rise of its local gradient variance since the freeze
         "variance_rise": ({"layers": list(names), "per_step": history["variance_rise"]}
                            if any(row is not None for row in history["variance_rise"]) else None),
+        # --freeze-after-trust-peak: per warm-up step, the median layer's trust-ratio rise over the
+        # window; and the step the variance criterion first held, from which the freeze waited
+        "trust_rise": history["trust_rise"] if any(v is not None for v in history["trust_rise"]) else None,
+        "freeze_ready_step": history["freeze_ready_step"],
         "stage": history["stage"],
         "lr": history["lr"],
         "diagnostics": history["diagnostics"],
