@@ -111,6 +111,18 @@ def stage2_steps(metrics: dict) -> Optional[Tuple[float, float, float, float]]:
     return min(largest), max(largest), min(median), max(median)
 
 
+def frozen_coefficient(metrics: dict) -> Optional[float]:
+    """The median layer's frozen trust ratio (the running average of the last warm-up steps' trust
+    ratios that stage 2 keeps; key biases left out), from the first diagnosed step after the freeze;
+    None where none was diagnosed."""
+    for diag in metrics.get("diagnostics") or []:
+        frozen = [layer["frozen_coeff"] for layer in diag["layers"]
+                  if layer.get("frozen_coeff") is not None and not layer["name"].endswith(IGNORED_SUFFIX)]
+        if frozen:
+            return statistics.median(frozen)
+    return None
+
+
 def _load(path: str) -> dict:
     with open(path) as f:
         return json.load(f)

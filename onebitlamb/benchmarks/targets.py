@@ -32,7 +32,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 from onebitlamb.benchmarks.convergence import (_ADAM, _ADAM_AUTO, _AUTO, DEFAULT_SEED, PRESETS, VARIANTS, Row, _gap, _loss,
                                                folder_name, mean_and_standard_error, parse_seeds, pretrain_config,
                                                row_at_seed, run_one)
-from onebitlamb.benchmarks.freeze_signals import IGNORED_SUFFIX, stage2_steps
+from onebitlamb.benchmarks.freeze_signals import frozen_coefficient, stage2_steps
 from onebitlamb.benchmarks.report import command_line, heading, write_section
 
 # b1024's hand-picked freezes: the paper's 20%, the best on the version-2 corpus, and 35%, the best
@@ -298,30 +298,18 @@ def rank_correlation(xs: Sequence[float], ys: Sequence[float], shuffles: int = 2
     return rho, extreme / shuffles
 
 
-def _frozen_coefficient(metrics: dict) -> Optional[float]:
-    """The median layer's frozen trust ratio (the running average of the last warm-up steps' trust
-    ratios that stage 2 keeps; key biases left out), from the first diagnosed step after the freeze;
-    None where none was diagnosed."""
-    for diag in metrics.get("diagnostics") or []:
-        frozen = [layer["frozen_coeff"] for layer in diag["layers"]
-                  if layer.get("frozen_coeff") is not None and not layer["name"].endswith(IGNORED_SUFFIX)]
-        if frozen:
-            return statistics.median(frozen)
-    return None
-
-
 def _step_size_order(results: Results, preset: str) -> List[str]:
     """Do larger compressed steps go with a lower loss? Over every 1-bit LAMB run of the preset at
     every seed (the automatic freeze and the hand-picked ones), the rank correlation with the loss
     against LAMB at the same seed of the stage-2 step (``_stage2_step``) and of what sets much of it,
-    the frozen trust ratio (``_frozen_coefficient``). Nothing with under 4 runs."""
+    the frozen trust ratio (``frozen_coefficient``). Nothing with under 4 runs."""
     variants = [v for v in CHECKS[preset][1:] if VARIANTS[v][0] == "onebitlamb"]
     steps, coefficients, gaps = [], [], []
     for variant in variants:
         for seed in _seeds(results, preset):
             run = results[(preset, variant, seed)]
             sizes = stage2_steps(run) if run.get("diagnostics") else None
-            coefficient = _frozen_coefficient(run)
+            coefficient = frozen_coefficient(run)
             if sizes and coefficient is not None and run["final_eval_loss"] == run["final_eval_loss"]:
                 steps.append(sizes[3])
                 coefficients.append(coefficient)

@@ -1,0 +1,40 @@
+"""The trust-peak benchmark's parsing and table, on hand-made run records (no training)."""
+import pytest
+
+from onebitlamb.benchmarks.convergence import _AUTO, _AUTO_TRUST_PEAK
+from onebitlamb.benchmarks.trust_peak import parse_runs, render
+
+
+def _run(loss, sent, freeze=None, ready=None, frozen=None):
+    """A run record; with ``frozen`` (the layers' frozen trust ratios) one diagnosed stage-2 step, step 50
+    at a rate of 0.01, where the layers' relative steps are 0.05, 0.1, 0.2: 5, 10 and 20 per unit rate."""
+    layers = [{"name": f"layer{i}", "frozen_coeff": c, "rel_step": 0.05 * 2 ** i} for i, c in enumerate(frozen or [])]
+    return {"final_eval_loss": loss, "bytes_sent_per_rank": sent, "freeze_step": freeze, "freeze_ready_step": ready,
+            "diagnostics": [{"step": 50, "layers": layers}] if frozen else [],
+            "stage": ["warmup"] * 40 + ["compression"] * 10, "lr": [0.01] * 50}
+
+
+def test_parse_runs():
+    assert parse_runs(["b1024:1234,1235", "demo:7", "b1024:1235"]) == [("b1024", 1234), ("b1024", 1235), ("demo", 7)]
+    for bad in ("b999:1", "b1024", "b1024:x", "b1024:-1"):
+        with pytest.raises(ValueError, match="invalid runs"):
+            parse_runs([bad])
+
+
+def test_render_gaps_volumes_and_summary():
+    results = {
+        ("b1024", "lamb", 1): _run(5.0, 1000),
+        ("b1024", _AUTO, 1): _run(5.1, 250, freeze=80),                  # +2.0%, 4x less
+        # -10.0%, 2x less, the median layer's frozen trust ratio 0.2, its stage-2 step 10
+        ("b1024", _AUTO_TRUST_PEAK, 1): _run(4.5, 500, freeze=140, ready=80, frozen=[0.1, 0.3, 0.2]),
+        ("demo", "lamb", 2): _run(4.0, 800),
+        ("demo", _AUTO, 2): _run(4.02, 200, freeze=100),                 # +0.5%
+        ("demo", _AUTO_TRUST_PEAK, 2): _run(float("nan"), 0, freeze=None),  # diverged
+    }
+    text = render(results, [("b1024", 1), ("demo", 2)], "cmd")
+    rows = [line for line in text.splitlines() if line.startswith("| b1024") or line.startswith("| demo")]
+    assert rows[0] == ("| b1024 | 1 | 5.000 | 80, 5.100, +2.0%, 4.00x | -, - | 80, 140, 4.500, -10.0%, 2.00x "
+                       "| 0.200, 10.0 | -11.8% |")
+    assert rows[1] == "| demo | 2 | 4.000 | 100, 4.020, +0.5%, 4.00x | -, - | -, -, diverged | -, - | - |"
+    assert "- default: mean gap to LAMB +1.2%; within 1% of LAMB (or ahead) on 1 of 2 runs" in text
+    assert "- after the peak: mean gap to LAMB a run diverged; within 1% of LAMB (or ahead) on 1 of 2 runs" in text
