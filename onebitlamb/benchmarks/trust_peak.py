@@ -126,17 +126,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pairs = parse_runs(args.runs)
     except ValueError as exc:
         parser.error(str(exc))
-    rows = [row_at_seed(preset, variant, *VARIANTS[variant], seed) for preset, seed in pairs for variant in VARIANTS_RUN]
+    rows = [row_at_seed(preset, variant, *VARIANTS[variant], seed)
+            for preset, seed in pairs for variant in VARIANTS_RUN]
     if args.list:
         for row in rows:
-            print(f"{row.preset:6s} onebitlamb pretrain --preset demo --optimizer {row.optimizer} {' '.join(row.flags)}")
+            flags = " ".join(row.flags)
+            print(f"{row.preset:6s} onebitlamb pretrain --preset demo --optimizer {row.optimizer} {flags}")
         return 0
     cache = os.path.join(args.out, "cache")
     results: Results = {}
     for i, row in enumerate(rows, start=1):
         print(f"[{i}/{len(rows)}] {row.preset}: {row.label}", file=sys.stderr, flush=True)
-        results[(row.preset, row.variant, row.seed)] = run_one(os.path.join(args.out, row.preset, folder_name(row.label)),
-                                                               row.optimizer, row.flags, cache)
+        folder = os.path.join(args.out, row.preset, folder_name(row.label))
+        results[(row.preset, row.variant, row.seed)] = run_one(folder, row.optimizer, row.flags, cache)
     body = render(results, pairs, command_line(argv))
     print(body)
     write_section("trust peak", body, args.results)
