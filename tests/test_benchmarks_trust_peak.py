@@ -2,6 +2,7 @@
 import pytest
 
 from onebitlamb.benchmarks.convergence import _AUTO, _AUTO_TRUST_PEAK
+from onebitlamb.benchmarks.targets import HAND_PICKED_LATE
 from onebitlamb.benchmarks.trust_peak import parse_runs, render
 
 
@@ -27,14 +28,18 @@ def test_render_gaps_volumes_and_summary():
         ("b1024", _AUTO, 1): _run(5.1, 250, freeze=80),                  # +2.0%, 4x less
         # -10.0%, 2x less, the median layer's frozen trust ratio 0.2, its stage-2 step 10
         ("b1024", _AUTO_TRUST_PEAK, 1): _run(4.5, 500, freeze=140, ready=80, frozen=[0.1, 0.3, 0.2]),
+        ("b1024", HAND_PICKED_LATE, 1): _run(4.6, 400, freeze=140),      # -8.0%, 2.5x less
         ("demo", "lamb", 2): _run(4.0, 800),
+        ("demo", HAND_PICKED_LATE, 2): _run(3.96, 400, freeze=179),     # -1.0%
         ("demo", _AUTO, 2): _run(4.02, 200, freeze=100),                 # +0.5%
         ("demo", _AUTO_TRUST_PEAK, 2): _run(float("nan"), 0, freeze=None),  # diverged
     }
     text = render(results, [("b1024", 1), ("demo", 2)], "cmd")
     rows = [line for line in text.splitlines() if line.startswith("| b1024") or line.startswith("| demo")]
-    assert rows[0] == ("| b1024 | 1 | 5.000 | 80, 5.100, +2.0%, 4.00x | -, - | 80, 140, 4.500, -10.0%, 2.00x "
-                       "| 0.200, 10.0 | -11.8% |")
-    assert rows[1] == "| demo | 2 | 4.000 | 100, 4.020, +0.5%, 4.00x | -, - | -, -, diverged | -, - | - |"
+    assert rows[0] == ("| b1024 | 1 | 5.000 | 80, 5.100, +2.0%, 4.00x; -, - | 140 (ready 80), 4.500, -10.0%, 2.00x; "
+                       "0.200, 10.0 | 140, 4.600, -8.0%, 2.50x; -, - | -11.8% | -2.2% |")
+    assert rows[1] == ("| demo | 2 | 4.000 | 100, 4.020, +0.5%, 4.00x; -, - | -, diverged "
+                       "| 179, 3.960, -1.0%, 2.00x; -, - | - | - |")
     assert "- default: mean gap to LAMB +1.2%; within 1% of LAMB (or ahead) on 1 of 2 runs" in text
     assert "- after the peak: mean gap to LAMB a run diverged; within 1% of LAMB (or ahead) on 1 of 2 runs" in text
+    assert "- hand-picked 35%: mean gap to LAMB -4.5%; within 1% of LAMB (or ahead) on 2 of 2 runs" in text
