@@ -132,6 +132,7 @@ def test_freeze_after_trust_peak_run_records_the_wait(compared, tmp_path, corpus
     assert [i + 1 for i, r in enumerate(rise) if r is not None] == list(range(3, freeze + 1))
     assert all(r > 0 for r in rise[ready - 1:freeze - 1])  # it waited only while the trust ratios rose
     assert freeze == 12 or rise[freeze - 1] <= 0
+    assert (tmp_path / "freeze.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # with the rise on its own scale
 
 
 def test_freeze_after_trust_peak_needs_the_automatic_freeze(tmp_path):

@@ -127,7 +127,9 @@ def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
     sits low and flat; its exit is the rise). Bottom: the spread the criterion watches (the least
     settled layer's rise over the window), with the thresholds and the freeze step; with
     ``--unfreeze-rise``, the largest rise of a layer's local variance within the window while
-    frozen, its threshold and every undone freeze. Returns False (and draws nothing) for a run without the record."""
+    frozen, its threshold and every undone freeze; with ``--freeze-after-trust-peak``, on its own scale,
+    the median layer's trust-ratio rise over the window (the freeze waits, from the step the
+    criterion held, for it to reach 0). Returns False (and draws nothing) for a run without the record."""
     levels = metrics.get("freeze_levels")
     if not levels or not any(row is not None for row in levels["per_step"]):
         return False
@@ -170,6 +172,16 @@ def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
     for k, step in enumerate(metrics.get("unfrozen_at") or []):
         for ax in (ax_levels, ax_spread):
             ax.axvline(step, color="tab:purple", ls=":", lw=1.5, label=None if k or ax is ax_levels else "freeze undone")
+    trust = [(i + 1, v) for i, v in enumerate(metrics.get("trust_rise") or []) if v is not None]
+    if trust:
+        ax_trust = ax_spread.twinx()
+        ax_trust.plot(*zip(*trust), color="tab:green", lw=1.2, label="median trust-ratio rise (right scale)")
+        ax_trust.axhline(0.0, color="tab:green", ls=":", lw=1)
+        ax_trust.set_ylabel("trust-ratio rise over the window (log)", color="tab:green")
+        ax_trust.legend(fontsize=8, loc="lower right")
+    ready = metrics.get("freeze_ready_step")
+    if ready:
+        ax_spread.axvline(ready, color="tab:green", ls="--", lw=1.2, label=f"criterion held (step {ready})")
     freeze = metrics.get("freeze_step")
     if freeze:
         for ax in (ax_levels, ax_spread):
