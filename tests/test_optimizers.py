@@ -736,9 +736,10 @@ def _rising_trust_run(after_trust_peak, steps=120, resume_at=None):
 
 def test_freeze_after_trust_peak_waits_until_the_median_trust_ratio_stops_rising():
     """The variance criterion alone freezes at some step R; with freeze_after_trust_peak the freeze
-    comes at the first step from R on where the median layer's running-average trust ratio is no
-    higher than ``freeze_window`` steps before. Recomputed here from the trust ratios each step
-    applied (bias-corrected average with coeff_beta 0.9, as the frozen coefficient is)."""
+    comes at the first step from R + freeze_window on (a window that starts at R) where the median
+    layer's running-average trust ratio is no higher than ``freeze_window`` steps before.
+    Recomputed here from the trust ratios each step applied (bias-corrected average with
+    coeff_beta 0.9, as the frozen coefficient is)."""
     plain, _, _ = _rising_trust_run(False)
     ready = plain.state["flat"]["frozen_at"]
     opt, ratios, rises = _rising_trust_run(True)
@@ -748,11 +749,12 @@ def test_freeze_after_trust_peak_waits_until_the_median_trust_ratio_stops_rising
     for t, row in enumerate(ratios, start=1):
         average = beta * average + (1 - beta) * torch.tensor(row)
         levels.append(torch.log(average / (1 - beta ** t)))
-    expected = next(t for t in range(max(ready, window + 1), len(levels) + 1)
+    expected = next(t for t in range(ready + window, len(levels) + 1)
                     if float((levels[t - 1] - levels[t - 1 - window]).sort().values[1]) <= 0)
     frozen_at = opt.state["flat"]["frozen_at"]
-    assert frozen_at == expected and frozen_at > ready, (frozen_at, expected, ready)
-    assert all(r > 0 for r in rises[ready - 1:frozen_at - 1])  # waited while it rose
+    assert frozen_at == expected and frozen_at > ready + window, (frozen_at, expected, ready)
+    assert rises[ready - 1:ready + window - 1] == [None] * window  # the window restarted at R
+    assert all(r > 0 for r in rises[ready + window - 1:frozen_at - 1])  # waited while it rose
     assert rises[frozen_at - 1] <= 0                           # the freeze's own step decided it
     resumed, _, _ = _rising_trust_run(True, resume_at=ready + 2)  # a checkpoint taken while it waited
     assert resumed.state["flat"]["frozen_at"] == frozen_at

@@ -226,7 +226,9 @@ def trust_rise(history: torch.Tensor, count: int) -> Optional[float]:
     for 100-200 steps after the variance has left its transient. A freeze on that rise keeps a
     smaller ratio than LAMB soon uses, and over the seeds measured the smaller the compressed steps,
     the worse the run (docs/convergence.md). The median, not every layer: the most mobile layer's
-    ratio keeps moving by a factor of 3-4 long after the rest (``settled``).
+    ratio keeps moving by a factor of 3-4 long after the rest (``settled``). The optimizer starts
+    the window afresh when the variance criterion holds: the plateau exit makes the ratios dip,
+    and the criterion holds near the bottom of that dip, where they are flat before rising again.
     """
     if count < history.shape[0]:
         return None

@@ -225,8 +225,10 @@ class StagedOptimizer(Optimizer):
     def trust_rise(self) -> Optional[float]:
         """With ``freeze_after_trust_peak``, if the last step ran the warm-up (the freeze's own step
         included): how far (log scale) the median layer's trust ratio (its running average, the one
-        stage 2 would keep) rose over the last ``freeze_window`` steps; once the variance criterion
-        has held, the freeze waits for this to be at most 0. None otherwise, and until a window is in."""
+        stage 2 would keep) rose over the last ``freeze_window`` steps. Once the variance criterion
+        has held, the window restarts from that step and the freeze waits for this to be at most 0,
+        so the earliest freeze is ``freeze_window`` steps later. None otherwise, and until a window
+        is in."""
         if not self._waiting_for_trust_peak() or not self._auto_freeze_watching():
             return None
         return F.trust_rise(self._flat["trust_history"], self._flat["trust_history_count"])
@@ -383,6 +385,11 @@ class StagedOptimizer(Optimizer):
         if due and flat["freeze_ready_at"] is None:
             # kept: the spread may move above the tolerance again while the trust ratios still rise
             flat["freeze_ready_at"] = flat["step"]
+            # The window restarts here, with this step's level as its first row: judged on a window
+            # that reached back before this step, the freeze came at the bottom of the dip that the
+            # plateau exit makes in the trust ratios (b1024 seed 1235: flat at step 81, then rising
+            # for 100 steps), not after their peak.
+            flat["trust_history_count"] = 1
         if flat["step"] >= d["max_freeze_step"]:
             return True
         return (flat["freeze_ready_at"] is not None
