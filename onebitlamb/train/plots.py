@@ -172,10 +172,12 @@ def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
     for k, step in enumerate(metrics.get("unfrozen_at") or []):
         for ax in (ax_levels, ax_spread):
             ax.axvline(step, color="tab:purple", ls=":", lw=1.5, label=None if k or ax is ax_levels else "freeze undone")
-    trust = [(i + 1, v) for i, v in enumerate(metrics.get("trust_rise") or []) if v is not None]
-    if trust:
+    trust = metrics.get("trust_rise") or []
+    if any(v is not None for v in trust):
         ax_trust = ax_spread.twinx()
-        ax_trust.plot(*zip(*trust), color="tab:green", lw=1.2, label="median trust-ratio rise (right scale)")
+        # NaN where no window was in (also from the step the criterion held): a gap, not a line across it
+        ax_trust.plot(range(1, len(trust) + 1), [float("nan") if v is None else v for v in trust], color="tab:green",
+                      lw=1.2, label="median trust-ratio rise (right scale)")
         ax_trust.axhline(0.0, color="tab:green", ls=":", lw=1)
         ax_trust.set_ylabel("trust-ratio rise over the window (log)", color="tab:green")
         ax_trust.legend(fontsize=8, loc="lower right")
