@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -33,7 +34,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     cmd_parser = argparse.ArgumentParser(prog=f"onebitlamb {name}", description=COMMANDS[name][1])
     module.add_arguments(cmd_parser)
-    return int(module.run(cmd_parser.parse_args(argv[1:])) or 0)
+    code = int(module.run(cmd_parser.parse_args(argv[1:])) or 0)
+    _leave_process_group(code)
+    return code
+
+
+def _leave_process_group(code: int) -> None:
+    """A worker started by torchrun: wait for every rank, tear the group down, and exit at once.
+
+    The results are written by then. What is skipped is the interpreter's own teardown, where a
+    gloo worker has twice aborted ("terminate called without an active exception", exit -6) after
+    a finished run, in fresh-clone test runs, and so failed the launch although nothing was lost;
+    an orderly barrier and destroy before it did not stop that. Returns when no group is up (the
+    local launcher's workers leave on their own)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -240,8 +240,9 @@ def under_torchrun() -> bool:
 
 def _leave_together() -> None:
     """At exit under torchrun: wait for every rank, then tear the group down. Rank 0 writes the
-    results after the last step while the others are done; a rank that tore gloo down meanwhile
-    once aborted at exit ("terminate called without an active exception") and failed the launch."""
+    results after the last step while the others are done. (The command line leaves before this
+    runs and skips the interpreter's teardown too: ``onebitlamb.cli``; this is for a script of the
+    user's own that calls ``train`` under torchrun.)"""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
