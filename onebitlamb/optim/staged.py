@@ -388,7 +388,7 @@ class StagedOptimizer(Optimizer):
             # The window restarts here, with this step's level as its first row: judged on a window
             # that reached back before this step, the freeze came at the bottom of the dip that the
             # plateau exit makes in the trust ratios (b1024 seed 1235: flat at step 81, then rising
-            # for 100 steps), not after their peak.
+            # until step 128), not after their peak.
             flat["trust_history_count"] = 1
         if flat["step"] >= d["max_freeze_step"]:
             return True
