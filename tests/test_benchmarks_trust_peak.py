@@ -43,3 +43,25 @@ def test_render_gaps_volumes_and_summary():
     assert "- default: mean gap to LAMB +1.2%; within 1% of LAMB (or ahead) on 1 of 2 runs" in text
     assert "- after the peak: mean gap to LAMB a run diverged; within 1% of LAMB (or ahead) on 1 of 2 runs" in text
     assert "- hand-picked 35%: mean gap to LAMB -4.5%; within 1% of LAMB (or ahead) on 2 of 2 runs" in text
+
+
+def test_render_compares_the_option_over_seeds_per_preset():
+    """Over a preset's seeds: the option against the 35% and the default, mean ± standard error of the
+    per-seed gaps, and at how many seeds it was no worse; a preset at one seed gets no such line."""
+    results = {}
+    # seed 1: after the peak 4.4 against 35% 4.0 (+10.0%) and default 4.4 (+0.0%)
+    # seed 2: after the peak 4.0 against 35% 4.0 (+0.0%) and default 5.0 (-20.0%)
+    for seed, (late, hand, auto) in {1: (4.4, 4.0, 4.4), 2: (4.0, 4.0, 5.0)}.items():
+        results[("b1024", "lamb", seed)] = _run(4.2, 1000)
+        results[("b1024", _AUTO_TRUST_PEAK, seed)] = _run(late, 400, freeze=130, ready=90)
+        results[("b1024", HAND_PICKED_LATE, seed)] = _run(hand, 400, freeze=140)
+        results[("b1024", _AUTO, seed)] = _run(auto, 300, freeze=90)
+    results.update({("demo", v, 3): _run(4.0, 800) for v in ("lamb", _AUTO, _AUTO_TRUST_PEAK, HAND_PICKED_LATE)})
+    text = render(results, [("b1024", 1), ("b1024", 2), ("demo", 3)], "cmd")
+    # +10 and 0: mean +5.0, standard deviation 7.07, standard error 5.0; 0 and -20: mean -10, error 10
+    assert ("- `b1024` over 2 seeds, after the peak against the 35% mean +5.0% ± 5.0 (standard error; within "
+            "the seeds' spread), no worse at 1 of 2; against the default mean -10.0% ± 10.0 (standard error; "
+            "within the seeds' spread), no worse at 2 of 2") in text
+    assert "`demo` over" not in text
+    results[("b1024", _AUTO_TRUST_PEAK, 2)] = _run(float("nan"), 0)
+    assert "`b1024` over" not in render(results, [("b1024", 1), ("b1024", 2)], "cmd")
