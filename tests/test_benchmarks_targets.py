@@ -2,7 +2,7 @@
 import math
 
 from onebitlamb.benchmarks import targets as tg
-from onebitlamb.benchmarks.convergence import _ADAM, _ADAM_AUTO, _AUTO, DEFAULT_PLAN, plan
+from onebitlamb.benchmarks.convergence import _ADAM, _ADAM_AUTO, DEFAULT_AUTO, DEFAULT_PLAN, plan
 
 
 def _m(loss, nbytes=100, freeze=None):
@@ -16,7 +16,7 @@ def _results(auto_losses, adam=5.0, hand=4.5, seed=1234, late=4.7):
     out = {}
     for preset, loss in auto_losses.items():
         out[(preset, "lamb", seed)] = _m(5.0, 400)
-        out[(preset, _AUTO, seed)] = _m(loss, 100, freeze=30)
+        out[(preset, DEFAULT_AUTO, seed)] = _m(loss, 100, freeze=30)
     out[("b4096", _ADAM_AUTO, seed)] = _m(adam, freeze=60)
     out[("b4096", _ADAM, seed)] = _m(5.0, 400, freeze=100)
     out[("b1024", tg.HAND_PICKED, seed)] = _m(hand, freeze=80)
@@ -26,8 +26,8 @@ def _results(auto_losses, adam=5.0, hand=4.5, seed=1234, late=4.7):
 
 def _seed(results, seed, b4096=None, adam=None, plain_adam=None, b1024=None, hand=None, late=4.7):
     """``results`` with b4096's and b1024's runs at one more seed (LAMB at 5.0 again)."""
-    for preset, variant, loss in (("b4096", _AUTO, b4096), ("b4096", _ADAM_AUTO, adam), ("b4096", _ADAM, plain_adam),
-                                  ("b1024", _AUTO, b1024), ("b1024", tg.HAND_PICKED, hand),
+    for preset, variant, loss in (("b4096", DEFAULT_AUTO, b4096), ("b4096", _ADAM_AUTO, adam), ("b4096", _ADAM, plain_adam),
+                                  ("b1024", DEFAULT_AUTO, b1024), ("b1024", tg.HAND_PICKED, hand),
                                   ("b1024", tg.HAND_PICKED_LATE, late if b1024 is not None else None)):
         if loss is not None:
             results[(preset, "lamb", seed)] = _m(5.0, 400)
@@ -41,7 +41,7 @@ def test_the_runs_are_rows_of_the_study_on_every_preset():
         assert row.seed == 1234
     assert {row.preset for row in tg.runs()} == set(DEFAULT_PLAN)
     assert tg.command(tg.runs()[1]).endswith("--global-batch 512 --steps 128 --eval-every 16 --auto-freeze "
-                                             "--freeze-frac 0.75 --freeze-transient-end 2.5")
+                                             "--freeze-frac 0.75 --freeze-transient-end 2.5 --freeze-after-trust-peak")
 
 
 def test_more_seeds_are_the_studys_seeded_rows_after_every_preset_at_the_first():
@@ -70,7 +70,7 @@ def test_verdicts_within_one_percent_divergence_and_the_other_targets():
             "good as the hand-picked 20%: **not met** at this one seed") in body
     assert "at 3 seeds" not in body  # no per-seed tables at one seed
     results = _results({"b512": 5.06, "demo": math.nan, "b4096": 5.2, "b1024": 4.4}, adam=5.1)
-    results[("demo", _AUTO, 1234)]["freeze_step"] = 384  # 75% of demo's 512 steps: the cap made this freeze
+    results[("demo", DEFAULT_AUTO, 1234)]["freeze_step"] = 384  # 75% of demo's 512 steps: the cap made this freeze
     body = tg.render(results, "cmd")
     assert "| b512 | 5.000 | 30, 5.060, +1.2% | 4.00x | **not met** |" in body
     assert "| demo | 5.000 | 384 (the cap), NaN, diverged | 4.00x | **not met** |" in body
@@ -107,7 +107,7 @@ def test_more_seeds_judge_by_the_mean_and_its_standard_error():
     # 5.1 and 5.06 are more than 1% above LAMB's 5.0: the seed-1234 presets alone no longer make it met
     assert ("Within 1% of LAMB with the defaults: **not met**: within on 4 of 4 presets at seed 1234 and on 2 of the 4 "
             "runs at other seeds") in body
-    results[("b4096", _AUTO, 1235)]["final_eval_loss"] = math.nan  # a divergence loses, whatever the mean
+    results[("b4096", DEFAULT_AUTO, 1235)]["final_eval_loss"] = math.nan  # a divergence loses, whatever the mean
     assert "1-bit LAMB ahead of 1-bit Adam: **not met** over 3 seeds" in tg.render(results, "cmd")
 
 
@@ -122,15 +122,16 @@ def test_main_runs_each_check_once_in_the_study_folders_and_writes_its_section(m
     results = tmp_path / "B.md"
     assert tg.main(["--out", str(tmp_path / "runs"), "--results", str(results)]) == 0
     assert len(ran) == len(tg.runs()) == 12
-    assert ran[1] == (str(tmp_path / "runs" / "b512" / "1bit-lamb_auto_cap_75pct_transient_end_2.5"), "onebitlamb",
-                      ["--global-batch", "512", "--steps", "128", "--eval-every", "16", "--auto-freeze",
-                       "--freeze-frac", "0.75", "--freeze-transient-end", "2.5"])
+    assert ran[1] == (str(tmp_path / "runs" / "b512" / "1bit-lamb_auto_cap_75pct_transient_end_2.5_after_trust_peak"),
+                      "onebitlamb", ["--global-batch", "512", "--steps", "128", "--eval-every", "16", "--auto-freeze",
+                                     "--freeze-frac", "0.75", "--freeze-transient-end", "2.5",
+                                     "--freeze-after-trust-peak"])
     text = results.read_text()
     assert "<!-- begin targets -->" in text and "defaults: met: within on 4 of 4 presets" in text
     ran.clear()
     assert tg.main(["--seeds", "b4096:2", "--out", str(tmp_path / "runs"), "--results", str(results)]) == 0
     assert len(ran) == 16 and ran[13][0] == str(tmp_path / "runs" / "b4096" /
-                                                "1bit-lamb_auto_cap_75pct_transient_end_2.5_seed_1235")
+                                                "1bit-lamb_auto_cap_75pct_transient_end_2.5_after_trust_peak_seed_1235")
     assert "`b4096` at 2 seeds" in results.read_text()
 
 
@@ -143,7 +144,7 @@ def test_ahead_needs_the_seeds_to_settle_it_and_as_good_only_the_mean():
     assert "1-bit LAMB ahead of 1-bit Adam: met over 2 seeds" in body and "mean -3.0% ± 1.0" in body
     assert "as good as the hand-picked 20%: **not settled** over 2 seeds" in body and "mean +1.0% ± 3.0" in body
     # b1024 at -2.0% and +1.0% (mean -0.5): as good on average is met without settling anything
-    results[("b1024", _AUTO, 1234)]["final_eval_loss"] = 4.545
+    results[("b1024", DEFAULT_AUTO, 1234)]["final_eval_loss"] = 4.545
     assert "as good as the hand-picked 20%: met over 2 seeds" in tg.render(results, "cmd")
 
 
@@ -172,7 +173,7 @@ def test_where_the_runs_stood_three_quarters_in_and_their_stage2_steps():
     _seed(results, 1235, b4096=4.8, adam=5.0, plain_adam=5.0, b1024=4.6, hand=4.5)
     # seed 1235: the automatic freeze 2% ahead at step 300 (4.9 against 5.0), 2.2% behind at the end; its
     # stage-2 steps 7 (step 250; step 100 ran the warm-up, step 400 at rate 0), the 20%'s 3
-    results[("b1024", _AUTO, 1235)] = _trace(4.6, 5.3, 4.9, (50.0, 7.0, 80.0))
+    results[("b1024", DEFAULT_AUTO, 1235)] = _trace(4.6, 5.3, 4.9, (50.0, 7.0, 80.0))
     results[("b1024", tg.HAND_PICKED, 1235)] = _trace(4.5, 5.4, 5.0, (50.0, 3.0, 80.0))
     body = tg.render(results, "cmd")
     assert "| auto vs it at step 300 | stage-2 step: auto / it | auto vs it |" in body
@@ -217,7 +218,7 @@ def test_b1024_relates_the_stage2_step_to_the_loss_over_all_its_1bit_lamb_runs()
     # six runs whose stage-2 steps (1.0 to 7.0, the median of three layers with 0.5 and 9) order their losses
     # exactly the other way round
     for k, (variant, seed) in enumerate([(v, s) for s in (1234, 1235)
-                                         for v in (_AUTO, tg.HAND_PICKED, tg.HAND_PICKED_LATE)]):
+                                         for v in (DEFAULT_AUTO, tg.HAND_PICKED, tg.HAND_PICKED_LATE)]):
         # and frozen trust ratios that order them the same way but for the last two, swapped
         coeff = [0.1, 0.2, 0.3, 0.4, 0.6, 0.5][k]
         results[("b1024", variant, seed)] = _trace(4.9 - 0.1 * k, 5.3, 5.0, (50.0, 1.0 + 1.2 * k, 80.0), coeff)

@@ -40,17 +40,17 @@ def test_render_gaps_volumes_and_summary():
                        "0.200, 10.0 | 140, 4.600, -8.0%, 2.50x; -, - | -11.8% | -2.2% |")
     assert rows[1] == ("| demo | 2 | 4.000 | 100, 4.020, +0.5%, 4.00x; -, - | -, diverged "
                        "| 179, 3.960, -1.0%, 2.00x; -, - | - | - |")
-    assert "- default: mean gap to LAMB +1.2%; within 1% of LAMB (or ahead) on 1 of 2 runs" in text
+    assert "- criterion alone: mean gap to LAMB +1.2%; within 1% of LAMB (or ahead) on 1 of 2 runs" in text
     assert "- after the peak: mean gap to LAMB a run diverged; within 1% of LAMB (or ahead) on 1 of 2 runs" in text
     assert "- hand-picked 35%: mean gap to LAMB -4.5%; within 1% of LAMB (or ahead) on 2 of 2 runs" in text
 
 
 def test_render_compares_the_option_over_seeds_per_preset():
-    """Over a preset's seeds: the option against the 35% and the default, mean ± standard error of the
+    """Over a preset's seeds: the wait against the 35% and the criterion alone, mean ± standard error of the
     per-seed gaps, and at how many seeds it was no worse; a preset at one seed gets no such line."""
     results = {}
-    # seed 1: after the peak 4.4 against 35% 4.0 (+10.0%) and default 4.4 (+0.0%)
-    # seed 2: after the peak 4.0 against 35% 4.0 (+0.0%) and default 5.0 (-20.0%)
+    # seed 1: after the peak 4.4 against 35% 4.0 (+10.0%) and the criterion alone 4.4 (+0.0%)
+    # seed 2: after the peak 4.0 against 35% 4.0 (+0.0%) and the criterion alone 5.0 (-20.0%)
     for seed, (late, hand, auto) in {1: (4.4, 4.0, 4.4), 2: (4.0, 4.0, 5.0)}.items():
         results[("b1024", "lamb", seed)] = _run(4.2, 1000)
         results[("b1024", _AUTO_TRUST_PEAK, seed)] = _run(late, 400, freeze=130, ready=90)
@@ -60,7 +60,7 @@ def test_render_compares_the_option_over_seeds_per_preset():
     text = render(results, [("b1024", 1), ("b1024", 2), ("demo", 3)], "cmd")
     # +10 and 0: mean +5.0, standard deviation 7.07, standard error 5.0; 0 and -20: mean -10, error 10
     assert ("- `b1024` over 2 seeds, after the peak against the 35% mean +5.0% ± 5.0 (standard error; within "
-            "the seeds' spread), no worse at 1 of 2; against the default mean -10.0% ± 10.0 (standard error; "
+            "the seeds' spread), no worse at 1 of 2; against the criterion alone mean -10.0% ± 10.0 (standard error; "
             "within the seeds' spread), no worse at 2 of 2") in text
     assert "`demo` over" not in text
     results[("b1024", _AUTO_TRUST_PEAK, 2)] = _run(float("nan"), 0)

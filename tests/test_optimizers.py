@@ -367,7 +367,7 @@ def test_auto_freeze_waits_for_a_plateau_exit_and_respects_the_cap():
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(64))
     opt = onebitlamb.OneBitLamb([p], lr=1e-3, freeze_step="auto", min_freeze_step=10, max_freeze_step=150,
-                                freeze_window=10, freeze_tolerance=0.2)
+                                freeze_window=10, freeze_tolerance=0.2, freeze_after_trust_peak=False)
     gen = torch.Generator().manual_seed(1)
     for t in range(1, 151):
         p.grad = math.exp(0.05 * min(t, 60)) * (1 + 0.1 * torch.randn(64, generator=gen))
@@ -435,7 +435,8 @@ def _plateau_exit_run(transient, resume_at=None, end=None):
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(32))]
     options = dict(lr=1e-3, freeze_step="auto", min_freeze_step=5, max_freeze_step=150, freeze_window=10,
-                   freeze_tolerance=0.2, freeze_transient=transient, freeze_transient_end=end)
+                   freeze_tolerance=0.2, freeze_transient=transient, freeze_transient_end=end,
+                   freeze_after_trust_peak=False)  # the rules alone
     opt = onebitlamb.OneBitLamb(ps, **options)
     gen = torch.Generator().manual_seed(1)
     spreads = []
@@ -484,7 +485,7 @@ def _spike_on_a_drifting_plateau_run(spike: bool) -> int:
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(32))]
     opt = onebitlamb.OneBitLamb(ps, lr=1e-3, freeze_step="auto", min_freeze_step=5, max_freeze_step=150,
-                                freeze_window=10)
+                                freeze_window=10, freeze_after_trust_peak=False)
     gen = torch.Generator().manual_seed(1)
     for t in range(1, 151):
         scale = 1e-3 * 1.05 ** t * (1000.0 if spike and t == 30 else 1.0)
@@ -512,7 +513,7 @@ def _spike_then_exit_run(unfreeze_rise, cap=150, resume_at=None):
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(32))]
     options = dict(lr=1e-3, freeze_step="auto", min_freeze_step=5, max_freeze_step=cap, freeze_window=10,
-                   unfreeze_rise=unfreeze_rise)
+                   unfreeze_rise=unfreeze_rise, freeze_after_trust_peak=False)
     opt = onebitlamb.OneBitLamb(ps, **options)
     gen = torch.Generator().manual_seed(1)
     stages, largest_rise, levels_at = [], -math.inf, []
@@ -638,7 +639,7 @@ def test_undone_freeze_same_steps_on_all_ranks_and_exact_resume():
     averaged over the ranks), both freeze again, and stay bit-identical; resume is exact from a
     checkpoint in either frozen stretch and in the warm-up between them."""
     options = {"max_freeze_step": 40, "freeze_window": 4, "freeze_tolerance": 10.0, "min_freeze_step": 12,
-               "unfreeze_rise": 2.0}
+               "unfreeze_rise": 2.0, "freeze_after_trust_peak": False}
     out = spawn_local(_distributed_run, 2, ("onebitlamb", 36, "auto", (15, 22, 30), options, 20), timeout_s=180)
     stages = out[0]["stages"]
     assert stages == out[1]["stages"] and out[0]["unfrozen_at"] == out[1]["unfrozen_at"] == [20]
@@ -717,7 +718,9 @@ def _rising_trust_run(after_trust_peak, steps=120, resume_at=None):
     x = torch.randn(256, 8)
     y = (x @ torch.randn(8, 1)).tanh()
     options = dict(lr=1e-2, freeze_step="auto", min_freeze_step=5, max_freeze_step=100, freeze_window=10,
-                   freeze_tolerance=1.0, freeze_after_trust_peak=after_trust_peak)
+                   freeze_tolerance=1.0)
+    if after_trust_peak is not None:  # None: the default
+        options["freeze_after_trust_peak"] = after_trust_peak
     opt = onebitlamb.OneBitLamb(model.parameters(), **options)
     ratios, rises = [], []
     for t in range(1, steps + 1):
@@ -758,6 +761,14 @@ def test_freeze_after_trust_peak_waits_until_the_median_trust_ratio_stops_rising
     assert rises[frozen_at - 1] <= 0                           # the freeze's own step decided it
     resumed, _, _ = _rising_trust_run(True, resume_at=ready + 2)  # a checkpoint taken while it waited
     assert resumed.state["flat"]["frozen_at"] == frozen_at
+
+
+def test_the_automatic_freeze_waits_for_the_trust_peak_by_default_and_a_fixed_freeze_has_none():
+    waiting, _, _ = _rising_trust_run(True)
+    default, _, _ = _rising_trust_run(None)
+    assert default.state["flat"]["frozen_at"] == waiting.state["flat"]["frozen_at"] > default.freeze_ready_step
+    fixed = onebitlamb.OneBitLamb([torch.nn.Parameter(torch.zeros(2))], freeze_step=10)
+    assert fixed.defaults["freeze_after_trust_peak"] is False
 
 
 def test_freeze_after_trust_peak_still_freezes_at_the_cap():

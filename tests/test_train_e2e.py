@@ -119,9 +119,9 @@ def test_auto_freeze_run_records_the_levels_and_plots_them(compared, tmp_path, c
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_freeze_after_trust_peak_run_records_the_wait(compared, tmp_path, corpus_dir):
+def test_the_automatic_freeze_waits_for_the_trust_peak_by_default_and_records_the_wait(compared, tmp_path, corpus_dir):
     _, cache, _ = compared
-    _cli("pretrain", "--preset", "tiny", "--optimizer", "onebitlamb", "--auto-freeze", "--freeze-after-trust-peak",
+    _cli("pretrain", "--preset", "tiny", "--optimizer", "onebitlamb", "--auto-freeze",
          "--freeze-window", "2", "--steps", "16", "--freeze-frac", "0.75", "--out", str(tmp_path), "--corpus",
          corpus_dir, "--cache-dir", str(cache), "--no-progress")
     with open(tmp_path / "metrics.json") as f:
@@ -173,11 +173,16 @@ def test_changed_settings_ignores_only_what_the_run_does_not_read():
     assert set(pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0", "--unfreeze-rise", "4"),
                                          older)) == {"unfreeze_rise"}
     del older["freeze_after_trust_peak"]  # a run from before the option waited for no trust peak
-    assert pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0"), older) == {}
-    assert set(pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0", "--freeze-after-trust-peak"),
-                                         older)) == {"freeze_after_trust_peak"}
+    assert pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0", "--no-freeze-after-trust-peak"),
+                                     older) == {}
+    assert set(pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0"), older)) == {
+        "freeze_after_trust_peak"}  # now the default: that run is not this one
     fixed = ["--optimizer", "onebitlamb"]
     assert changed(fixed + ["--freeze-tolerance", "0.25"], fixed) == set()  # a fixed freeze never reads it
+    # on by default only where there is an automatic freeze to delay; 1-bit Adam has no trust ratio
+    assert cfg(*auto).freeze_after_trust_peak is True and cfg(*fixed).freeze_after_trust_peak is False
+    adam = ["--optimizer", "onebitadam", "--auto-freeze"]
+    assert changed(adam + ["--no-freeze-after-trust-peak"], adam) == set()
     assert changed(fixed + ["--freeze-frac", "0.2"], fixed) == {"freeze_frac"}
     lamb = ["--optimizer", "lamb"]
     assert changed(lamb + ["--freeze-frac", "0.2", "--update-guard", "4"], lamb) == set()  # LAMB never freezes

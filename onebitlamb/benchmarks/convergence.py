@@ -43,10 +43,12 @@ PRESETS: Dict[str, List[str]] = {
     "b4096": ["--global-batch", "4096", "--steps", "100", "--eval-every", "20"],
     "demo": [],
 }
-# the automatic freeze with the default rule, and with the rule before (see VARIANTS)
+# the automatic freeze with the default rule, and with the rule before (see VARIANTS), both freezing
+# as soon as the rule holds: the default until 1-bit LAMB's freeze waited for its trust ratios' peak
 _AUTO, _AUTO_BEFORE = "1bit-lamb auto (cap 75%), transient end 2.5", "1bit-lamb auto (cap 75%)"
-# the default rule, then wait for the median layer's trust ratio to stop rising (an option, not the default)
+# the default rule, then wait for the median layer's trust ratio to stop rising: every default
 _AUTO_TRUST_PEAK = "1bit-lamb auto (cap 75%), transient end 2.5, after trust peak"
+DEFAULT_AUTO = _AUTO_TRUST_PEAK  # 1-bit LAMB's automatic freeze with every default
 # The rule before with the two options against a blow-up (b512; demo at every seed): can they make
 # its earlier freeze safe where it froze in the middle of the plateau exit (demo seed 1236)?
 _AUTO_BEFORE_GUARDED = "1bit-lamb auto (cap 75%), update space + guard"
@@ -70,12 +72,17 @@ VARIANTS: Dict[str, Tuple[str, List[str]]] = {
     # The plain "auto" rows end the transient at half the spread's peak (`--freeze-transient-end 0`),
     # the rule before the default moved to an absolute end of 2.5 (docs/convergence.md, "A spike on
     # the plateau"); their sweeps and seeds ran with it, and a row's meaning must not move
-    _AUTO_BEFORE: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "0"]),
-    _AUTO: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "2.5"]),
+    # (and they, like every 1-bit LAMB row before the wait for the trust ratios' peak became the
+    # default, freeze when the rule holds: --no-freeze-after-trust-peak)
+    _AUTO_BEFORE: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "0",
+                                  "--no-freeze-after-trust-peak"]),
+    _AUTO: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "2.5",
+                           "--no-freeze-after-trust-peak"]),
     _AUTO_TRUST_PEAK: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "2.5",
                                       "--freeze-after-trust-peak"]),
     _AUTO_BEFORE_GUARDED: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "0",
-                                          "--compression-space", "update", "--update-guard", "4"]),
+                                          "--compression-space", "update", "--update-guard", "4",
+                                          "--no-freeze-after-trust-peak"]),
     # 1-bit Adam's rows name their rate: the main job's default moved from 1e-3 to 2e-3 (its best in
     # the sweeps), and a row's meaning must not move with it
     "1bit-adam freeze 20%, lr 1e-3": ("onebitadam", ["--freeze-frac", "0.2", "--lr", "1e-3"]),
@@ -95,25 +102,25 @@ DEFAULT_PLAN: Dict[str, List[str]] = {
     "b512": ["lamb", "1bit-lamb freeze 20%", "1bit-lamb freeze 25%", "1bit-lamb freeze 20%, update space + guard",
              "1bit-lamb auto (cap 75%)", _AUTO_BEFORE_GUARDED,
              "1bit-adam freeze 20%, lr 1e-3", "1bit-adam auto (cap 75%), lr 1e-3",
-             _AUTO, _ADAM_AUTO],
+             _AUTO, _ADAM_AUTO, DEFAULT_AUTO],
     "b1024": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3", "1bit-lamb freeze 20%",
-              "1bit-lamb freeze 35%", "1bit-lamb freeze 19.75%", _AUTO, _ADAM_AUTO],
+              "1bit-lamb freeze 35%", "1bit-lamb freeze 19.75%", _AUTO, _ADAM_AUTO, DEFAULT_AUTO],
     "b4096": ["lamb", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 2e-3", "1bit-lamb freeze 20%",
-              "1bit-lamb freeze 35%", _AUTO, _ADAM_AUTO, _ADAM],
+              "1bit-lamb freeze 35%", _AUTO, _ADAM_AUTO, _ADAM, DEFAULT_AUTO],
     # with the 35% rows: `make demo` (onebitlamb compare --preset demo) at the main job's defaults
     "demo": ["lamb", "1bit-lamb freeze 35%", "1bit-lamb auto (cap 75%)", "1bit-adam auto (cap 75%), lr 1e-3",
-             "1bit-adam freeze 35%, lr 2e-3", _AUTO, _ADAM_AUTO, _AUTO_BEFORE_GUARDED],
+             "1bit-adam freeze 35%, lr 2e-3", _AUTO, _ADAM_AUTO, _AUTO_BEFORE_GUARDED, DEFAULT_AUTO],
 }
 # The rows repeated at more seeds with --seeds: the automatic freeze with the default rule, the best
 # hand-picked freeze of the default plan (one seed cannot tell them apart: on b1024 one step of
 # freeze, 79 or 80, moved the loss by 2.8%), LAMB, and the automatic freeze with the rule before
 # (the first two answer "is auto as good as the best hand-picked freeze" without LAMB), and 1-bit
-# Adam with the default rule
+# Adam with the default rule; and 1-bit LAMB with every default (the rule, then the trust ratios' peak)
 SEEDED: Dict[str, List[str]] = {
-    "b512": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE, _ADAM_AUTO],
-    "b1024": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE, _ADAM_AUTO],
-    "b4096": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE, _ADAM_AUTO, _ADAM],
-    "demo": [_AUTO, "1bit-lamb freeze 35%", "lamb", _AUTO_BEFORE, _ADAM_AUTO, _AUTO_BEFORE_GUARDED],
+    "b512": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE, _ADAM_AUTO, DEFAULT_AUTO],
+    "b1024": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE, _ADAM_AUTO, DEFAULT_AUTO],
+    "b4096": [_AUTO, "1bit-lamb freeze 20%", "lamb", _AUTO_BEFORE, _ADAM_AUTO, _ADAM, DEFAULT_AUTO],
+    "demo": [_AUTO, "1bit-lamb freeze 35%", "lamb", _AUTO_BEFORE, _ADAM_AUTO, _AUTO_BEFORE_GUARDED, DEFAULT_AUTO],
 }
 # The rule before ran at these many seeds while it was the default; its seeded rows stop there, so
 # that more seeds of the default's rows do not also rerun a rule no longer in use (10 minutes a run).
@@ -379,10 +386,10 @@ def mean_and_standard_error(values: Sequence[float]) -> Tuple[float, float]:
 
 def _auto_against_hand_picked(repeats: Dict[Tuple[str, str], Dict[int, dict]]) -> List[str]:
     """The issue's question on each seeded preset, at the seeds both ran: is the automatic freeze at
-    least as good as the best hand-picked one (SEEDED's first two rows)? The rule before too, where it
-    ran at more than one seed. A diverged run counts as lost."""
+    least as good as the best hand-picked one (SEEDED's first two rows)? With every default, with the
+    rule alone, and with the rule before, where each ran at more than one seed. A diverged run counts as lost."""
     lines: List[str] = []
-    for (preset, (_, picked, *_)), auto in itertools.product(SEEDED.items(), (_AUTO, _AUTO_BEFORE)):
+    for (preset, (_, picked, *_)), auto in itertools.product(SEEDED.items(), (DEFAULT_AUTO, _AUTO, _AUTO_BEFORE)):
         auto_runs, picked_runs = repeats.get((preset, auto), {}), repeats.get((preset, picked), {})
         seeds = sorted(set(auto_runs) & set(picked_runs))
         if len(seeds) < 2:

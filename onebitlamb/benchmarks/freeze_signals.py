@@ -33,7 +33,8 @@ from onebitlamb.optim import functional as F
 # freeze read from it (b1024's exit ends near step 100, demo seed 1236's near 145)
 TRACES: Dict[Tuple[str, int], float] = {("b1024", 1234): 0.33, ("b1024", 1235): 0.33, ("demo", 1236): 0.4}
 # the criterion can fire neither way before the cap: no layer settles to 1e-9, no transient rule
-HOLD_OFF = ["--auto-freeze", "--freeze-tolerance", "1e-9", "--freeze-transient", "0"]
+# (and these traces ran before 1-bit LAMB's freeze waited for its trust ratios' peak by default)
+HOLD_OFF = ["--auto-freeze", "--freeze-tolerance", "1e-9", "--freeze-transient", "0", "--no-freeze-after-trust-peak"]
 # The two key biases get no gradient but rounding (softmax ignores a constant added to every key
 # score), so their variance level says nothing about learning
 IGNORED_SUFFIX = "attention.self.key.bias"

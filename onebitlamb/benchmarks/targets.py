@@ -29,7 +29,7 @@ import statistics
 import sys
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from onebitlamb.benchmarks.convergence import (_ADAM, _ADAM_AUTO, _AUTO, DEFAULT_SEED, PRESETS, VARIANTS, Row, _gap, _loss,
+from onebitlamb.benchmarks.convergence import (_ADAM, _ADAM_AUTO, DEFAULT_AUTO, DEFAULT_SEED, PRESETS, VARIANTS, Row, _gap, _loss,
                                                folder_name, mean_and_standard_error, parse_seeds, pretrain_config,
                                                row_at_seed, run_one)
 from onebitlamb.benchmarks.freeze_signals import frozen_coefficient, stage2_steps
@@ -41,10 +41,10 @@ HAND_PICKED = "1bit-lamb freeze 20%"
 HAND_PICKED_LATE = "1bit-lamb freeze 35%"
 # preset -> the study's variants this check runs there (LAMB and the default automatic freeze first)
 CHECKS: Dict[str, List[str]] = {
-    "b512": ["lamb", _AUTO],
-    "demo": ["lamb", _AUTO],
-    "b4096": ["lamb", _AUTO, _ADAM_AUTO, _ADAM],
-    "b1024": ["lamb", _AUTO, HAND_PICKED, HAND_PICKED_LATE],
+    "b512": ["lamb", DEFAULT_AUTO],
+    "demo": ["lamb", DEFAULT_AUTO],
+    "b4096": ["lamb", DEFAULT_AUTO, _ADAM_AUTO, _ADAM],
+    "b1024": ["lamb", DEFAULT_AUTO, HAND_PICKED, HAND_PICKED_LATE],
 }
 WITHIN = 0.01  # the target: at most 1% above LAMB's held-out loss
 
@@ -94,7 +94,7 @@ def _freeze(metrics: dict, preset: str) -> str:
     step = metrics.get("freeze_step")
     if not step:
         return "-"
-    optimizer, flags = VARIANTS[_AUTO]
+    optimizer, flags = VARIANTS[DEFAULT_AUTO]
     cap = pretrain_config(optimizer, PRESETS[preset] + flags).freeze_step  # with --auto-freeze: the latest
     return f"{step} (the cap)" if step == cap else str(step)
 
@@ -131,7 +131,7 @@ def _stage2_step(metrics: dict) -> str:
 
 
 def _seeds(results: Results, preset: str) -> List[int]:
-    return sorted(seed for (p, variant, seed) in results if p == preset and variant == _AUTO)
+    return sorted(seed for (p, variant, seed) in results if p == preset and variant == DEFAULT_AUTO)
 
 
 def _comparison(results: Results, preset: str, target: Comparison) -> Tuple[List[str], List[str]]:
@@ -146,7 +146,7 @@ def _comparison(results: Results, preset: str, target: Comparison) -> Tuple[List
     table, differences, won, auto_diverged, then_step = [], [], 0, False, None
     both_lamb = VARIANTS[target.other][0] == "onebitlamb"  # so that their step sizes compare
     for seed in seeds:
-        lamb, auto, other = (results[(preset, v, seed)] for v in ("lamb", _AUTO, target.other))
+        lamb, auto, other = (results[(preset, v, seed)] for v in ("lamb", DEFAULT_AUTO, target.other))
         ours, theirs = auto["final_eval_loss"], other["final_eval_loss"]
         ours_then, theirs_then = _three_quarters(auto), _three_quarters(other)
         if ours_then and theirs_then and ours_then[0] == theirs_then[0]:
@@ -226,7 +226,7 @@ def _split(results: Results, preset: str, target: Comparison, seeds: Sequence[in
     orders, lamb_costs, other_costs = [], [], []
     for seed in seeds:
         lamb, auto, other, plain = (results[(preset, v, seed)]["final_eval_loss"]
-                                    for v in ("lamb", _AUTO, target.other, target.uncompressed))
+                                    for v in ("lamb", DEFAULT_AUTO, target.other, target.uncompressed))
         if all(loss == loss for loss in (lamb, auto, other, plain)):
             orders.append(100 * (lamb / plain - 1))
             lamb_costs.append(100 * (auto / lamb - 1))
@@ -329,7 +329,7 @@ def render(results: Results, command_text: str) -> str:
     lines = heading("Convergence targets with the defaults", command_text)
     lines += [
         f"Held-out MLM loss at the end of each preset's run (seed {DEFAULT_SEED}), 1-bit LAMB with `--auto-freeze "
-        "--freeze-frac 0.75` and otherwise the defaults (the study's row \"" + _AUTO + "\"). Freeze: the "
+        "--freeze-frac 0.75` and otherwise the defaults (the study's row \"" + DEFAULT_AUTO + "\"). Freeze: the "
         "step at whose end it froze (\"the cap\": 75% of the steps, where the criterion had not fired yet). "
         "Volume: LAMB's bytes per worker over the run divided by the run's. "
         "Target: within 1% of LAMB's loss (or ahead), no divergence.",
@@ -339,14 +339,14 @@ def render(results: Results, command_text: str) -> str:
     ]
     verdicts = []
     for preset in CHECKS:
-        lamb, auto = results[(preset, "lamb", DEFAULT_SEED)], results[(preset, _AUTO, DEFAULT_SEED)]
+        lamb, auto = results[(preset, "lamb", DEFAULT_SEED)], results[(preset, DEFAULT_AUTO, DEFAULT_SEED)]
         loss = auto["final_eval_loss"]
         verdicts.append(_within(auto, lamb))
         volume = (f"{lamb['bytes_sent_per_rank'] / auto['bytes_sent_per_rank']:.2f}x"
                   if auto["bytes_sent_per_rank"] else "-")
         lines.append(f"| {preset} | {_loss(lamb['final_eval_loss'])} | {_freeze(auto, preset)}, "
                      f"{_loss(loss)}, {_vs(loss, lamb['final_eval_loss'])} | {volume} | {_met(verdicts[-1])} |")
-    others = [_within(results[(p, _AUTO, seed)], results[(p, "lamb", seed)])
+    others = [_within(results[(p, DEFAULT_AUTO, seed)], results[(p, "lamb", seed)])
               for p in CHECKS for seed in _seeds(results, p) if seed != DEFAULT_SEED]
     bullets = [f"- Within 1% of LAMB with the defaults: {_met(all(verdicts + others))}: within on {sum(verdicts)} of "
                f"{len(verdicts)} presets" + (f" at seed {DEFAULT_SEED} and on {sum(others)} of the {len(others)} runs "

@@ -52,6 +52,8 @@ CASES: List[Case] = [
 
 def case_flags(case: Case, rise: Optional[float]) -> List[str]:
     flags = PRESETS[case.preset] + ["--auto-freeze", "--freeze-frac", STUDY_CAP] + case.flags
+    if case.optimizer == "onebitlamb":  # its cases ran when the freeze came as soon as the rule held
+        flags.append("--no-freeze-after-trust-peak")
     flags += ["--seed", str(case.seed)]
     return flags + (["--unfreeze-rise", f"{rise:g}"] if rise is not None else [])
 

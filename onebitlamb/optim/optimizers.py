@@ -119,16 +119,18 @@ class OneBitLamb(StagedOptimizer):
                  max_freeze_step: Optional[int] = None, freeze_window: int = 20,
                  freeze_tolerance: float = 0.3, freeze_transient: Optional[float] = 5.0,
                  freeze_transient_end: Optional[float] = 2.5, unfreeze_rise: Optional[float] = None,
-                 freeze_after_trust_peak: bool = False,
+                 freeze_after_trust_peak: Optional[bool] = None,
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
         onebit = _onebit_options(type(self).__name__, freeze_step, min_freeze_step, max_freeze_step,
                                  freeze_window, freeze_tolerance, freeze_transient, freeze_transient_end,
                                  compression_space, update_guard, unfreeze_rise)
-        if not isinstance(freeze_after_trust_peak, bool):
-            raise ValueError(f"Invalid freeze_after_trust_peak: {freeze_after_trust_peak!r} (must be True or False)")
+        if freeze_after_trust_peak is not None and not isinstance(freeze_after_trust_peak, bool):
+            raise ValueError(f"Invalid freeze_after_trust_peak: {freeze_after_trust_peak!r} (None, True or False)")
         if freeze_after_trust_peak and freeze_step != "auto":
             raise ValueError(f"freeze_after_trust_peak=True needs freeze_step='auto' (it delays the automatic "
                              f"freeze), got freeze_step={freeze_step!r}")
+        if freeze_after_trust_peak is None:  # on wherever it can act: with the automatic freeze
+            freeze_after_trust_peak = freeze_step == "auto"
         validate_common(lr, betas, eps, weight_decay)
         _validate_lamb(min_coeff, max_coeff)
         if not 0.0 <= coeff_beta < 1.0:

@@ -127,9 +127,9 @@ def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
     sits low and flat; its exit is the rise). Bottom: the spread the criterion watches (the least
     settled layer's rise over the window), with the thresholds and the freeze step; with
     ``--unfreeze-rise``, the largest rise of a layer's local variance within the window while
-    frozen, its threshold and every undone freeze; with ``--freeze-after-trust-peak``, on its own scale,
-    the median layer's trust-ratio rise over the window (the freeze waits, from the step the
-    criterion held, for it to reach 0). Returns False (and draws nothing) for a run without the record."""
+    frozen, its threshold and every undone freeze; with the wait for the trust peak (1-bit LAMB), on
+    its own scale, the median layer's trust-ratio rise over the window (the freeze waits, from the
+    step the criterion held, for it to reach 0). Returns False (and draws nothing) for a run without the record."""
     levels = metrics.get("freeze_levels")
     if not levels or not any(row is not None for row in levels["per_step"]):
         return False

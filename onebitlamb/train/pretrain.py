@@ -58,7 +58,10 @@ DEFAULTS = dict(
     # 1-bit optimizers: freeze_frac is the freeze, or with auto_freeze the latest it may happen
     auto_freeze=False, min_freeze_frac=0.05, freeze_window=20, freeze_tolerance=0.3, freeze_transient=5.0,
     # half the transient threshold, not half the spread's peak (docs/convergence.md, "A spike on the plateau")
-    freeze_transient_end=2.5, unfreeze_rise=0.0, freeze_after_trust_peak=False,
+    freeze_transient_end=2.5, unfreeze_rise=0.0,
+    # with auto_freeze, 1-bit LAMB waits for its trust ratios' peak (docs/convergence.md, "Freezing
+    # after the trust ratios' peak"); without it there is no automatic freeze to delay
+    freeze_after_trust_peak=True,
     compression_space="momentum", update_guard=0.0,
 )
 PRESETS = {
@@ -201,9 +204,10 @@ def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True
         g.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=helps.get(name))
     g.add_argument("--auto-freeze", action="store_true", default=None,
                    help="1-bit optimizers: freeze_step='auto', between --min-freeze-frac and --freeze-frac")
-    g.add_argument("--freeze-after-trust-peak", action="store_true", default=None,
-                   help="1-bit LAMB with --auto-freeze: once the variance criterion holds, wait (up to "
-                        "--freeze-frac) until the median layer's trust ratio has stopped rising (1-bit Adam "
+    g.add_argument("--freeze-after-trust-peak", action=argparse.BooleanOptionalAction, default=None,
+                   help="1-bit LAMB with --auto-freeze (on by default there): once the variance criterion "
+                        "holds, wait (up to --freeze-frac) until the median layer's trust ratio has stopped "
+                        "rising; --no-freeze-after-trust-peak freezes when the criterion holds (1-bit Adam "
                         "has no trust ratio: it ignores this)")
 
 
@@ -215,6 +219,8 @@ def config_from_args(args: argparse.Namespace, optimizer: Optional[str] = None, 
             values[key] = getattr(args, key)
     if optimizer is not None:
         values["optimizer"] = optimizer
+    if not values["auto_freeze"] and getattr(args, "freeze_after_trust_peak", None) is None:
+        values["freeze_after_trust_peak"] = False  # on by default only where there is a freeze to delay
     lr_lamb, lr_adam = values.pop("lr_lamb"), values.pop("lr_adam")
     if values["lr"] is None:
         values["lr"] = lr_adam if values["optimizer"] == "onebitadam" else lr_lamb
@@ -408,7 +414,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
         history["freeze_spread"].append(optimizer.freeze_spread)  # --auto-freeze: how settled, per step
         history["freeze_levels"].append(_finite_or_none(optimizer.freeze_levels))
         history["variance_rise"].append(_finite_or_none(optimizer.variance_rise))
-        history["trust_rise"].append(getattr(optimizer, "trust_rise", None))  # --freeze-after-trust-peak
+        history["trust_rise"].append(getattr(optimizer, "trust_rise", None))  # the wait for the trust peak (1-bit LAMB)
         if getattr(optimizer, "freeze_ready_step", None) is not None:
             history["freeze_ready_step"] = optimizer.freeze_ready_step
         history["lr"].append(scheduler.get_last_lr()[0])
@@ -663,6 +669,8 @@ def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
         ignored |= ONEBIT_SETTINGS | AUTO_FREEZE_SETTINGS | {"auto_freeze"}
     elif not cfg.auto_freeze:
         ignored |= AUTO_FREEZE_SETTINGS
+    elif cfg.optimizer == "onebitadam":
+        ignored.add("freeze_after_trust_peak")  # no trust ratio to wait for
     now = dataclasses.asdict(cfg)
     saved = {**ADDED_SETTINGS, **saved}
     return {k: (saved.get(k), v) for k, v in now.items() if k not in ignored and saved.get(k) != v}
@@ -728,7 +736,7 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
         # --unfreeze-rise, per stage-2 step: each layer's rise of its local gradient variance since the freeze
         "variance_rise": ({"layers": list(names), "per_step": history["variance_rise"]}
                            if any(row is not None for row in history["variance_rise"]) else None),
-        # --freeze-after-trust-peak: per warm-up step, the median layer's trust-ratio rise over the
+        # the wait for the trust peak: per warm-up step, the median layer's trust-ratio rise over the
         # window; and the step the variance criterion first held, from which the freeze waited
         "trust_rise": history["trust_rise"] if any(v is not None for v in history["trust_rise"]) else None,
         "freeze_ready_step": history["freeze_ready_step"],
