@@ -308,3 +308,33 @@ def test_auto_is_set_against_the_hand_picked_freeze_seed_by_seed():
     assert f"| demo | {before} | {picked} |" not in convergence.render(results + [row(before, 1234, 4.0)], "cmd")
     with_before = convergence.render(results + [row(before, 1234, 4.0), row(before, 1235, 4.5)], "cmd")
     assert f"| demo | {before} | {picked} | 1234: +0.0%, 1235: -10.0% | -5.0% ± 5.0 | 2 of 2 |" in with_before
+
+
+def _student_t_tail(t: float, dof: int, pieces: int = 20000) -> float:
+    """P(T > t) for Student's t with ``dof`` degrees of freedom, by Simpson's rule on the density after
+    the substitution x = t / u (so that the infinite tail becomes (0, 1])."""
+    log_norm = math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2) - 0.5 * math.log(dof * math.pi)
+
+    def integrand(u: float) -> float:  # density at t / u, times |dx/du| = t / u^2
+        if u == 0.0:
+            return 0.0
+        x = t / u
+        return math.exp(log_norm - (dof + 1) / 2 * math.log1p(x * x / dof)) * t / (u * u)
+
+    h = 1.0 / pieces
+    total = integrand(0.0) + integrand(1.0)
+    total += sum((4 if k % 2 else 2) * integrand(k * h) for k in range(1, pieces))
+    return total * h / 3
+
+
+def test_settling_factor_is_students_t_at_95_percent_two_sided():
+    from onebitlamb.benchmarks.convergence import settling_factor
+
+    for count in range(2, 32):
+        factor, dof = settling_factor(count), min(count - 1, 30)
+        # the table's three decimals bracket the true quantile
+        assert _student_t_tail(factor - 0.001, dof) > 0.025 > _student_t_tail(factor + 0.001, dof), count
+    assert settling_factor(100) == settling_factor(31)  # the value at 30 degrees of freedom: a little strict
+    assert _student_t_tail(2.0, 3) > 0.06  # why not two errors: at four seeds that is a two-sided p above 0.12
+    with pytest.raises(ValueError, match="got 1"):
+        settling_factor(1)

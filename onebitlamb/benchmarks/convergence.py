@@ -376,6 +376,23 @@ def _loss(loss: float) -> str:
     return f"{loss:.3f}" if loss == loss else "NaN"
 
 
+# Student's t at 97.5%, by degrees of freedom 1-30 (textbook values): the standard error of a mean
+# over a few seeds is itself estimated from those seeds, so "two standard errors" overstates what
+# four seeds know (at 3 degrees of freedom two errors is a two-sided p of about 0.14, not 0.05)
+_T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+          2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+          2.045, 2.042)
+
+
+def settling_factor(count: int) -> float:
+    """How many standard errors from zero a mean over ``count`` paired values must lie for the seeds to
+    settle its sign: the two-sided 95% quantile of Student's t with ``count - 1`` degrees of freedom
+    (above 30 the value at 30, a little above the true one)."""
+    if count < 2:
+        raise ValueError(f"count must be at least 2 for a standard error, got {count}")
+    return _T_975[min(count - 1, len(_T_975)) - 1]
+
+
 def mean_and_standard_error(values: Sequence[float]) -> Tuple[float, float]:
     """The mean of per-seed values and its standard error: how far the seeds pin the mean down
     (at least two values)."""

@@ -31,7 +31,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from onebitlamb.benchmarks.convergence import (_ADAM, _ADAM_AUTO, DEFAULT_AUTO, DEFAULT_SEED, PRESETS, VARIANTS, Row, _gap, _loss,
                                                folder_name, mean_and_standard_error, parse_seeds, pretrain_config,
-                                               row_at_seed, run_one)
+                                               row_at_seed, run_one, settling_factor)
 from onebitlamb.benchmarks.freeze_signals import frozen_coefficient, stage2_steps
 from onebitlamb.benchmarks.report import command_line, heading, write_section
 
@@ -138,8 +138,9 @@ def _comparison(results: Results, preset: str, target: Comparison) -> Tuple[List
     """The automatic freeze against ``target.other`` at every seed the preset ran: the per-seed table
     (more than one seed) and the verdict's bullet. With one seed the verdict is that seed's; with more,
     it rests on the mean of the per-seed differences and its standard error: "ahead" is met where the
-    mean is more than two errors below zero, "as good" where it is at or below zero, either is not met
-    where the mean is on the wrong side by more than two errors, and "not settled" in between.
+    seeds settle the mean below zero (``settling_factor``: Student's t at 95%, 3.18 errors at four
+    seeds), "as good" where it is at or below zero, either is not met where the seeds settle it on the
+    wrong side, and "not settled" in between.
     A divergence of the automatic freeze loses the target; the other run's diverging counts as a seed
     the automatic freeze won, outside the mean."""
     seeds = _seeds(results, preset)
@@ -191,14 +192,15 @@ def _comparison(results: Results, preset: str, target: Comparison) -> Tuple[List
              *table]
     if len(differences) >= 2:
         mean, error = mean_and_standard_error(differences)
+        margin = settling_factor(len(differences)) * error
         average = _mean_text(differences)
     else:  # the other run diverged at all seeds but one or none: those seeds decide
-        mean, error = (differences[0] if differences else -math.inf), 0.0
+        mean, margin = (differences[0] if differences else -math.inf), 0.0
         average = "too few seeds with both runs for a mean"
     good = mean < 0 if target.strict else mean <= 0
-    if auto_diverged or (not good and mean > 2 * error):
+    if auto_diverged or (not good and mean > margin):
         verdict = _met(False)
-    elif good and (not target.strict or mean < -2 * error):
+    elif good and (not target.strict or mean < -margin):
         verdict = _met(True)
     else:  # "ahead" on a mean the seeds do not settle, or "as good" behind within their spread
         verdict = "**not settled**"
@@ -209,11 +211,11 @@ def _comparison(results: Results, preset: str, target: Comparison) -> Tuple[List
 
 def _mean_text(values: Sequence[float], unit: str = "%") -> str:
     """One seed's value, or the mean over seeds with its standard error and whether the seeds settle
-    its sign (more than two standard errors from zero)."""
+    its sign (at 95%, two-sided: ``settling_factor`` standard errors from zero)."""
     if len(values) == 1:
         return f"{values[0]:+.1f}{unit}"
     mean, error = mean_and_standard_error(values)
-    settled = "the seeds settle it" if abs(mean) > 2 * error else "within the seeds' spread"
+    settled = "the seeds settle it" if abs(mean) > settling_factor(len(values)) * error else "within the seeds' spread"
     return f"mean {mean:+.1f}{unit} ± {error:.1f} (standard error; {settled})"
 
 
