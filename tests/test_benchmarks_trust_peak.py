@@ -59,9 +59,29 @@ def test_render_compares_the_option_over_seeds_per_preset():
     results.update({("demo", v, 3): _run(4.0, 800) for v in ("lamb", _AUTO, _AUTO_TRUST_PEAK, HAND_PICKED_LATE)})
     text = render(results, [("b1024", 1), ("b1024", 2), ("demo", 3)], "cmd")
     # +10 and 0: mean +5.0, standard deviation 7.07, standard error 5.0; 0 and -20: mean -10, error 10
-    assert ("- `b1024` over 2 seeds, after the peak against the 35% mean +5.0% ± 5.0 (standard error; within "
-            "the seeds' spread), no worse at 1 of 2; against the criterion alone mean -10.0% ± 10.0 (standard error; "
-            "within the seeds' spread), no worse at 2 of 2") in text
-    assert "`demo` over" not in text
+    assert ("- `b1024`, after the peak against the 35% over 2 seeds mean +5.0% ± 5.0 (standard error; within "
+            "the seeds' spread), no worse at 1; against the criterion alone over 2 seeds mean -10.0% ± 10.0 "
+            "(standard error; within the seeds' spread), no worse at 2") in text
+    assert "- `demo`," not in text
     results[("b1024", _AUTO_TRUST_PEAK, 2)] = _run(float("nan"), 0)
-    assert "`b1024` over" not in render(results, [("b1024", 1), ("b1024", 2)], "cmd")
+    assert "- `b1024`," not in render(results, [("b1024", 1), ("b1024", 2)], "cmd")
+
+
+def test_render_adds_the_seeds_where_only_the_wait_and_the_35_ran():
+    """Seeds with only the wait and the 35% get their own table and count in the wait against the 35%,
+    not in the wait against the criterion alone (which they did not run)."""
+    results = {}
+    for seed, (late, hand, auto) in {1: (4.4, 4.0, 4.4), 2: (4.0, 4.0, 5.0)}.items():
+        results[("b1024", "lamb", seed)] = _run(4.2, 1000)
+        results[("b1024", _AUTO_TRUST_PEAK, seed)] = _run(late, 400, freeze=130, ready=90)
+        results[("b1024", HAND_PICKED_LATE, seed)] = _run(hand, 400, freeze=140)
+        results[("b1024", _AUTO, seed)] = _run(auto, 300, freeze=90)
+    # seed 3: 3.8 against 4.0 (-5.0%), the wait's median frozen trust ratio 0.2 and stage-2 step 10
+    results[("b1024", _AUTO_TRUST_PEAK, 3)] = _run(3.8, 400, freeze=150, ready=100, frozen=[0.1, 0.3, 0.2])
+    results[("b1024", HAND_PICKED_LATE, 3)] = _run(4.0, 400, freeze=140)
+    text = render(results, [("b1024", 1), ("b1024", 2)], "cmd", pair_only=[("b1024", 3)])
+    assert "| b1024 | 3 | 150 (ready 100), 3.800; 0.200, 10.0 | 140, 4.000; -, - | -5.0% |" in text
+    # +10, 0, -5: mean +1.67, standard deviation 7.64, standard error 4.41
+    assert ("- `b1024`, after the peak against the 35% over 3 seeds mean +1.7% ± 4.4 (standard error; within "
+            "the seeds' spread), no worse at 2; against the criterion alone over 2 seeds mean -10.0% ± 10.0") in text
+    assert "| b1024 | 3 | " not in render(results, [("b1024", 1), ("b1024", 2)], "cmd")
