@@ -2,7 +2,7 @@
 ``--freeze-after-trust-peak``, each against LAMB at the same seed.
 
     python -m onebitlamb.benchmarks.trust_peak          # b1024 at seeds 1234-1243, demo at 1234-1237 (~8 h on 2 cores)
-    python -m onebitlamb.benchmarks.trust_peak --runs b1024:1234,1235 --pair-runs
+    python -m onebitlamb.benchmarks.trust_peak --runs b1024:1234,1235 --pair-runs   # no seeds with two runs alone
     python -m onebitlamb.benchmarks.trust_peak --list   # what would run
 
 On ``b1024`` the hand-picked 35% freeze beat the automatic one by 7.0% ± 3.4 over four seeds, and
@@ -77,25 +77,16 @@ def _relative(a: float, b: float) -> float:
     return 100 * (a / b - 1)
 
 
-def _cell(run: dict, lamb: dict) -> str:
-    """One 1-bit LAMB run: "freeze (ready), loss, gap to LAMB, volume; trust ratio, stage-2 step"."""
+def _cell(run: dict, lamb: Optional[dict] = None) -> str:
+    """One 1-bit LAMB run: "freeze (ready), loss, gap to LAMB, volume; trust ratio, stage-2 step",
+    without the gap and the volume where LAMB did not run at that seed."""
     ready = run.get("freeze_ready_step")
     freeze = f"{run['freeze_step'] or '-'}" + (f" (ready {ready})" if ready is not None else "")
     loss = run["final_eval_loss"]
     if loss != loss:
         return f"{freeze}, diverged"
-    return (f"{freeze}, {_loss(loss)}, {_gap(loss, lamb['final_eval_loss'])}, {_volume(run, lamb)}; "
-            f"{_coefficient(run)}, {_stage2_step(run)}")
-
-
-def _pair_cell(run: dict) -> str:
-    """A run without LAMB beside it: "freeze (ready), loss; trust ratio, stage-2 step"."""
-    ready = run.get("freeze_ready_step")
-    freeze = f"{run['freeze_step'] or '-'}" + (f" (ready {ready})" if ready is not None else "")
-    loss = run["final_eval_loss"]
-    if loss != loss:
-        return f"{freeze}, diverged"
-    return f"{freeze}, {_loss(loss)}; {_coefficient(run)}, {_stage2_step(run)}"
+    against_lamb = f", {_gap(loss, lamb['final_eval_loss'])}, {_volume(run, lamb)}" if lamb else ""
+    return f"{freeze}, {_loss(loss)}{against_lamb}; {_coefficient(run)}, {_stage2_step(run)}"
 
 
 def _against(run: dict, other: dict) -> str:
@@ -145,7 +136,7 @@ def render(results: Results, pairs: Sequence[Tuple[str, int]], command: str,
                   "|---|---:|---|---|---:|"]
         for preset, seed in pair_only:
             late, hand = (results[(preset, v, seed)] for v in PAIR_VARIANTS)
-            lines.append(f"| {preset} | {seed} | {_pair_cell(late)} | {_pair_cell(hand)} | {_against(late, hand)} |")
+            lines.append(f"| {preset} | {seed} | {_cell(late)} | {_cell(hand)} | {_against(late, hand)} |")
         lines.append("")
     lines += _per_preset(results, pairs, pair_only)
     return "\n".join(lines) + "\n"
