@@ -45,17 +45,23 @@ def test_render_gaps_volumes_and_summary():
     assert "- hand-picked 35%: mean gap to LAMB -4.5%; within 1% of LAMB (or ahead) on 2 of 2 runs" in text
 
 
-def test_render_compares_the_option_over_seeds_per_preset():
-    """Over a preset's seeds: the wait against the 35% and the criterion alone, mean ± standard error of the
-    per-seed gaps, and at how many seeds it was no worse; a preset at one seed gets no such line."""
+def _two_seeds_of_every_variant():
+    """``b1024`` at seeds 1 and 2 with all four variants.
+    Seed 1: after the peak 4.4 against 35% 4.0 (+10.0%) and the criterion alone 4.4 (+0.0%).
+    Seed 2: after the peak 4.0 against 35% 4.0 (+0.0%) and the criterion alone 5.0 (-20.0%)."""
     results = {}
-    # seed 1: after the peak 4.4 against 35% 4.0 (+10.0%) and the criterion alone 4.4 (+0.0%)
-    # seed 2: after the peak 4.0 against 35% 4.0 (+0.0%) and the criterion alone 5.0 (-20.0%)
     for seed, (late, hand, auto) in {1: (4.4, 4.0, 4.4), 2: (4.0, 4.0, 5.0)}.items():
         results[("b1024", "lamb", seed)] = _run(4.2, 1000)
         results[("b1024", _AUTO_TRUST_PEAK, seed)] = _run(late, 400, freeze=130, ready=90)
         results[("b1024", HAND_PICKED_LATE, seed)] = _run(hand, 400, freeze=140)
         results[("b1024", _AUTO, seed)] = _run(auto, 300, freeze=90)
+    return results
+
+
+def test_render_compares_the_option_over_seeds_per_preset():
+    """Over a preset's seeds: the wait against the 35% and the criterion alone, mean ± standard error of the
+    per-seed gaps, and at how many seeds it was no worse; a preset at one seed gets no such line."""
+    results = _two_seeds_of_every_variant()
     results.update({("demo", v, 3): _run(4.0, 800) for v in ("lamb", _AUTO, _AUTO_TRUST_PEAK, HAND_PICKED_LATE)})
     text = render(results, [("b1024", 1), ("b1024", 2), ("demo", 3)], "cmd")
     # +10 and 0: mean +5.0, standard deviation 7.07, standard error 5.0; 0 and -20: mean -10, error 10
@@ -70,12 +76,7 @@ def test_render_compares_the_option_over_seeds_per_preset():
 def test_render_adds_the_seeds_where_only_the_wait_and_the_35_ran():
     """Seeds with only the wait and the 35% get their own table and count in the wait against the 35%,
     not in the wait against the criterion alone (which they did not run)."""
-    results = {}
-    for seed, (late, hand, auto) in {1: (4.4, 4.0, 4.4), 2: (4.0, 4.0, 5.0)}.items():
-        results[("b1024", "lamb", seed)] = _run(4.2, 1000)
-        results[("b1024", _AUTO_TRUST_PEAK, seed)] = _run(late, 400, freeze=130, ready=90)
-        results[("b1024", HAND_PICKED_LATE, seed)] = _run(hand, 400, freeze=140)
-        results[("b1024", _AUTO, seed)] = _run(auto, 300, freeze=90)
+    results = _two_seeds_of_every_variant()
     # seed 3: 3.8 against 4.0 (-5.0%), the wait's median frozen trust ratio 0.2 and stage-2 step 10
     results[("b1024", _AUTO_TRUST_PEAK, 3)] = _run(3.8, 400, freeze=150, ready=100, frozen=[0.1, 0.3, 0.2])
     results[("b1024", HAND_PICKED_LATE, 3)] = _run(4.0, 400, freeze=140)

@@ -185,9 +185,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     rows = [row_at_seed(preset, variant, *VARIANTS[variant], seed)
-            for preset, seed in pairs for variant in VARIANTS_RUN]
-    rows += [row_at_seed(preset, variant, *VARIANTS[variant], seed)
-             for preset, seed in pair_only for variant in PAIR_VARIANTS]
+            for runs, variants in ((pairs, VARIANTS_RUN), (pair_only, PAIR_VARIANTS))
+            for preset, seed in runs for variant in variants]
     if args.list:
         for row in rows:
             flags = " ".join(row.flags)
