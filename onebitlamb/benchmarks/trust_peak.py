@@ -1,8 +1,8 @@
 """Freezing after the trust ratios' peak: 1-bit LAMB's automatic freeze with and without
 ``--freeze-after-trust-peak``, each against LAMB at the same seed.
 
-    python -m onebitlamb.benchmarks.trust_peak          # b1024 at seeds 1234-1243, demo at 1234-1237 (~8 h on 2 cores)
-    python -m onebitlamb.benchmarks.trust_peak --runs b1024:1234,1235 --pair-runs   # no seeds with two runs alone
+    python -m onebitlamb.benchmarks.trust_peak          # b1024 at seeds 1234-1243, demo at 1234-1237 (~9 h on 2 cores)
+    python -m onebitlamb.benchmarks.trust_peak --runs b1024:1234,1235 --runs-without-criterion   # those alone
     python -m onebitlamb.benchmarks.trust_peak --list   # what would run
 
 On ``b1024`` the hand-picked 35% freeze beat the automatic one by 7.0% ± 3.4 over four seeds, and
@@ -37,11 +37,11 @@ VARIANTS_RUN = ["lamb", _AUTO, _AUTO_TRUST_PEAK, HAND_PICKED_LATE]
 # Student's t; demo, the main job, where the option moves the freeze too, with 1236, where an early
 # rule once froze in the middle of the plateau exit (on b512 and b4096 the cap froze every run)
 DEFAULT_RUNS = ["b1024:1234,1235,1236,1237,1238,1239", "demo:1234,1235,1236,1237"]
-# Six seeds left the wait against the 35% on b1024 unsettled (+0.7% ± 0.4) while the wait's lead over
-# the criterion alone and its place within 1% of LAMB were clear, so further seeds run those two alone:
-# half the cost per seed for the one open question
-PAIR_VARIANTS = [_AUTO_TRUST_PEAK, HAND_PICKED_LATE]
-DEFAULT_PAIR_RUNS = ["b1024:1240,1241,1242,1243"]
+# Six seeds left the wait against the 35% on b1024 unsettled (+0.7% ± 0.4) while its lead over the
+# criterion alone was clear (-5.0% ± 1.9), so further seeds leave the criterion alone out: they measure
+# the wait against the 35% and against LAMB at three runs a seed instead of four
+WITHOUT_CRITERION = [v for v in VARIANTS_RUN if v != _AUTO]
+DEFAULT_RUNS_WITHOUT_CRITERION = ["b1024:1240,1241,1242,1243"]
 WITHIN = 0.01
 Results = Dict[Tuple[str, str, int], dict]  # (preset, variant, seed) -> the run's metrics
 
@@ -77,35 +77,38 @@ def _relative(a: float, b: float) -> float:
     return 100 * (a / b - 1)
 
 
-def _cell(run: dict, lamb: Optional[dict] = None) -> str:
-    """One 1-bit LAMB run: "freeze (ready), loss, gap to LAMB, volume; trust ratio, stage-2 step",
-    without the gap and the volume where LAMB did not run at that seed."""
+def _cell(run: Optional[dict], lamb: dict) -> str:
+    """One 1-bit LAMB run: "freeze (ready), loss, gap to LAMB, volume; trust ratio, stage-2 step"."""
+    if run is None:
+        return "not run"
     ready = run.get("freeze_ready_step")
     freeze = f"{run['freeze_step'] or '-'}" + (f" (ready {ready})" if ready is not None else "")
     loss = run["final_eval_loss"]
     if loss != loss:
         return f"{freeze}, diverged"
-    against_lamb = f", {_gap(loss, lamb['final_eval_loss'])}, {_volume(run, lamb)}" if lamb else ""
-    return f"{freeze}, {_loss(loss)}{against_lamb}; {_coefficient(run)}, {_stage2_step(run)}"
+    return (f"{freeze}, {_loss(loss)}, {_gap(loss, lamb['final_eval_loss'])}, {_volume(run, lamb)}; "
+            f"{_coefficient(run)}, {_stage2_step(run)}")
 
 
-def _against(run: dict, other: dict) -> str:
+def _against(run: Optional[dict], other: Optional[dict]) -> str:
+    if run is None or other is None:
+        return "-"
     a, b = run["final_eval_loss"], other["final_eval_loss"]
     return _gap(a, b) if a == a and b == b else "-"
 
 
-def render(results: Results, pairs: Sequence[Tuple[str, int]], command: str,
-           pair_only: Sequence[Tuple[str, int]] = ()) -> str:
-    """The table of ``pairs`` (every variant at each), then that of ``pair_only`` (the wait and the
-    35% alone), then per preset the wait against the 35% over both and against the criterion alone
-    over ``pairs``."""
+def render(results: Results, seeds: Sequence[Tuple[str, int]], command: str) -> str:
+    """One row per (preset, seed) in ``seeds``, the criterion alone "not run" where ``results`` lacks it;
+    each variant's gap to LAMB over the seeds it ran at; per preset the wait against the 35% and the
+    criterion alone over the seeds where both ran."""
     lines = heading("Freezing after the trust ratios' peak (--freeze-after-trust-peak)", command)
     lines += [
         "1-bit LAMB's automatic freeze (the study's 75% cap) when the criterion holds "
         "(`--no-freeze-after-trust-peak`, the default before), the same with every default "
         "(`--freeze-after-trust-peak`: once the criterion holds, \"ready\", the freeze waits "
         "until the median layer's trust ratio is no higher than 20 steps before), and the hand-picked "
-        "freeze at 35% of the steps (the best on `b1024`). Each cell: the freeze step, held-out loss "
+        "freeze at 35% of the steps (the best on `b1024`); at the seeds of `--runs-without-criterion` "
+        "the criterion alone is not run. Each cell: the freeze step, held-out loss "
         "at the end, gap to LAMB at the same seed, whole-run bytes per worker against LAMB's; then the "
         "median layer's frozen trust ratio and its stage-2 step (relative step per unit learning rate "
         "after the freeze, the highest at the diagnosed steps; key biases left out).",
@@ -115,10 +118,11 @@ def render(results: Results, pairs: Sequence[Tuple[str, int]], command: str,
         "|---|---:|---:|---|---|---|---:|---:|",
     ]
     gaps: Dict[str, List[float]] = {v: [] for v in VARIANTS_RUN[1:]}
-    for preset, seed in pairs:
-        lamb, auto, late, hand = (results[(preset, v, seed)] for v in VARIANTS_RUN)
+    for preset, seed in seeds:
+        lamb, auto, late, hand = (results.get((preset, v, seed)) for v in VARIANTS_RUN)
         for variant, run in zip(VARIANTS_RUN[1:], (auto, late, hand)):
-            gaps[variant].append(_relative(run["final_eval_loss"], lamb["final_eval_loss"]))
+            if run is not None:
+                gaps[variant].append(_relative(run["final_eval_loss"], lamb["final_eval_loss"]))
         lines.append(f"| {preset} | {seed} | {_loss(lamb['final_eval_loss'])} | {_cell(auto, lamb)} "
                      f"| {_cell(late, lamb)} | {_cell(hand, lamb)} | {_against(late, auto)} | {_against(late, hand)} |")
     lines.append("")
@@ -129,39 +133,27 @@ def render(results: Results, pairs: Sequence[Tuple[str, int]], command: str,
         within = sum(1 for g in finite if g <= 100 * WITHIN)
         lines.append(f"- {name}: mean gap to LAMB {mean}; within 1% of LAMB (or ahead) on {within} of "
                      f"{len(values)} runs")
-    if pair_only:
-        lines += ["", "At further seeds, the wait and the 35% alone (no LAMB, so no gap to it; each cell: the "
-                  "freeze step, held-out loss; the median layer's frozen trust ratio and stage-2 step):", "",
-                  "| preset | seed | after the peak (default) | hand-picked 35% | after the peak vs 35% |",
-                  "|---|---:|---|---|---:|"]
-        for preset, seed in pair_only:
-            late, hand = (results[(preset, v, seed)] for v in PAIR_VARIANTS)
-            lines.append(f"| {preset} | {seed} | {_cell(late)} | {_cell(hand)} | {_against(late, hand)} |")
-        lines.append("")
-    lines += _per_preset(results, pairs, pair_only)
+    lines += _per_preset(results, seeds)
     return "\n".join(lines) + "\n"
 
 
-def _per_preset(results: Results, pairs: Sequence[Tuple[str, int]],
-                pair_only: Sequence[Tuple[str, int]] = ()) -> List[str]:
-    """On each preset run at more than one seed, the wait against the 35% (over every seed it ran
-    at) and against the criterion alone (over the seeds of the full table): is it as good as the best
-    hand-picked freeze, and what does it buy over the criterion alone? A diverged run leaves the
-    comparison out (a mean over the rest would hide it)."""
+def _per_preset(results: Results, seeds: Sequence[Tuple[str, int]]) -> List[str]:
+    """On each preset run at more than one seed, the wait against the 35% and against the criterion
+    alone, each over the seeds where both ran: is it as good as the best hand-picked freeze, and what
+    does it buy over the criterion alone? A diverged run leaves the comparison out (a mean over the
+    rest would hide it)."""
     lines: List[str] = []
-    for preset in dict.fromkeys(p for p, _ in [*pairs, *pair_only]):
-        full = [s for p, s in pairs if p == preset]
-        extra = [s for p, s in pair_only if p == preset]
+    for preset in dict.fromkeys(p for p, _ in seeds):
         parts = []
-        for variant, name, seeds in ((HAND_PICKED_LATE, "the 35%", full + extra),
-                                     (_AUTO, "the criterion alone", full)):
-            late = [results[(preset, _AUTO_TRUST_PEAK, s)]["final_eval_loss"] for s in seeds]
-            other = [results[(preset, variant, s)]["final_eval_loss"] for s in seeds]
-            if len(seeds) < 2 or any(x != x for x in late + other):
+        for variant, name in ((HAND_PICKED_LATE, "the 35%"), (_AUTO, "the criterion alone")):
+            both = [s for p, s in seeds if p == preset and (preset, variant, s) in results]
+            late = [results[(preset, _AUTO_TRUST_PEAK, s)]["final_eval_loss"] for s in both]
+            other = [results[(preset, variant, s)]["final_eval_loss"] for s in both]
+            if len(both) < 2 or any(x != x for x in late + other):
                 continue
             gaps = [_relative(a, b) for a, b in zip(late, other)]
             no_worse = sum(1 for a, b in zip(late, other) if a <= b)
-            parts.append(f"against {name} over {len(seeds)} seeds {_mean_text(gaps)}, no worse at {no_worse}")
+            parts.append(f"against {name} over {len(both)} seeds {_mean_text(gaps)}, no worse at {no_worse}")
         if parts:
             lines.append(f"- `{preset}`, after the peak " + "; ".join(parts))
     return lines
@@ -172,20 +164,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, metavar="PRESET:SEED,...",
                         help=f"presets and seeds to run (default: {' '.join(DEFAULT_RUNS)})")
-    parser.add_argument("--pair-runs", nargs="*", default=DEFAULT_PAIR_RUNS, metavar="PRESET:SEED,...",
-                        help="presets and seeds where only the wait and the 35%% run (default: "
-                             f"{' '.join(DEFAULT_PAIR_RUNS)}; a seed also in --runs runs in full)")
+    parser.add_argument("--runs-without-criterion", nargs="*", default=DEFAULT_RUNS_WITHOUT_CRITERION,
+                        metavar="PRESET:SEED,...",
+                        help="presets and seeds where every variant but the criterion alone runs (default: "
+                             f"{' '.join(DEFAULT_RUNS_WITHOUT_CRITERION)}; a seed also in --runs runs in full)")
     parser.add_argument("--out", default="runs/convergence", help="run folders (shared with the study; reused)")
     parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
     parser.add_argument("--list", action="store_true", help="print the runs and exit")
     args = parser.parse_args(argv)
     try:
-        pairs = parse_runs(args.runs)
-        pair_only = [run for run in parse_runs(args.pair_runs) if run not in pairs]
+        full = parse_runs(args.runs)
+        without_criterion = [run for run in parse_runs(args.runs_without_criterion) if run not in full]
     except ValueError as exc:
         parser.error(str(exc))
     rows = [row_at_seed(preset, variant, *VARIANTS[variant], seed)
-            for runs, variants in ((pairs, VARIANTS_RUN), (pair_only, PAIR_VARIANTS))
+            for runs, variants in ((full, VARIANTS_RUN), (without_criterion, WITHOUT_CRITERION))
             for preset, seed in runs for variant in variants]
     if args.list:
         for row in rows:
@@ -198,7 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[{i}/{len(rows)}] {row.preset}: {row.label}", file=sys.stderr, flush=True)
         folder = os.path.join(args.out, row.preset, folder_name(row.label))
         results[(row.preset, row.variant, row.seed)] = run_one(folder, row.optimizer, row.flags, cache)
-    body = render(results, pairs, command_line(argv), pair_only)
+    body = render(results, full + without_criterion, command_line(argv))
     print(body)
     write_section("trust peak", body, args.results)
     return 0
