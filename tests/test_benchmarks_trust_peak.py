@@ -64,10 +64,12 @@ def test_render_compares_the_option_over_seeds_per_preset():
     results = _two_seeds_of_every_variant()
     results.update({("demo", v, 3): _run(4.0, 800) for v in ("lamb", _AUTO, _AUTO_TRUST_PEAK, HAND_PICKED_LATE)})
     text = render(results, [("b1024", 1), ("b1024", 2), ("demo", 3)], "cmd")
-    # +10 and 0: mean +5.0, standard deviation 7.07, standard error 5.0; 0 and -20: mean -10, error 10
+    # +10 and 0: mean +5.0, standard deviation 7.07, standard error 5.0, Student's t at 2 seeds 12.706:
+    # 5.0 ± 63.5; 0 and -20: mean -10, error 10, -10.0 ± 127.1
     assert ("- `b1024`, after the peak against the 35% over 2 seeds mean +5.0% ± 5.0 (standard error; within "
-            "the seeds' spread), no worse at 1; against the criterion alone over 2 seeds mean -10.0% ± 10.0 "
-            "(standard error; within the seeds' spread), no worse at 2") in text
+            "the seeds' spread), no worse at 1, at 95% between -58.5% and +68.5%; against the criterion alone "
+            "over 2 seeds mean -10.0% ± 10.0 (standard error; within the seeds' spread), no worse at 2, at 95% "
+            "between -137.1% and +117.1%") in text
     assert "- `demo`," not in text
     results[("b1024", _AUTO_TRUST_PEAK, 2)] = _run(float("nan"), 0)
     assert "- `b1024`," not in render(results, [("b1024", 1), ("b1024", 2)], "cmd")
@@ -89,6 +91,8 @@ def test_render_leaves_out_the_criterion_alone_where_it_did_not_run():
     # 4.4, 4.0, 3.8 (+4.8%, -4.8%, -5.0%) over three
     assert "- criterion alone: mean gap to LAMB +11.9%; within 1% of LAMB (or ahead) on 0 of 2 runs" in text
     assert "- after the peak: mean gap to LAMB -1.7%; within 1% of LAMB (or ahead) on 2 of 3 runs" in text
-    # against the 35%: +10, 0, -5: mean +1.67, standard deviation 7.64, standard error 4.41
+    # against the 35%: +10, 0, -5: mean +1.67, standard deviation 7.64, standard error 4.41, Student's t at
+    # 3 seeds 4.303: 1.67 ± 18.97
     assert ("- `b1024`, after the peak against the 35% over 3 seeds mean +1.7% ± 4.4 (standard error; within "
-            "the seeds' spread), no worse at 2; against the criterion alone over 2 seeds mean -10.0% ± 10.0") in text
+            "the seeds' spread), no worse at 2, at 95% between -17.3% and +20.6%; against the criterion alone "
+            "over 2 seeds mean -10.0% ± 10.0") in text

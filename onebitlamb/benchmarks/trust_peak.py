@@ -26,7 +26,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from onebitlamb.benchmarks.convergence import (_AUTO, _AUTO_TRUST_PEAK, PRESETS, VARIANTS, _gap, _loss, folder_name,
-                                               row_at_seed, run_one)
+                                               mean_and_standard_error, row_at_seed, run_one, settling_factor)
 from onebitlamb.benchmarks.freeze_signals import frozen_coefficient, stage2_steps
 from onebitlamb.benchmarks.report import command_line, heading, write_section
 from onebitlamb.benchmarks.targets import HAND_PICKED_LATE, _mean_text
@@ -137,6 +137,14 @@ def render(results: Results, seeds: Sequence[Tuple[str, int]], command: str) -> 
     return "\n".join(lines) + "\n"
 
 
+def _interval(gaps: Sequence[float]) -> str:
+    """Where the seeds put the mean gap at 95% (Student's t): "as good as" is a claim about its upper
+    end, which more seeds can bring below a margin where no number of seeds settles a mean near 0."""
+    mean, error = mean_and_standard_error(gaps)
+    margin = settling_factor(len(gaps)) * error
+    return f"at 95% between {mean - margin:+.1f}% and {mean + margin:+.1f}%"
+
+
 def _per_preset(results: Results, seeds: Sequence[Tuple[str, int]]) -> List[str]:
     """On each preset run at more than one seed, the wait against the 35% and against the criterion
     alone, each over the seeds where both ran: is it as good as the best hand-picked freeze, and what
@@ -153,7 +161,8 @@ def _per_preset(results: Results, seeds: Sequence[Tuple[str, int]]) -> List[str]
                 continue
             gaps = [_relative(a, b) for a, b in zip(late, other)]
             no_worse = sum(1 for a, b in zip(late, other) if a <= b)
-            parts.append(f"against {name} over {len(both)} seeds {_mean_text(gaps)}, no worse at {no_worse}")
+            parts.append(f"against {name} over {len(both)} seeds {_mean_text(gaps)}, no worse at {no_worse}, "
+                         f"{_interval(gaps)}")
         if parts:
             lines.append(f"- `{preset}`, after the peak " + "; ".join(parts))
     return lines
