@@ -401,6 +401,14 @@ def mean_and_standard_error(values: Sequence[float]) -> Tuple[float, float]:
     return average, deviation / math.sqrt(len(values))
 
 
+def mean_and_margin(values: Sequence[float]) -> Tuple[float, float, float]:
+    """The mean of per-seed values, its standard error, and the half-width of its 95% interval by
+    Student's t (``settling_factor`` errors): the seeds settle the mean's sign when it lies further
+    from zero than that."""
+    mean, error = mean_and_standard_error(values)
+    return mean, error, settling_factor(len(values)) * error
+
+
 def _auto_against_hand_picked(repeats: Dict[Tuple[str, str], Dict[int, dict]]) -> List[str]:
     """The issue's question on each seeded preset, at the seeds both ran: is the automatic freeze at
     least as good as the best hand-picked one (SEEDED's first two rows)? With every default, with the

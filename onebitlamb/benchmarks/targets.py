@@ -30,8 +30,8 @@ import sys
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from onebitlamb.benchmarks.convergence import (_ADAM, _ADAM_AUTO, DEFAULT_AUTO, DEFAULT_SEED, PRESETS, VARIANTS, Row, _gap, _loss,
-                                               folder_name, mean_and_standard_error, parse_seeds, pretrain_config,
-                                               row_at_seed, run_one, settling_factor)
+                                               folder_name, mean_and_margin, parse_seeds, pretrain_config,
+                                               row_at_seed, run_one)
 from onebitlamb.benchmarks.freeze_signals import frozen_coefficient, stage2_steps
 from onebitlamb.benchmarks.report import command_line, heading, write_section
 
@@ -191,8 +191,7 @@ def _comparison(results: Results, preset: str, target: Comparison) -> Tuple[List
              "|---:|---:|---|---|" + ("---|" if plain else "") + "---:|" + ("---|" if both_lamb else "") + "---:|",
              *table]
     if len(differences) >= 2:
-        mean, error = mean_and_standard_error(differences)
-        margin = settling_factor(len(differences)) * error
+        mean, _, margin = mean_and_margin(differences)
         average = _mean_text(differences)
     else:  # the other run diverged at all seeds but one or none: those seeds decide
         mean, margin = (differences[0] if differences else -math.inf), 0.0
@@ -214,8 +213,8 @@ def _mean_text(values: Sequence[float], unit: str = "%") -> str:
     its sign (at 95%, two-sided: ``settling_factor`` standard errors from zero)."""
     if len(values) == 1:
         return f"{values[0]:+.1f}{unit}"
-    mean, error = mean_and_standard_error(values)
-    settled = "the seeds settle it" if abs(mean) > settling_factor(len(values)) * error else "within the seeds' spread"
+    mean, error, margin = mean_and_margin(values)
+    settled = "the seeds settle it" if abs(mean) > margin else "within the seeds' spread"
     return f"mean {mean:+.1f}{unit} ± {error:.1f} (standard error; {settled})"
 
 

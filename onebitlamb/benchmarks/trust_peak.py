@@ -26,7 +26,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from onebitlamb.benchmarks.convergence import (_AUTO, _AUTO_TRUST_PEAK, PRESETS, VARIANTS, _gap, _loss, folder_name,
-                                               mean_and_standard_error, row_at_seed, run_one, settling_factor)
+                                               mean_and_margin, row_at_seed, run_one)
 from onebitlamb.benchmarks.freeze_signals import frozen_coefficient, stage2_steps
 from onebitlamb.benchmarks.report import command_line, heading, write_section
 from onebitlamb.benchmarks.targets import HAND_PICKED_LATE, _mean_text
@@ -140,8 +140,7 @@ def render(results: Results, seeds: Sequence[Tuple[str, int]], command: str) -> 
 def _interval(gaps: Sequence[float]) -> str:
     """Where the seeds put the mean gap at 95% (Student's t): "as good as" is a claim about its upper
     end, which more seeds can bring below a margin where no number of seeds settles a mean near 0."""
-    mean, error = mean_and_standard_error(gaps)
-    margin = settling_factor(len(gaps)) * error
+    mean, _, margin = mean_and_margin(gaps)
     return f"at 95% between {mean - margin:+.1f}% and {mean + margin:+.1f}%"
 
 
