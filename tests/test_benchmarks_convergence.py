@@ -214,6 +214,56 @@ def test_a_finished_run_is_reused_only_with_the_same_settings(tmp_path, monkeypa
         convergence.run_one(folder, "onebitadam", ["--lr", "2e-3"], cache)
 
 
+def test_an_interrupted_run_goes_on_from_its_checkpoint_and_the_plan_says_where_each_run_stands(
+        tmp_path, monkeypatch, capsys):
+    import dataclasses
+    import json
+
+    from onebitlamb.train import pretrain
+
+    resumed = []
+
+    def stopped_at_step_50(cfg):  # what an interrupted main job leaves: a checkpoint, no metrics
+        resumed.append(cfg.resume)
+        os.makedirs(cfg.out, exist_ok=True)
+        with open(os.path.join(cfg.out, "checkpoint.json"), "w") as f:
+            json.dump({"folder": "ckpt-0000050", "step": 50}, f)
+        return {"completed": False, "interrupted": True, "step": 50}
+
+    def finishing(cfg):
+        resumed.append(cfg.resume)
+        with open(os.path.join(cfg.out, "metrics.json"), "w") as f:
+            json.dump({"final_eval_loss": 4.5, "wall_time_s": 600.0, "config": dataclasses.asdict(cfg)}, f)
+        return {"completed": True}
+
+    out, cache = str(tmp_path / "runs"), str(tmp_path / "cache")
+    row = convergence.Row("b512", "lamb", "lamb", ["--steps", "400"], "lamb")
+    folder = convergence.row_folder(out, row)
+    assert folder == os.path.join(out, "b512", "lamb")
+    monkeypatch.setattr(pretrain, "train", stopped_at_step_50)
+    with pytest.raises(RuntimeError, match="stopped before its end; the same command goes on"):
+        convergence.run_one(folder, row.optimizer, row.flags, cache)
+    assert convergence.run_status(folder, row.optimizer, row.flags) == "from step 50"
+    monkeypatch.setattr(pretrain, "train", finishing)
+    assert convergence.run_one(folder, row.optimizer, row.flags, cache)["final_eval_loss"] == 4.5
+    assert resumed == [False, True]  # a fresh folder starts from scratch; a checkpoint is gone on from
+
+    other = row._replace(label="lamb, seed 1235", flags=["--steps", "400", "--seed", "1235"])
+    changed = row._replace(label="lamb, lr 1e-2", flags=["--steps", "400", "--lr", "1e-2"])
+    os.makedirs(convergence.row_folder(out, changed))
+    with open(os.path.join(folder, "metrics.json")) as f:
+        saved = json.load(f)  # lr 1e-2 asked for, a run at the preset's rate found
+    with open(os.path.join(convergence.row_folder(out, changed), "metrics.json"), "w") as f:
+        json.dump(saved, f)
+    capsys.readouterr()
+    convergence.print_plan([row, other, changed], out)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[0] for line in lines[:3]] == ["finished", "to run", "other settings"]
+    assert lines[1].endswith("onebitlamb pretrain --preset demo --optimizer lamb --steps 400 --seed 1235")
+    # two runs left at the one finished run's 600 s: 1200 s
+    assert lines[3] == "3 runs, 1 finished, 2 to run: about 0.3 h at the finished runs' mean of 10 min"
+
+
 def test_freeze_steps_run_plain_1bit_lamb_at_each_step_and_seed():
     rows = convergence.plan(["b1024"], seeds=["b1024:2"], freeze_steps=["b1024:86,72"])
     scan = [r for r in rows if r.variant.startswith(convergence.FREEZE_STEP_VARIANT)]

@@ -1,6 +1,7 @@
 """The targets benchmark: which runs it makes, where, and its verdicts on records checkable by hand."""
 import math
 
+from onebitlamb.benchmarks import convergence
 from onebitlamb.benchmarks import targets as tg
 from onebitlamb.benchmarks.convergence import _ADAM, _ADAM_AUTO, DEFAULT_AUTO, DEFAULT_PLAN, plan
 
@@ -40,7 +41,7 @@ def test_the_runs_are_rows_of_the_study_on_every_preset():
         assert row.variant in DEFAULT_PLAN[row.preset]  # so the study and this check share their run folders
         assert row.seed == 1234
     assert {row.preset for row in tg.runs()} == set(DEFAULT_PLAN)
-    assert tg.command(tg.runs()[1]).endswith("--global-batch 512 --steps 128 --eval-every 16 --auto-freeze "
+    assert convergence.command(tg.runs()[1]).endswith("--global-batch 512 --steps 128 --eval-every 16 --auto-freeze "
                                              "--freeze-frac 0.75 --freeze-transient-end 2.5 --freeze-after-trust-peak")
 
 
@@ -119,7 +120,7 @@ def test_main_runs_each_check_once_in_the_study_folders_and_writes_its_section(m
         ran.append((out_dir, optimizer, list(flags)))
         return _m(4.0 if "auto" in out_dir else 5.0, freeze=7)
 
-    monkeypatch.setattr(tg, "run_one", fake_run_one)
+    monkeypatch.setattr(convergence, "run_one", fake_run_one)
     results = tmp_path / "B.md"
     assert tg.main(["--out", str(tmp_path / "runs"), "--results", str(results)]) == 0
     assert len(ran) == len(tg.runs()) == 12

@@ -10,7 +10,7 @@
     python -m onebitlamb.benchmarks.convergence --presets b1024 --freeze-steps b1024:72,76   # fixed freezes
     python -m onebitlamb.benchmarks.convergence --presets b1024 --seeds b1024:3 --freeze-steps b1024:72,76@2
                                                         # 3 seeds, the fixed freezes at the first 2
-    python -m onebitlamb.benchmarks.convergence --list             # what would run
+    python -m onebitlamb.benchmarks.convergence --list             # every run: finished, to run or from step N
 
 Every run is ``onebitlamb pretrain`` with the flags shown in the table (so any row can be rerun
 by hand), on 4 local workers, the same seed, data order and model (BERT hidden 128, 2 layers,
@@ -171,15 +171,13 @@ def pretrain_config(optimizer: str, flags: Sequence[str], out_dir: str = "", cac
                                                         "--cache-dir", cache_dir, "--no-progress", *flags]))
 
 
-def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) -> dict:
-    """One ``onebitlamb pretrain`` run (skipped when ``out_dir`` already holds its metrics, or the
-    record of its divergence, from a run with the same settings)."""
+def _saved_run(out_dir: str, cfg) -> Optional[dict]:
+    """The finished run ``out_dir`` holds (its metrics, or the record of its divergence), None when it
+    holds none. Raises ValueError when that run had settings other than ``cfg``'s."""
     from onebitlamb.train import pretrain
 
-    cfg = pretrain_config(optimizer, flags, out_dir, cache_dir)
-    metrics_path = os.path.join(out_dir, "metrics.json")
-    diverged_path = os.path.join(out_dir, "diverged.json")
-    for path in (diverged_path, metrics_path):
+    for name in ("diverged.json", "metrics.json"):
+        path = os.path.join(out_dir, name)
         if os.path.exists(path):
             with open(path) as f:
                 saved = json.load(f)
@@ -189,6 +187,33 @@ def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) 
                 raise ValueError(f"{out_dir} holds a run with other settings (saved, now): {changed}; move it "
                                  f"away to rerun")
             return saved
+    return None
+
+
+def _checkpoint_step(out_dir: str) -> Optional[int]:
+    """The step of the last checkpoint in ``out_dir`` (None when there is none)."""
+    try:
+        with open(os.path.join(out_dir, "checkpoint.json")) as f:
+            return int(json.load(f)["step"])
+    except FileNotFoundError:
+        return None
+
+
+def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) -> dict:
+    """One ``onebitlamb pretrain`` run (skipped when ``out_dir`` already holds its metrics, or the
+    record of its divergence, from a run with the same settings). A run stopped or killed before its
+    end goes on from its last checkpoint: resuming is exact, so it ends as it would have without the
+    stop, and a benchmark of hours loses at most the steps since that checkpoint."""
+    from onebitlamb.train import pretrain
+
+    cfg = pretrain_config(optimizer, flags, out_dir, cache_dir)
+    saved = _saved_run(out_dir, cfg)
+    if saved is not None:
+        return saved
+    step = _checkpoint_step(out_dir)
+    if step is not None:  # --resume refuses a checkpoint of other settings
+        print(f"    going on from step {step} of the interrupted run in {out_dir}", file=sys.stderr, flush=True)
+        cfg = dataclasses.replace(cfg, resume=True)
     try:
         result = pretrain.train(cfg)
     except WorkerError as exc:
@@ -199,13 +224,27 @@ def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) 
         diverged = {"final_eval_loss": float("nan"), "freeze_step": None, "bytes_sent_per_rank": 0,
                     "diverged": str(exc).strip().splitlines()[-1], "config": dataclasses.asdict(cfg)}
         os.makedirs(out_dir, exist_ok=True)
-        with open(diverged_path, "w") as f:
+        with open(os.path.join(out_dir, "diverged.json"), "w") as f:
             json.dump(diverged, f)
         return diverged
     if not result["completed"]:
-        raise RuntimeError(f"run in {out_dir} did not complete")
-    with open(metrics_path) as f:
+        raise RuntimeError(f"the run in {out_dir} stopped before its end; the same command goes on from its "
+                           f"last checkpoint")
+    with open(os.path.join(out_dir, "metrics.json")) as f:
         return json.load(f)
+
+
+def run_status(out_dir: str, optimizer: str, flags: Sequence[str]) -> str:
+    """What ``run_one`` would find in ``out_dir``: "finished", "diverged", "from step N" (an
+    interrupted run it goes on with), "to run", or "other settings" (a run it refuses to reuse)."""
+    try:
+        saved = _saved_run(out_dir, pretrain_config(optimizer, flags, out_dir))
+    except ValueError:
+        return "other settings"
+    if saved is not None:
+        return "diverged" if "diverged" in saved else "finished"
+    step = _checkpoint_step(out_dir)
+    return "to run" if step is None else f"from step {step}"
 
 
 class Row(NamedTuple):
@@ -332,6 +371,45 @@ def plan(presets: Sequence[str], sweep: Sequence[str] = (), seeds: Sequence[str]
 def folder_name(label: str) -> str:
     """A row's run folder: "1bit-lamb auto (cap 75%), lr 1e-2" -> "1bit-lamb_auto_cap_75pct_lr_1e-2"."""
     return label.replace(" ", "_").replace(",", "").replace("%", "pct").replace("(", "").replace(")", "")
+
+
+def row_folder(out: str, row: Row) -> str:
+    return os.path.join(out, row.preset, folder_name(row.label))
+
+
+def run_rows(rows: Sequence[Row], out: str) -> Dict[Tuple[str, str, int], dict]:
+    """Every row's run in its folder under ``out`` (see ``run_one``), by (preset, variant, seed)."""
+    results = {}
+    for k, row in enumerate(rows, start=1):
+        print(f"[{k}/{len(rows)}] {row.preset}: {row.label}", file=sys.stderr, flush=True)
+        results[(row.preset, row.variant, row.seed)] = run_one(row_folder(out, row), row.optimizer, row.flags,
+                                                               os.path.join(out, "cache"))
+    return results
+
+
+def command(row: Row) -> str:
+    """The main job's command line for ``row``."""
+    return f"onebitlamb pretrain --preset demo --optimizer {row.optimizer} {' '.join(row.flags)}".rstrip()
+
+
+def print_plan(rows: Sequence[Row], out: str, describe: Callable[[Row], str] = command) -> None:
+    """``--list``: every run with what ``run_one`` would find of it in ``out`` (see ``run_status``),
+    then how many are left and about how long they take at the finished runs' mean wall time."""
+    left, seconds = 0, []
+    for row in rows:
+        folder = row_folder(out, row)
+        status = run_status(folder, row.optimizer, row.flags)
+        print(f"{status:15s} {row.preset:6s} {describe(row)}")
+        if status == "finished":
+            with open(os.path.join(folder, "metrics.json")) as f:
+                seconds.append(json.load(f)["wall_time_s"])
+        elif status != "diverged":
+            left += 1
+    summary = f"{len(rows)} runs, {len(rows) - left} finished, {left} to run"
+    if left and seconds:
+        mean = sum(seconds) / len(seconds)
+        summary += f": about {left * mean / 3600:.1f} h at the finished runs' mean of {mean / 60:.0f} min"
+    print(summary)
 
 
 def rate_stem(label: str) -> str:
@@ -577,26 +655,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "first N (e.g. b1024:72,76,82@2); a table sets them beside the automatic freeze")
     parser.add_argument("--out", default="runs/convergence", help="run folders (reused to continue)")
     parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
-    parser.add_argument("--list", action="store_true", help="print the runs and exit")
+    parser.add_argument("--list", action="store_true",
+                        help="print every run with its state in --out (finished, to run, from step N) and the "
+                             "time left, and exit")
     args = parser.parse_args(argv)
     try:
         rows = plan(args.presets, args.sweep, args.seeds, args.freeze_steps)
     except ValueError as exc:
         parser.error(str(exc))
     if args.list:
-        for row in rows:
-            print(f"{row.preset:6s} {row.label:50s} onebitlamb pretrain --preset demo --optimizer {row.optimizer} "
-                  f"{' '.join(row.flags)}")
-            if row.swept:
+        def describe(row: Row) -> str:
+            text = f"{row.label:50s} {command(row)}"
+            if row.swept:  # the rates the sweep adds are not listed: they depend on the losses
                 rate = own_rate(row.optimizer, row.flags)
-                print(f"{'':6s}   + --lr {format_rate(rate / SWEEP_FACTOR)} and {format_rate(rate * SWEEP_FACTOR)}, "
-                      f"and further out while the best rate is at an edge")
+                text += (f"\n{'':22s} + --lr {format_rate(rate / SWEEP_FACTOR)} and "
+                         f"{format_rate(rate * SWEEP_FACTOR)}, and further out while the best rate is at an edge")
+            return text
+
+        print_plan(rows, args.out, describe)
         return 0
     cache = os.path.join(args.out, "cache")
     results: List[dict] = []
 
     def record(row: Row, sweep: Optional[str], added_by_sweep: bool = False) -> float:
-        folder = os.path.join(args.out, row.preset, folder_name(row.label))
+        folder = row_folder(args.out, row)
         t0 = time.perf_counter()
         print(f"[{len(results) + 1}] {row.preset}: {row.label}", file=sys.stderr, flush=True)
         m = run_one(folder, row.optimizer, row.flags, cache)

@@ -2,7 +2,7 @@
 
     python -m onebitlamb.benchmarks.targets                  # every run at seed 1234 (~2.5 h on 2 cores)
     python -m onebitlamb.benchmarks.targets --seeds b4096:3  # and b4096's runs at 2 more seeds
-    python -m onebitlamb.benchmarks.targets --list           # what would run
+    python -m onebitlamb.benchmarks.targets --list           # every run: finished, to run or from step N
 
 The full convergence study (``python -m onebitlamb.benchmarks.convergence``, docs/convergence.md)
 takes most of a day with its sweeps and seeds. This runs the part of it that the issue's targets
@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import statistics
 import sys
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from onebitlamb.benchmarks.convergence import (_ADAM, _ADAM_AUTO, DEFAULT_AUTO, DEFAULT_SEED, PRESETS, VARIANTS, Row, _gap, _loss,
-                                               folder_name, mean_and_margin, parse_seeds, pretrain_config,
-                                               row_at_seed, run_one)
+                                               mean_and_margin, parse_seeds, pretrain_config, print_plan,
+                                               row_at_seed, run_rows)
 from onebitlamb.benchmarks.freeze_signals import frozen_coefficient, stage2_steps
 from onebitlamb.benchmarks.report import command_line, heading, write_section
 
@@ -83,10 +82,6 @@ def runs(seeds: Optional[Dict[str, int]] = None) -> List[Row]:
         order += [row_at_seed(preset, variant, *VARIANTS[variant], seed)
                   for seed in range(DEFAULT_SEED + 1, DEFAULT_SEED + count) for variant in CHECKS[preset]]
     return order
-
-
-def command(row: Row) -> str:
-    return f"onebitlamb pretrain --preset demo --optimizer {row.optimizer} {' '.join(row.flags)}".rstrip()
 
 
 def _freeze(metrics: dict, preset: str) -> str:
@@ -370,7 +365,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", default="runs/convergence",
                         help="run folders, the convergence study's by default (reused when finished)")
     parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
-    parser.add_argument("--list", action="store_true", help="print the runs and exit")
+    parser.add_argument("--list", action="store_true",
+                        help="print every run with its state in --out (finished, to run, from step N) and the "
+                             "time left, and exit")
     args = parser.parse_args(argv)
     try:
         seeds = parse_seeds(args.seeds)
@@ -378,16 +375,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(exc))
     plan = runs(seeds)
     if args.list:
-        for row in plan:
-            print(f"{row.preset:6s} {command(row)}")
+        print_plan(plan, args.out)
         return 0
-    cache = os.path.join(args.out, "cache")
-    results: Results = {}
-    for k, row in enumerate(plan, start=1):
-        print(f"[{k}/{len(plan)}] {row.preset}: {row.label}", file=sys.stderr, flush=True)
-        results[(row.preset, row.variant, row.seed)] = run_one(os.path.join(args.out, row.preset,
-                                                                            folder_name(row.label)),
-                                                               row.optimizer, row.flags, cache)
+    results = run_rows(plan, args.out)
     body = render(results, command_line(argv))
     print(body)
     write_section("targets", body, args.results)

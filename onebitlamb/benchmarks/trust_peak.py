@@ -3,7 +3,7 @@
 
     python -m onebitlamb.benchmarks.trust_peak          # b1024 at seeds 1234-1244, demo at 1234-1237 (~9 h on 2 cores)
     python -m onebitlamb.benchmarks.trust_peak --runs b1024:1234,1235 --runs-without-criterion   # those alone
-    python -m onebitlamb.benchmarks.trust_peak --list   # what would run
+    python -m onebitlamb.benchmarks.trust_peak --list   # every run: finished, to run or from step N
 
 On ``b1024`` the hand-picked 35% freeze beat the automatic one by 7.0% ± 3.4 over four seeds, and
 the runs that did better were those whose compressed steps were larger, much of it the frozen trust
@@ -20,13 +20,12 @@ Results go to the "trust peak" section of BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from onebitlamb.benchmarks.convergence import (_AUTO, _AUTO_TRUST_PEAK, PRESETS, VARIANTS, _gap, _loss, folder_name,
-                                               mean_and_margin, row_at_seed, run_one)
+from onebitlamb.benchmarks.convergence import (_AUTO, _AUTO_TRUST_PEAK, PRESETS, VARIANTS, _gap, _loss,
+                                               mean_and_margin, print_plan, row_at_seed, run_rows)
 from onebitlamb.benchmarks.freeze_signals import frozen_coefficient, stage2_steps
 from onebitlamb.benchmarks.report import command_line, heading, write_section
 from onebitlamb.benchmarks.targets import HAND_PICKED_LATE, _mean_text
@@ -178,7 +177,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              f"{' '.join(DEFAULT_RUNS_WITHOUT_CRITERION)}; a seed also in --runs runs in full)")
     parser.add_argument("--out", default="runs/convergence", help="run folders (shared with the study; reused)")
     parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
-    parser.add_argument("--list", action="store_true", help="print the runs and exit")
+    parser.add_argument("--list", action="store_true",
+                        help="print every run with its state in --out (finished, to run, from step N) and the "
+                             "time left, and exit")
     args = parser.parse_args(argv)
     try:
         full = parse_runs(args.runs)
@@ -189,16 +190,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for runs, variants in ((full, VARIANTS_RUN), (without_criterion, WITHOUT_CRITERION))
             for preset, seed in runs for variant in variants]
     if args.list:
-        for row in rows:
-            flags = " ".join(row.flags)
-            print(f"{row.preset:6s} onebitlamb pretrain --preset demo --optimizer {row.optimizer} {flags}")
+        print_plan(rows, args.out)
         return 0
-    cache = os.path.join(args.out, "cache")
-    results: Results = {}
-    for i, row in enumerate(rows, start=1):
-        print(f"[{i}/{len(rows)}] {row.preset}: {row.label}", file=sys.stderr, flush=True)
-        folder = os.path.join(args.out, row.preset, folder_name(row.label))
-        results[(row.preset, row.variant, row.seed)] = run_one(folder, row.optimizer, row.flags, cache)
+    results = run_rows(rows, args.out)
     body = render(results, full + without_criterion, command_line(argv))
     print(body)
     write_section("trust peak", body, args.results)
