@@ -377,6 +377,15 @@ def row_folder(out: str, row: Row) -> str:
     return os.path.join(out, row.preset, folder_name(row.label))
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, out_help: str) -> None:
+    """The options every benchmark made of convergence runs has: ``--out``, ``--results``, ``--list``."""
+    parser.add_argument("--out", default="runs/convergence", help=out_help)
+    parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
+    parser.add_argument("--list", action="store_true",
+                        help="print every run with its state in --out (finished, to run, from step N) and the "
+                             "time left, and exit")
+
+
 def run_rows(rows: Sequence[Row], out: str) -> Dict[Tuple[str, str, int], dict]:
     """Every row's run in its folder under ``out`` (see ``run_one``), by (preset, variant, seed)."""
     results = {}
@@ -653,11 +662,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--freeze-steps", nargs="+", default=[], metavar="PRESET:STEP,...[@N]",
                         help="also run 1-bit LAMB frozen at these steps, at every seed of the preset or at its "
                              "first N (e.g. b1024:72,76,82@2); a table sets them beside the automatic freeze")
-    parser.add_argument("--out", default="runs/convergence", help="run folders (reused to continue)")
-    parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
-    parser.add_argument("--list", action="store_true",
-                        help="print every run with its state in --out (finished, to run, from step N) and the "
-                             "time left, and exit")
+    add_run_arguments(parser, "run folders (reused to continue)")
     args = parser.parse_args(argv)
     try:
         rows = plan(args.presets, args.sweep, args.seeds, args.freeze_steps)

@@ -29,8 +29,8 @@ import sys
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from onebitlamb.benchmarks.convergence import (_ADAM, _ADAM_AUTO, DEFAULT_AUTO, DEFAULT_SEED, PRESETS, VARIANTS, Row, _gap, _loss,
-                                               mean_and_margin, parse_seeds, pretrain_config, print_plan,
-                                               row_at_seed, run_rows)
+                                               add_run_arguments, mean_and_margin, parse_seeds, pretrain_config,
+                                               print_plan, row_at_seed, run_rows)
 from onebitlamb.benchmarks.freeze_signals import frozen_coefficient, stage2_steps
 from onebitlamb.benchmarks.report import command_line, heading, write_section
 
@@ -362,12 +362,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seeds", nargs="+", default=[], metavar="PRESET:N",
                         help="also run the preset's checks at more seeds, N in all (e.g. b4096:3: seeds "
                              f"{DEFAULT_SEED}-{DEFAULT_SEED + 2}); its targets are then judged by the mean")
-    parser.add_argument("--out", default="runs/convergence",
-                        help="run folders, the convergence study's by default (reused when finished)")
-    parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
-    parser.add_argument("--list", action="store_true",
-                        help="print every run with its state in --out (finished, to run, from step N) and the "
-                             "time left, and exit")
+    add_run_arguments(parser, "run folders, the convergence study's by default (reused when finished)")
     args = parser.parse_args(argv)
     try:
         seeds = parse_seeds(args.seeds)

@@ -25,7 +25,8 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from onebitlamb.benchmarks.convergence import (_AUTO, _AUTO_TRUST_PEAK, PRESETS, VARIANTS, _gap, _loss,
-                                               mean_and_margin, print_plan, row_at_seed, run_rows)
+                                               add_run_arguments, mean_and_margin, print_plan, row_at_seed,
+                                               run_rows)
 from onebitlamb.benchmarks.freeze_signals import frozen_coefficient, stage2_steps
 from onebitlamb.benchmarks.report import command_line, heading, write_section
 from onebitlamb.benchmarks.targets import HAND_PICKED_LATE, _mean_text
@@ -175,11 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         metavar="PRESET:SEED,...",
                         help="presets and seeds where every variant but the criterion alone runs (default: "
                              f"{' '.join(DEFAULT_RUNS_WITHOUT_CRITERION)}; a seed also in --runs runs in full)")
-    parser.add_argument("--out", default="runs/convergence", help="run folders (shared with the study; reused)")
-    parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
-    parser.add_argument("--list", action="store_true",
-                        help="print every run with its state in --out (finished, to run, from step N) and the "
-                             "time left, and exit")
+    add_run_arguments(parser, "run folders (shared with the study; reused)")
     args = parser.parse_args(argv)
     try:
         full = parse_runs(args.runs)
