@@ -234,17 +234,22 @@ def run_one(out_dir: str, optimizer: str, flags: Sequence[str], cache_dir: str) 
         return json.load(f)
 
 
-def run_status(out_dir: str, optimizer: str, flags: Sequence[str]) -> str:
-    """What ``run_one`` would find in ``out_dir``: "finished", "diverged", "from step N" (an
-    interrupted run it goes on with), "to run", or "other settings" (a run it refuses to reuse)."""
+def _status_and_run(out_dir: str, optimizer: str, flags: Sequence[str]) -> Tuple[str, Optional[dict]]:
+    """``run_status`` and the finished run it found (None unless finished or diverged)."""
     try:
         saved = _saved_run(out_dir, pretrain_config(optimizer, flags, out_dir))
     except ValueError:
-        return "other settings"
+        return "other settings", None
     if saved is not None:
-        return "diverged" if "diverged" in saved else "finished"
+        return ("diverged" if "diverged" in saved else "finished"), saved
     step = _checkpoint_step(out_dir)
-    return "to run" if step is None else f"from step {step}"
+    return ("to run" if step is None else f"from step {step}"), None
+
+
+def run_status(out_dir: str, optimizer: str, flags: Sequence[str]) -> str:
+    """What ``run_one`` would find in ``out_dir``: "finished", "diverged", "from step N" (an
+    interrupted run it goes on with), "to run", or "other settings" (a run it refuses to reuse)."""
+    return _status_and_run(out_dir, optimizer, flags)[0]
 
 
 class Row(NamedTuple):
@@ -406,12 +411,10 @@ def print_plan(rows: Sequence[Row], out: str, describe: Callable[[Row], str] = c
     then how many are left and about how long they take at the finished runs' mean wall time."""
     left, seconds = 0, []
     for row in rows:
-        folder = row_folder(out, row)
-        status = run_status(folder, row.optimizer, row.flags)
+        status, saved = _status_and_run(row_folder(out, row), row.optimizer, row.flags)
         print(f"{status:15s} {row.preset:6s} {describe(row)}")
         if status == "finished":
-            with open(os.path.join(folder, "metrics.json")) as f:
-                seconds.append(json.load(f)["wall_time_s"])
+            seconds.append(saved["wall_time_s"])
         elif status != "diverged":
             left += 1
     summary = f"{len(rows)} runs, {len(rows) - left} finished, {left} to run"
