@@ -1,6 +1,8 @@
 """The trust-peak benchmark's parsing and table, on hand-made run records (no training)."""
 import pytest
 
+from onebitlamb.benchmarks import convergence
+from onebitlamb.benchmarks import trust_peak as tp
 from onebitlamb.benchmarks.convergence import _AUTO, _AUTO_TRUST_PEAK
 from onebitlamb.benchmarks.targets import HAND_PICKED_LATE
 from onebitlamb.benchmarks.trust_peak import parse_runs, render
@@ -96,3 +98,28 @@ def test_render_leaves_out_the_criterion_alone_where_it_did_not_run():
     assert ("- `b1024`, after the peak against the 35% over 3 seeds mean +1.7% ± 4.4 (standard error; within "
             "the seeds' spread), no worse at 2, at 95% between -17.3% and +20.6%; against the criterion alone "
             "over 2 seeds mean -10.0% ± 10.0") in text
+
+
+def test_main_writes_further_seeds_into_their_own_section(monkeypatch, tmp_path):
+    """``--runs`` with nothing after it runs only ``--runs-without-criterion`` (LAMB, the wait, the 35%: no
+    criterion alone), and ``--section`` writes them beside the default section instead of over it."""
+    ran = []
+
+    def fake_run_one(out_dir, optimizer, flags, cache):
+        ran.append(out_dir)
+        return _run(4.0 if "auto" in out_dir else 4.2, 500 if "auto" in out_dir else 1000, freeze=100)
+
+    monkeypatch.setattr(convergence, "run_one", fake_run_one)
+    results = tmp_path / "B.md"
+    results.write_text("# Benchmarks\n\n<!-- begin trust peak -->\nthe earlier table\n<!-- end trust peak -->\n")
+    assert tp.main(["--runs", "--runs-without-criterion", "demo:7,8", "--section", "trust peak, more seeds",
+                    "--out", str(tmp_path / "runs"), "--results", str(results)]) == 0
+    assert len(ran) == 6 and not any(folder.endswith(_AUTO.replace(" ", "_")) for folder in ran)
+    text = results.read_text()
+    assert "<!-- begin trust peak -->\nthe earlier table\n<!-- end trust peak -->" in text
+    begin = text.index("<!-- begin trust peak, more seeds -->")
+    assert begin < text.index("| demo | 8 | 4.200 | not run | 100, 4.000, -4.8%, 2.00x") < text.index(
+        "<!-- end trust peak, more seeds -->")
+    assert "- criterion alone: mean gap" not in text and "- after the peak: mean gap to LAMB -4.8%" in text
+    with pytest.raises(SystemExit):
+        tp.main(["--runs", "--runs-without-criterion", "--out", str(tmp_path / "runs"), "--results", str(results)])

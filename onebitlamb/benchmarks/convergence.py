@@ -382,10 +382,16 @@ def row_folder(out: str, row: Row) -> str:
     return os.path.join(out, row.preset, folder_name(row.label))
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, out_help: str) -> None:
-    """The options every benchmark made of convergence runs has: ``--out``, ``--results``, ``--list``."""
+def add_run_arguments(parser: argparse.ArgumentParser, out_help: str, section: str) -> None:
+    """The options every benchmark made of convergence runs has: ``--out``, ``--results``, ``--section``,
+    ``--list``. A section is rendered from the runs in ``--out`` alone, and those folders are not kept
+    from one machine to the next, so ``--section`` lets further seeds run in a later session go into a
+    section of their own instead of replacing a table whose runs that session does not have."""
     parser.add_argument("--out", default="runs/convergence", help=out_help)
     parser.add_argument("--results", default=None, help="results file (default: BENCHMARKS.md)")
+    parser.add_argument("--section", default=section,
+                        help=f"the section of the results file to write (default: {section!r}); another name "
+                             "keeps the default section as it is")
     parser.add_argument("--list", action="store_true",
                         help="print every run with its state in --out (finished, to run, from step N) and the "
                              "time left, and exit")
@@ -665,7 +671,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--freeze-steps", nargs="+", default=[], metavar="PRESET:STEP,...[@N]",
                         help="also run 1-bit LAMB frozen at these steps, at every seed of the preset or at its "
                              "first N (e.g. b1024:72,76,82@2); a table sets them beside the automatic freeze")
-    add_run_arguments(parser, "run folders (reused to continue)")
+    add_run_arguments(parser, "run folders (reused to continue)", "convergence")
     args = parser.parse_args(argv)
     try:
         rows = plan(args.presets, args.sweep, args.seeds, args.freeze_steps)
@@ -712,7 +718,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sweep_rates(base, loss_at)
     body = render(results, command_line(argv))
     print(body)
-    write_section("convergence", body, args.results)
+    write_section(args.section, body, args.results)
     return 0
 
 

@@ -362,7 +362,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seeds", nargs="+", default=[], metavar="PRESET:N",
                         help="also run the preset's checks at more seeds, N in all (e.g. b4096:3: seeds "
                              f"{DEFAULT_SEED}-{DEFAULT_SEED + 2}); its targets are then judged by the mean")
-    add_run_arguments(parser, "run folders, the convergence study's by default (reused when finished)")
+    add_run_arguments(parser, "run folders, the convergence study's by default (reused when finished)", "targets")
     args = parser.parse_args(argv)
     try:
         seeds = parse_seeds(args.seeds)
@@ -375,7 +375,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = run_rows(plan, args.out)
     body = render(results, command_line(argv))
     print(body)
-    write_section("targets", body, args.results)
+    write_section(args.section, body, args.results)
     return 0
 
 

@@ -4,6 +4,8 @@
     python -m onebitlamb.benchmarks.trust_peak          # b1024 at seeds 1234-1244, demo at 1234-1237 (~9 h on 2 cores)
     python -m onebitlamb.benchmarks.trust_peak --runs b1024:1234,1235 --runs-without-criterion   # those alone
     python -m onebitlamb.benchmarks.trust_peak --list   # every run: finished, to run or from step N
+    python -m onebitlamb.benchmarks.trust_peak --runs --runs-without-criterion demo:1238,1239 \
+        --section "trust peak, more seeds"              # further seeds, in a section of their own
 
 On ``b1024`` the hand-picked 35% freeze beat the automatic one by 7.0% ± 3.4 over four seeds, and
 the runs that did better were those whose compressed steps were larger, much of it the frozen trust
@@ -128,6 +130,8 @@ def render(results: Results, seeds: Sequence[Tuple[str, int]], command: str) -> 
     lines.append("")
     for variant, name in zip(VARIANTS_RUN[1:], ("criterion alone", "after the peak", "hand-picked 35%")):
         values = gaps[variant]
+        if not values:  # the criterion alone where every seed is one of --runs-without-criterion
+            continue
         finite = [g for g in values if g == g]
         mean = f"{statistics.fmean(finite):+.1f}%" if len(finite) == len(values) else "a run diverged"
         within = sum(1 for g in finite if g <= 100 * WITHIN)
@@ -170,19 +174,22 @@ def _per_preset(results: Results, seeds: Sequence[Tuple[str, int]]) -> List[str]
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m onebitlamb.benchmarks.trust_peak",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, metavar="PRESET:SEED,...",
-                        help=f"presets and seeds to run (default: {' '.join(DEFAULT_RUNS)})")
+    parser.add_argument("--runs", nargs="*", default=DEFAULT_RUNS, metavar="PRESET:SEED,...",
+                        help=f"presets and seeds where every variant runs (default: {' '.join(DEFAULT_RUNS)}; "
+                             "nothing after it: none)")
     parser.add_argument("--runs-without-criterion", nargs="*", default=DEFAULT_RUNS_WITHOUT_CRITERION,
                         metavar="PRESET:SEED,...",
                         help="presets and seeds where every variant but the criterion alone runs (default: "
                              f"{' '.join(DEFAULT_RUNS_WITHOUT_CRITERION)}; a seed also in --runs runs in full)")
-    add_run_arguments(parser, "run folders (shared with the study; reused)")
+    add_run_arguments(parser, "run folders (shared with the study; reused)", "trust peak")
     args = parser.parse_args(argv)
     try:
         full = parse_runs(args.runs)
         without_criterion = [run for run in parse_runs(args.runs_without_criterion) if run not in full]
     except ValueError as exc:
         parser.error(str(exc))
+    if not full + without_criterion:
+        parser.error("no runs: --runs and --runs-without-criterion are both empty")
     rows = [row_at_seed(preset, variant, *VARIANTS[variant], seed)
             for runs, variants in ((full, VARIANTS_RUN), (without_criterion, WITHOUT_CRITERION))
             for preset, seed in runs for variant in variants]
@@ -192,7 +199,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = run_rows(rows, args.out)
     body = render(results, full + without_criterion, command_line(argv))
     print(body)
-    write_section("trust peak", body, args.results)
+    write_section(args.section, body, args.results)
     return 0
 
 
