@@ -1,4 +1,6 @@
-"""The local launcher's promise that nothing outlives a run: workers leave with their launcher."""
+"""The local launcher's promises: nothing outlives a run (workers leave with their launcher), and a
+finished run is not lost to a crash on a worker's way out."""
+import atexit
 import os
 import signal
 import subprocess
@@ -6,6 +8,8 @@ import sys
 import time
 
 import pytest
+
+from onebitlamb.comm.launch import spawn_local
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -57,3 +61,20 @@ def test_workers_leave_when_the_launcher_is_killed(tmp_path):
         for pid in pids:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _crash_on_the_way_out(rank, world_size, folder):
+    """Rank 1 reports at once and then dies in the interpreter's teardown, as gloo workers have
+    (exit -6 after a finished run); rank 0 is still writing its files when that happens."""
+    if rank == 1:
+        atexit.register(os._exit, 134)
+        return "one"
+    time.sleep(3)
+    with open(os.path.join(folder, "written"), "w") as f:
+        f.write("after rank 1 left")
+    return "zero"
+
+
+def test_a_crash_after_the_report_loses_nothing(tmp_path):
+    assert spawn_local(_crash_on_the_way_out, 2, args=(str(tmp_path),), timeout_s=120) == ["zero", "one"]
+    assert (tmp_path / "written").read_text() == "after rank 1 left"

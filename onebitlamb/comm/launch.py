@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -46,6 +47,7 @@ def _worker(fn, rank, world_size, init_method, timeout_s, threads, args, results
     import torch.distributed as dist
 
     _exit_with(parent)
+    code = 0
     try:
         if threads is not None:
             torch.set_num_threads(threads)
@@ -64,6 +66,16 @@ def _worker(fn, rank, world_size, init_method, timeout_s, threads, args, results
         results.put((rank, True, payload.getvalue()))
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
         results.put((rank, False, traceback.format_exc()))
+        code = 1
+    # Leave without the interpreter's teardown, once the report is on its way: there a gloo worker
+    # has aborted after a finished run ("terminate called without an active exception", exit -6),
+    # and the parent then took the crash for a failed run and killed the ranks still writing their
+    # files. A torchrun worker leaves the same way (cli.py).
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def spawn_local(
@@ -108,7 +120,8 @@ def spawn_local(
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                # a rank that reported and then crashed on its way out has lost nothing
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
                 if dead and results.empty():
                     raise WorkerError(f"worker(s) died without a report: exit codes "
                                       f"{[p.exitcode for p in procs]}")
