@@ -98,6 +98,11 @@ def test_main_runs_seed_by_seed_and_writes_its_section_and_plot(monkeypatch, tmp
         ft.main(["--fractions", "0.3,1.5", "--out", str(tmp_path / "runs"), "--results", str(results)])
 
 
+def test_the_plot_is_named_from_the_repository_root_when_inside_it(tmp_path):
+    assert ft._shown(str(ft.REPO / "docs" / "tradeoff.png")) == "docs/tradeoff.png"  # no machine path in the results
+    assert ft._shown(str(tmp_path / "t.png")) == str(tmp_path / "t.png")
+
+
 def test_plot_needs_a_seed_with_every_run(tmp_path):
     picture = tmp_path / "none.png"
     # seed 2's 40% diverged: no seed is complete

@@ -19,8 +19,10 @@ the automatic freeze and the 35% reuse what ``trust_peak`` ran at the same seeds
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from onebitlamb.benchmarks.convergence import (_AUTO_TRUST_PEAK, PRESETS, VARIANTS, _loss, add_run_arguments,
@@ -32,7 +34,8 @@ from onebitlamb.benchmarks.trust_peak import parse_runs
 
 DEFAULT_RUNS = ["demo:1238,1239,1240,1241,1242"]
 DEFAULT_FRACTIONS = (0.3, 0.35, 0.4)
-DEFAULT_PLOT = "docs/freeze_tradeoff.png"
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_PLOT = str(REPO / "docs" / "freeze_tradeoff.png")
 Results = Dict[Tuple[str, str, int], dict]  # (preset, variant, seed) -> the run's metrics
 
 
@@ -185,6 +188,12 @@ def plot(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence
     return True
 
 
+def _shown(path: str) -> str:
+    """``path`` as the results file names it: from the repository's root when it lies inside it."""
+    inside = os.path.abspath(path).startswith(str(REPO) + os.sep)
+    return os.path.relpath(os.path.abspath(path), REPO) if inside else path
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m onebitlamb.benchmarks.freeze_tradeoff",
                                      description=__doc__.splitlines()[0])
@@ -192,7 +201,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"presets and seeds (default: {' '.join(DEFAULT_RUNS)})")
     parser.add_argument("--fractions", default=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS),
                         help="the hand-picked freezes, as fractions of the steps (default: %(default)s)")
-    parser.add_argument("--plot", default=DEFAULT_PLOT, help="where to draw loss against bytes (default: %(default)s)")
+    parser.add_argument("--plot", default=DEFAULT_PLOT,
+                        help="where to draw loss against bytes (default: docs/freeze_tradeoff.png in the repository)")
     add_run_arguments(parser, "run folders (shared with the study; reused)", "freeze trade-off")
     args = parser.parse_args(argv)
     try:
@@ -210,7 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = run_rows(rows, args.out)
     body = render(results, seeds, fractions, command_line(argv))
     if plot(results, seeds, fractions, args.plot):
-        body += f"\nPlot: `{args.plot}`.\n"
+        body += f"\nPlot: `{_shown(args.plot)}`.\n"
     print(body)
     write_section(args.section, body, args.results)
     return 0
