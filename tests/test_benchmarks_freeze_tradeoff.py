@@ -3,7 +3,7 @@ import pytest
 
 from onebitlamb.benchmarks import convergence
 from onebitlamb.benchmarks import freeze_tradeoff as ft
-from onebitlamb.benchmarks.convergence import _AUTO_TRUST_PEAK, PRESETS, pretrain_config
+from onebitlamb.benchmarks.convergence import _AUTO_TRUST_PEAK, AUTO_TRUST_PEAK_UNCLIPPED, PRESETS, pretrain_config
 
 
 def _run(loss, megabytes, freeze):
@@ -28,9 +28,13 @@ def test_fraction_variants_freeze_at_their_step_and_share_the_study_folder():
 
 
 def _two_seeds():
-    """Seed 1: the automatic freeze 4.0 at 30 MB; 30% 4.1 (auto -2.4%), 35% 3.96 (+1.0%), 40% 3.98 (+0.5%).
-    Seed 2: the automatic freeze 5.0 at 25 MB; 30% 5.0 (+0.0%), 35% 4.9 (+2.0%), 40% diverged."""
+    """Seed 1: the automatic freeze 4.0 at 30 MB; 30% 4.1 (auto -2.4%), 35% 3.96 (+1.0%), 40% 3.98 (+0.5%);
+    the unclipped one 3.92 at 36 MB (-2.0% against the automatic freeze).
+    Seed 2: the automatic freeze 5.0 at 25 MB; 30% 5.0 (+0.0%), 35% 4.9 (+2.0%), 40% diverged;
+    the unclipped one 4.95 at 34 MB (-1.0%)."""
     return {
+        ("demo", AUTO_TRUST_PEAK_UNCLIPPED, 1): _run(3.92, 36, 180),
+        ("demo", AUTO_TRUST_PEAK_UNCLIPPED, 2): _run(4.95, 34, 175),
         ("demo", _AUTO_TRUST_PEAK, 1): _run(4.0, 30, 150),
         ("demo", "1bit-lamb freeze 30%", 1): _run(4.1, 31, 154),
         ("demo", "1bit-lamb freeze 35%", 1): _run(3.96, 35, 179),
@@ -44,35 +48,42 @@ def _two_seeds():
 
 def test_render_rows_and_summary():
     text = ft.render(_two_seeds(), [("demo", 1), ("demo", 2)], [0.3, 0.35, 0.4], "cmd")
-    assert ("| demo | 1 | 150, 4.000, 30.0 MB | 154, 4.100, 31.0 MB; -2.4% | 179, 3.960, 35.0 MB; +1.0% "
-            "| 205, 3.980, 40.0 MB; +0.5% | 35% |") in text
-    assert ("| demo | 2 | 120, 5.000, 25.0 MB | 154, 5.000, 31.0 MB; +0.0% | 179, 4.900, 35.0 MB; +2.0% "
-            "| diverged | 35% |") in text
+    assert ("| demo | 1 | 150, 4.000, 30.0 MB | 180, 3.920, 36.0 MB | 154, 4.100, 31.0 MB; -2.4% "
+            "| 179, 3.960, 35.0 MB; +1.0% | 205, 3.980, 40.0 MB; +0.5% | -2.0% | 35% |") in text
+    assert ("| demo | 2 | 120, 5.000, 25.0 MB | 175, 4.950, 34.0 MB | 154, 5.000, 31.0 MB; +0.0% "
+            "| 179, 4.900, 35.0 MB; +2.0% | diverged | -1.0% | 35% |") in text
     assert "- `demo`: the automatic freeze came at steps 120-150 of 512 (mean 135, 26% of the steps)" in text
+    assert "- `demo`: the unclipped one came at steps 175-180 of 512 (mean 178, 35% of the steps)" in text
     # -2.44 and 0: mean -1.22, standard error 1.22, Student's t at 2 seeds 12.706: -1.22 ± 15.50;
     # bytes 30/31 and 25/31: 0.89x
     assert ("- `demo`, the automatic freeze against the 30% over 2 seeds: mean -1.2% ± 1.2 (standard error; within "
-            "the seeds' spread), no worse at 2, at 95% between -16.7% and +14.3%; it sent 0.89x the 30%'s bytes") in text
+            "the seeds' spread), no worse at 2, at 95% between -16.7% and +14.3%; it sent 0.89x the bytes") in text
     # the diverged 40% at seed 2 leaves one seed: +0.5%, and 30/40 of the bytes
     assert ("- `demo`, the automatic freeze against the 40% over 1 seed: +0.5%, no worse at 0; it sent 0.75x the "
-            "40%'s bytes") in text
+            "bytes") in text
+    # -2.0 and -1.0: mean -1.5, standard error 0.5, at 2 seeds -1.5 ± 6.35; bytes 36/30 and 34/25: 1.28x
+    assert ("- `demo`, the unclipped one against the automatic freeze over 2 seeds: mean -1.5% ± 0.5 (standard "
+            "error; within the seeds' spread), no worse at 2, at 95% between -7.9% and +4.9%; it sent 1.28x the "
+            "bytes") in text
     # the best of the three in hindsight only where all three ran: seed 1, against 3.96
     assert "- `demo`, the automatic freeze against the best of the fractions at each seed (picked in hindsight) " \
            "over 1 seed: +1.0%" in text
+    assert "- `demo`, the unclipped one against the best of the fractions at each seed (picked in hindsight) " \
+           "over 1 seed: -1.0%" in text
 
 
 def test_render_marks_a_missing_automatic_freeze():
     results = _two_seeds()
     del results[("demo", _AUTO_TRUST_PEAK, 2)]
     text = ft.render(results, [("demo", 2)], [0.3, 0.35], "cmd")
-    assert "| demo | 2 | not run | 154, 5.000, 31.0 MB | 179, 4.900, 35.0 MB | 35% |" in text
-    assert "the automatic freeze against" not in text
+    assert "| demo | 2 | not run | 175, 4.950, 34.0 MB | 154, 5.000, 31.0 MB | 179, 4.900, 35.0 MB | - | 35% |" in text
+    assert "the automatic freeze against" not in text and "against the automatic freeze" not in text
 
 
 def test_main_runs_seed_by_seed_and_writes_its_section_and_plot(monkeypatch, tmp_path):
     ran = []
     records = _two_seeds()
-    by_folder = {"auto": _AUTO_TRUST_PEAK, "freeze_30pct": "1bit-lamb freeze 30%",
+    by_folder = {"unclipped": AUTO_TRUST_PEAK_UNCLIPPED, "auto": _AUTO_TRUST_PEAK, "freeze_30pct": "1bit-lamb freeze 30%",
                  "freeze_35pct": "1bit-lamb freeze 35%", "freeze_40pct": "1bit-lamb freeze 40%"}
 
     def fake_run_one(out_dir, optimizer, flags, cache):
@@ -82,14 +93,12 @@ def test_main_runs_seed_by_seed_and_writes_its_section_and_plot(monkeypatch, tmp
 
     monkeypatch.setattr(convergence, "run_one", fake_run_one)
     results, picture = tmp_path / "B.md", tmp_path / "tradeoff.png"
-    assert ft.main(["--runs", "demo:1238,1239", "--out", str(tmp_path / "runs"), "--results", str(results),
+    assert ft.main(["--runs", "demo:1238,1239", "--fractions", "0.3,0.35,0.4", "--out", str(tmp_path / "runs"), "--results", str(results),
                     "--plot", str(picture)]) == 0
-    assert ran == ["1bit-lamb_auto_cap_75pct_transient_end_2.5_after_trust_peak_seed_1238",
-                   "1bit-lamb_freeze_30pct_seed_1238", "1bit-lamb_freeze_35pct_seed_1238",
-                   "1bit-lamb_freeze_40pct_seed_1238",
-                   "1bit-lamb_auto_cap_75pct_transient_end_2.5_after_trust_peak_seed_1239",
-                   "1bit-lamb_freeze_30pct_seed_1239", "1bit-lamb_freeze_35pct_seed_1239",
-                   "1bit-lamb_freeze_40pct_seed_1239"]
+    assert ran == [f"1bit-lamb_{run}_seed_{seed}" for seed in (1238, 1239)
+                   for run in ("auto_cap_75pct_transient_end_2.5_after_trust_peak",
+                               "auto_cap_75pct_transient_end_2.5_after_unclipped_trust_peak", "freeze_30pct",
+                               "freeze_35pct", "freeze_40pct")]
     text = results.read_text()
     assert text.index("<!-- begin freeze trade-off -->") < text.index("| demo | 1238 | 150, 4.000, 30.0 MB") \
         < text.index(f"Plot: `{picture}`.") < text.index("<!-- end freeze trade-off -->")

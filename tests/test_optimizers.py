@@ -784,9 +784,41 @@ def test_freeze_after_trust_peak_still_freezes_at_the_cap():
     assert opt.state["flat"]["frozen_at"] == 30
 
 
+def _pinned_median_run(trust_peak_layers):
+    """One layer whose trust ratio rises at every step (its weights grow, the gradient stays), and two
+    whose ratio LAMB's clip pins at min_coeff (weights of 1e-4 against an update of norm 4, at a rate
+    too small to grow them): the median layer is a pinned one. Returns (ready step, freeze step)."""
+    rising = torch.nn.Parameter(torch.ones(16))
+    pinned = [torch.nn.Parameter(torch.full((16,), 1e-4)) for _ in range(2)]
+    opt = onebitlamb.OneBitLamb([{"params": [rising]}, {"params": pinned, "lr": 1e-4}], lr=1e-1,
+                                freeze_step="auto", max_freeze_step=40, freeze_window=5, freeze_tolerance=1.0,
+                                trust_peak_layers=trust_peak_layers)
+    for _ in range(40):
+        for p in [rising, *pinned]:
+            p.grad = -torch.ones(16)
+        opt.step()
+        assert [round(d["trust_ratio"], 6) for d in opt.layer_diagnostics()][1:] == [0.01, 0.01]
+        if opt.stage == "compression":
+            break
+    return opt.freeze_ready_step, opt.state["flat"]["frozen_at"]
+
+
+def test_trust_peak_over_unclipped_layers_leaves_out_the_pinned_ones():
+    """With every layer counted the pinned pair decides the median (a rise of exactly 0), so the freeze
+    comes as soon as the window restarted at "ready" is full, while the one free ratio still rises by
+    a factor of 1.1 a step. Left out, the rising layer holds the freeze back; once it reaches
+    max_coeff it is clipped too, no layer is left to read, and the cap freezes the run."""
+    ready, frozen = _pinned_median_run("all")
+    assert frozen == ready + 5
+    ready_unclipped, frozen_unclipped = _pinned_median_run("unclipped")
+    assert ready_unclipped == ready and frozen_unclipped == 40
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"freeze_step": 10, "freeze_after_trust_peak": True}, "freeze_after_trust_peak=True needs freeze_step='auto'"),
     ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_after_trust_peak": 1}, "freeze_after_trust_peak: 1"),
+    ({"freeze_step": "auto", "max_freeze_step": 10, "trust_peak_layers": "weights"},
+     "Invalid trust_peak_layers: 'weights' \\(one of all, unclipped\\)"),
 ])
 def test_invalid_trust_peak_options(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -183,6 +183,15 @@ def test_changed_settings_ignores_only_what_the_run_does_not_read():
     assert cfg(*auto).freeze_after_trust_peak is True and cfg(*fixed).freeze_after_trust_peak is False
     adam = ["--optimizer", "onebitadam", "--auto-freeze"]
     assert changed(adam + ["--no-freeze-after-trust-peak"], adam) == set()
+    # which layers the wait reads changes a run only where it waits; a run from before the option read all
+    unclipped = ["--trust-peak-layers", "unclipped"]
+    assert changed(auto, auto + unclipped) == {"trust_peak_layers"}
+    assert changed(auto + ["--no-freeze-after-trust-peak"], auto + ["--no-freeze-after-trust-peak"] + unclipped) == set()
+    assert changed(adam, adam + unclipped) == set()
+    before = dataclasses.asdict(cfg(*auto))
+    del before["trust_peak_layers"]
+    assert pretrain.changed_settings(cfg(*auto), before) == {}
+    assert set(pretrain.changed_settings(cfg(*auto, *unclipped), before)) == {"trust_peak_layers"}
     assert changed(fixed + ["--freeze-frac", "0.2"], fixed) == {"freeze_frac"}
     lamb = ["--optimizer", "lamb"]
     assert changed(lamb + ["--freeze-frac", "0.2", "--update-guard", "4"], lamb) == set()  # LAMB never freezes

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from onebitlamb.benchmarks.convergence import (_AUTO_TRUST_PEAK, PRESETS, VARIANTS, _loss, add_run_arguments,
+from onebitlamb.benchmarks.convergence import (_AUTO_TRUST_PEAK, AUTO_TRUST_PEAK_UNCLIPPED, PRESETS, VARIANTS, _loss, add_run_arguments,
                                                mean_and_margin, pretrain_config, print_plan, row_at_seed,
                                                run_rows)
 from onebitlamb.benchmarks.report import command_line, heading, write_section
@@ -33,7 +33,9 @@ from onebitlamb.benchmarks.targets import _mean_text
 from onebitlamb.benchmarks.trust_peak import parse_runs
 
 DEFAULT_RUNS = ["demo:1238,1239,1240,1241,1242"]
-DEFAULT_FRACTIONS = (0.3, 0.35, 0.4)
+DEFAULT_FRACTIONS = (0.3, 0.35)
+# the automatic freezes: every default, and the wait reading only the layers LAMB did not clip
+AUTOMATIC = [(_AUTO_TRUST_PEAK, "the automatic freeze"), (AUTO_TRUST_PEAK_UNCLIPPED, "the unclipped one")]
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PLOT = str(REPO / "docs" / "freeze_tradeoff.png")
 Results = Dict[Tuple[str, str, int], dict]  # (preset, variant, seed) -> the run's metrics
@@ -75,35 +77,42 @@ def _finite(run: Optional[dict]) -> bool:
 
 
 def render(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence[float], command: str) -> str:
-    """One row per (preset, seed): the automatic freeze's step, loss and megabytes sent per worker, each
-    fraction's; then, per fraction over the seeds, the automatic freeze against it and their bytes."""
+    """One row per (preset, seed): each automatic freeze's step, loss and megabytes sent per worker, each
+    fraction's; then, per automatic freeze and fraction over the seeds, the one against the other."""
     names = [fraction_variant(f)[0] for f in fractions]
     labels = [f"{100 * f:g}%" for f in fractions]
     lines = heading("Loss against bytes: the automatic freeze and freezes picked by hand", command)
     lines += [
-        "1-bit LAMB with every default (`--auto-freeze`, the study's 75% cap; it waits for the trust ratios' "
-        "peak) and frozen by hand at fractions of the steps, at the same seeds. Each cell: the freeze step, "
-        "held-out loss at the end, megabytes sent per worker over the run; a fraction's cell ends with the "
-        "automatic freeze's loss against it. The last column: the fraction with the lowest loss at that seed.",
+        "1-bit LAMB with every default (`--auto-freeze`, the study's 75% cap; it waits for the median layer's "
+        "trust ratio to stop rising), the same with `--trust-peak-layers unclipped` (that median over the "
+        "layers whose ratio LAMB did not clip in the window), and frozen by hand at fractions of the steps, "
+        "at the same seeds. Each cell: the freeze step, held-out loss at the end, megabytes sent per worker "
+        "over the run; a fraction's cell ends with the default's loss against it. The last columns: "
+        "unclipped against the default, and the fraction with the lowest loss at that seed.",
         "",
-        "| preset | seed | automatic | " + " | ".join(labels) + " | best fraction |",
-        "|---|---:|---|" + "---|" * len(labels) + "---|",
+        "| preset | seed | automatic (default) | automatic, unclipped | " + " | ".join(labels)
+        + " | unclipped vs default | best fraction |",
+        "|---|---:|---|---|" + "---|" * len(labels) + "---:|---|",
     ]
     for preset, seed in seeds:
-        auto = results.get((preset, _AUTO_TRUST_PEAK, seed))
+        auto, unclipped = (results.get((preset, v, seed)) for v, _ in AUTOMATIC)
         cells, best = [], None
         for label, name in zip(labels, names):
             run = results.get((preset, name, seed))
-            cells.append(_cell(run) + (f"; {_relative(auto['final_eval_loss'], run['final_eval_loss']):+.1f}%"
-                                       if _finite(auto) and _finite(run) else ""))
+            cells.append(_cell(run) + (f"; {_against(auto, run)}" if _finite(auto) and _finite(run) else ""))
             if _finite(run) and (best is None or run["final_eval_loss"] < best[1]):
                 best = (label, run["final_eval_loss"])
-        lines.append(f"| {preset} | {seed} | {_cell(auto)} | " + " | ".join(cells)
-                     + f" | {best[0] if best else '-'} |")
+        lines.append(f"| {preset} | {seed} | {_cell(auto)} | {_cell(unclipped)} | " + " | ".join(cells)
+                     + f" | {_against(unclipped, auto) if _finite(unclipped) and _finite(auto) else '-'} "
+                     f"| {best[0] if best else '-'} |")
     lines.append("")
     for preset in dict.fromkeys(p for p, _ in seeds):
         lines += _summary(results, preset, [s for p, s in seeds if p == preset], labels, names)
     return "\n".join(lines) + "\n"
+
+
+def _against(run: dict, other: dict) -> str:
+    return f"{_relative(run['final_eval_loss'], other['final_eval_loss']):+.1f}%"
 
 
 def _cell(run: Optional[dict]) -> str:
@@ -114,54 +123,66 @@ def _cell(run: Optional[dict]) -> str:
     return f"{run['freeze_step'] or '-'}, {_loss(run['final_eval_loss'])}, {_megabytes(run):.1f} MB"
 
 
+def _comparison(results: Results, preset: str, seeds: Sequence[int], variant: str, other: str, name: str,
+                other_name: str) -> Optional[str]:
+    """``variant`` against ``other`` over the seeds where both ran without diverging: its loss against
+    the other's (mean, standard error, 95% interval) and its bytes against the other's."""
+    both = [s for s in seeds if _finite(results.get((preset, variant, s))) and _finite(results.get((preset, other, s)))]
+    if not both:
+        return None
+    runs = [(results[(preset, variant, s)], results[(preset, other, s)]) for s in both]
+    gaps = [_relative(a["final_eval_loss"], b["final_eval_loss"]) for a, b in runs]
+    volume = statistics.fmean(a["bytes_sent_per_rank"] / b["bytes_sent_per_rank"] for a, b in runs)
+    interval = ""
+    if len(gaps) > 1:
+        mean, _, margin = mean_and_margin(gaps)
+        interval = f", at 95% between {mean - margin:+.1f}% and {mean + margin:+.1f}%"
+    return (f"- `{preset}`, {name} against {other_name} over {_seeds(len(both))}: {_mean_text(gaps)}, no worse "
+            f"at {sum(1 for g in gaps if g <= 0)}{interval}; it sent {volume:.2f}x the bytes")
+
+
 def _summary(results: Results, preset: str, seeds: Sequence[int], labels: Sequence[str],
              names: Sequence[str]) -> List[str]:
-    """Per fraction, over the seeds where it and the automatic freeze both ran without diverging: the
-    automatic freeze's loss against it (mean, standard error, 95% interval) and its bytes against the
-    fraction's; then against the best fraction at each seed, which only hindsight picks."""
+    """Where each automatic freeze came; each against each fraction, and the unclipped one against the
+    default; then each against the best fraction at each seed, which only hindsight picks."""
     lines: List[str] = []
-    autos = {s: results.get((preset, _AUTO_TRUST_PEAK, s)) for s in seeds}
-    steps = [a["freeze_step"] for a in autos.values() if _finite(a) and a["freeze_step"]]
-    if steps:
-        total = pretrain_config("onebitlamb", PRESETS[preset]).steps
-        lines.append(f"- `{preset}`: the automatic freeze came at steps {min(steps)}-{max(steps)} of {total} "
-                     f"(mean {statistics.fmean(steps):.0f}, {100 * statistics.fmean(steps) / total:.0f}% of the steps)")
-    for label, name in zip(labels, names):
-        both = [s for s in seeds if _finite(autos[s]) and _finite(results.get((preset, name, s)))]
-        if not both:
-            continue
-        gaps = [_relative(autos[s]["final_eval_loss"], results[(preset, name, s)]["final_eval_loss"]) for s in both]
-        volume = statistics.fmean(autos[s]["bytes_sent_per_rank"] / results[(preset, name, s)]["bytes_sent_per_rank"]
-                                  for s in both)
-        no_worse = sum(1 for g in gaps if g <= 0)
-        interval = ""
-        if len(gaps) > 1:
-            mean, _, margin = mean_and_margin(gaps)
-            interval = f", at 95% between {mean - margin:+.1f}% and {mean + margin:+.1f}%"
-        lines.append(f"- `{preset}`, the automatic freeze against the {label} over {_seeds(len(both))}: "
-                     f"{_mean_text(gaps)}, no worse at {no_worse}{interval}; it sent {volume:.2f}x the "
-                     f"{label}'s bytes")
-    best_gaps = []
-    for s in seeds:
-        fixed = [results[(preset, n, s)]["final_eval_loss"] for n in names if _finite(results.get((preset, n, s)))]
-        if _finite(autos[s]) and len(fixed) == len(names):
-            best_gaps.append(_relative(autos[s]["final_eval_loss"], min(fixed)))
-    if best_gaps and len(names) > 1:
-        lines.append(f"- `{preset}`, the automatic freeze against the best of the fractions at each seed (picked "
-                     f"in hindsight) over {_seeds(len(best_gaps))}: {_mean_text(best_gaps)}")
+    total = pretrain_config("onebitlamb", PRESETS[preset]).steps
+    for variant, name in AUTOMATIC:
+        steps = [r["freeze_step"] for s in seeds for r in [results.get((preset, variant, s))]
+                 if _finite(r) and r["freeze_step"]]
+        if steps:
+            lines.append(f"- `{preset}`: {name} came at steps {min(steps)}-{max(steps)} of {total} (mean "
+                         f"{statistics.fmean(steps):.0f}, {100 * statistics.fmean(steps) / total:.0f}% of the steps)")
+    pairs = [(variant, name, fraction, f"the {label}") for variant, name in AUTOMATIC
+             for label, fraction in zip(labels, names)]
+    pairs.append((AUTOMATIC[1][0], AUTOMATIC[1][1], AUTOMATIC[0][0], AUTOMATIC[0][1]))
+    for variant, name, other, other_name in pairs:
+        line = _comparison(results, preset, seeds, variant, other, name, other_name)
+        if line:
+            lines.append(line)
+    if len(names) > 1:
+        for variant, name in AUTOMATIC:
+            best_gaps = []
+            for s in seeds:
+                fixed = [results[(preset, n, s)]["final_eval_loss"] for n in names if _finite(results.get((preset, n, s)))]
+                if _finite(results.get((preset, variant, s))) and len(fixed) == len(names):
+                    best_gaps.append(_relative(results[(preset, variant, s)]["final_eval_loss"], min(fixed)))
+            if best_gaps:
+                lines.append(f"- `{preset}`, {name} against the best of the fractions at each seed (picked in "
+                             f"hindsight) over {_seeds(len(best_gaps))}: {_mean_text(best_gaps)}")
     return lines
 
 
 def plot(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence[float], path: str) -> bool:
     """Loss (against the median fraction's at the same seed) over megabytes sent: a line through each
-    seed's hand-picked freezes, the automatic freeze as a star of the same colour. False (and nothing
-    written) when no seed has the automatic freeze and every fraction."""
+    seed's hand-picked freezes, the default automatic freeze as a star of the same colour, the unclipped
+    one as a triangle. False (and nothing written) when no seed has every one of these runs."""
     from onebitlamb.train.plots import _plt
 
     names = [fraction_variant(f)[0] for f in fractions]
     reference = names[len(names) // 2]
     complete = [(p, s) for p, s in seeds
-                if all(_finite(results.get((p, n, s))) for n in names + [_AUTO_TRUST_PEAK])]
+                if all(_finite(results.get((p, n, s))) for n in names + [v for v, _ in AUTOMATIC])]
     if not complete:
         return False
     plt = _plt()
@@ -169,18 +190,21 @@ def plot(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence
     for k, (preset, seed) in enumerate(complete):
         colour = f"C{k % 10}"
         base = results[(preset, reference, seed)]["final_eval_loss"]
-        fixed = [results[(preset, n, seed)] for n in names]
-        ax.plot([_megabytes(r) for r in fixed], [_relative(r["final_eval_loss"], base) for r in fixed], "o-",
-                color=colour, label=f"{preset} seed {seed}")
-        auto = results[(preset, _AUTO_TRUST_PEAK, seed)]
-        ax.plot([_megabytes(auto)], [_relative(auto["final_eval_loss"], base)], "*", color=colour, markersize=14)
-    for fraction, run in zip(fractions, fixed):
-        ax.annotate(f"{100 * fraction:g}%", (_megabytes(run), _relative(run["final_eval_loss"], base)),
-                    textcoords="offset points", xytext=(4, 6), fontsize=8)
+
+        def point(run: dict) -> Tuple[float, float]:
+            return _megabytes(run), _relative(run["final_eval_loss"], base)
+
+        fixed = [point(results[(preset, n, seed)]) for n in names]
+        ax.plot(*zip(*fixed), "o-", color=colour, label=f"{preset} seed {seed}")
+        for (variant, _), marker in zip(AUTOMATIC, ("*", "^")):
+            ax.plot(*point(results[(preset, variant, seed)]), marker, color=colour, markersize=12)
+        if k == len(complete) - 1:
+            for fraction, xy in zip(fractions, fixed):
+                ax.annotate(f"{100 * fraction:g}%", xy, textcoords="offset points", xytext=(4, 6), fontsize=8)
     ax.axhline(0.0, color="grey", linewidth=0.5)
     ax.set_xlabel("megabytes sent per worker over the run")
     ax.set_ylabel(f"held-out loss against the {100 * fractions[len(names) // 2]:g}% freeze (%)")
-    ax.set_title("1-bit LAMB: hand-picked freezes (dots) and the automatic freeze (star)")
+    ax.set_title("1-bit LAMB: hand-picked freezes (dots), automatic (star), unclipped (triangle)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -212,7 +236,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(exc))
     # seed by seed, so that a stopped benchmark leaves whole seeds behind
     rows = [row_at_seed(preset, variant, optimizer, flags, seed) for preset, seed in seeds
-            for variant, optimizer, flags in [(_AUTO_TRUST_PEAK, *VARIANTS[_AUTO_TRUST_PEAK])]
+            for variant, optimizer, flags in [(v, *VARIANTS[v]) for v, _ in AUTOMATIC]
             + [fraction_variant(f) for f in fractions]]
     if args.list:
         print_plan(rows, args.out)

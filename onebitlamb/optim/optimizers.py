@@ -11,6 +11,8 @@ from onebitlamb.optim.staged import StagedOptimizer, validate_common
 
 
 COMPRESSION_SPACES = ("momentum", "update")
+# which layers' trust ratios the wait for their peak reads (StagedOptimizer._record_warmup)
+TRUST_PEAK_LAYERS = ("all", "unclipped")
 
 
 def _is_int(value) -> bool:
@@ -119,7 +121,7 @@ class OneBitLamb(StagedOptimizer):
                  max_freeze_step: Optional[int] = None, freeze_window: int = 20,
                  freeze_tolerance: float = 0.3, freeze_transient: Optional[float] = 5.0,
                  freeze_transient_end: Optional[float] = 2.5, unfreeze_rise: Optional[float] = None,
-                 freeze_after_trust_peak: Optional[bool] = None,
+                 freeze_after_trust_peak: Optional[bool] = None, trust_peak_layers: str = "all",
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
         onebit = _onebit_options(type(self).__name__, freeze_step, min_freeze_step, max_freeze_step,
                                  freeze_window, freeze_tolerance, freeze_transient, freeze_transient_end,
@@ -131,6 +133,8 @@ class OneBitLamb(StagedOptimizer):
                              f"freeze), got freeze_step={freeze_step!r}")
         if freeze_after_trust_peak is None:  # on wherever it can act: with the automatic freeze
             freeze_after_trust_peak = freeze_step == "auto"
+        if trust_peak_layers not in TRUST_PEAK_LAYERS:
+            raise ValueError(f"Invalid trust_peak_layers: {trust_peak_layers!r} (one of {', '.join(TRUST_PEAK_LAYERS)})")
         validate_common(lr, betas, eps, weight_decay)
         _validate_lamb(min_coeff, max_coeff)
         if not 0.0 <= coeff_beta < 1.0:
@@ -144,6 +148,7 @@ class OneBitLamb(StagedOptimizer):
                         bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
                         coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
                         factor_threshold=factor_threshold, freeze_after_trust_peak=freeze_after_trust_peak,
+                        trust_peak_layers=trust_peak_layers,
                         **onebit)
         super().__init__(params, defaults, freeze_step=freeze_step, process_group=process_group)
 

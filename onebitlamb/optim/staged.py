@@ -473,6 +473,15 @@ class StagedOptimizer(Optimizer):
             kept = F.corrected_ema(flat["coeff_ema"], flat["coeff_ema_count"], self.defaults["coeff_beta"])
             # a layer whose trust ratio was never defined has no level (-inf): left out of the median
             levels = torch.where(flat["coeff_ema_count"] > 0, torch.log(kept), torch.full_like(kept, -math.inf))
+            if self.defaults.get("trust_peak_layers") == "unclipped":
+                # LAMB's clip pins a ratio at min_coeff or max_coeff, and its running average then
+                # stands still (or creeps towards the bound) whatever the layer does: a rise of exactly
+                # 0 that counts as a layer past its peak. On the main job 6 of the 42 layers were
+                # clipped at step 96 (demo seed 1238; 20 at step 32), and the median rise that ended
+                # the wait at step 120 was exactly 0. So a layer clipped at a step of the window has
+                # no level there and is left out of the median, as a layer without a ratio is.
+                clipped = (coeff <= self.defaults["min_coeff"]) | (coeff >= self.defaults["max_coeff"])
+                levels = torch.where(clipped, torch.full_like(levels, -math.inf), levels)
             self._push_levels_("trust_history", levels)
 
     def _warmup_step(self, grads: torch.Tensor) -> None:

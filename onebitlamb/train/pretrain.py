@@ -36,6 +36,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from onebitlamb.optim.optimizers import TRUST_PEAK_LAYERS
 from onebitlamb.train import data
 from onebitlamb.train.data import atomic_save
 from onebitlamb.train.model import ModelConfig, build_model, mlm_loss
@@ -61,7 +62,7 @@ DEFAULTS = dict(
     freeze_transient_end=2.5, unfreeze_rise=0.0,
     # with auto_freeze, 1-bit LAMB waits for its trust ratios' peak (docs/convergence.md, "Freezing
     # after the trust ratios' peak"); without it there is no automatic freeze to delay
-    freeze_after_trust_peak=True,
+    freeze_after_trust_peak=True, trust_peak_layers="all",
     compression_space="momentum", update_guard=0.0,
 )
 PRESETS = {
@@ -120,6 +121,7 @@ class TrainConfig:
     freeze_transient_end: float
     unfreeze_rise: float
     freeze_after_trust_peak: bool
+    trust_peak_layers: str
     compression_space: str
     update_guard: float
     cache_dir: str = ""
@@ -209,6 +211,9 @@ def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True
                         "holds, wait (up to --freeze-frac) until the median layer's trust ratio has stopped "
                         "rising; --no-freeze-after-trust-peak freezes when the criterion holds (1-bit Adam "
                         "has no trust ratio: it ignores this)")
+    g.add_argument("--trust-peak-layers", choices=TRUST_PEAK_LAYERS, default=None,
+                   help="with --freeze-after-trust-peak: the layers whose median trust ratio it reads (default "
+                        "all; unclipped: leave out a layer whose ratio LAMB clipped at a step of the window)")
 
 
 def config_from_args(args: argparse.Namespace, optimizer: Optional[str] = None, out: Optional[str] = None) -> TrainConfig:
@@ -489,7 +494,8 @@ def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
     else:
         onebit.update(freeze_step=cfg.freeze_step)
     if cfg.optimizer == "onebitlamb":
-        return onebitlamb.OneBitLamb(groups, **common, **onebit, freeze_after_trust_peak=cfg.freeze_after_trust_peak)
+        return onebitlamb.OneBitLamb(groups, **common, **onebit, freeze_after_trust_peak=cfg.freeze_after_trust_peak,
+                                     trust_peak_layers=cfg.trust_peak_layers)
     return onebitlamb.OneBitAdam(groups, **common, **onebit)
 
 
@@ -655,9 +661,10 @@ def check_resumable(cfg: TrainConfig, saved: Optional[dict] = None) -> None:
 # Settings only the 1-bit optimizers read, and of those, the ones only the automatic freeze reads
 ONEBIT_SETTINGS = {"freeze_frac", "compression_space", "update_guard"}
 AUTO_FREEZE_SETTINGS = {"min_freeze_frac", "freeze_window", "freeze_tolerance", "freeze_transient",
-                        "freeze_transient_end", "unfreeze_rise", "freeze_after_trust_peak"}
+                        "freeze_transient_end", "unfreeze_rise", "freeze_after_trust_peak", "trust_peak_layers"}
 # Settings added after runs were saved, and the value those runs had in effect
-ADDED_SETTINGS = {"freeze_transient_end": 0.0, "unfreeze_rise": 0.0, "freeze_after_trust_peak": False}
+ADDED_SETTINGS = {"freeze_transient_end": 0.0, "unfreeze_rise": 0.0, "freeze_after_trust_peak": False,
+                  "trust_peak_layers": "all"}
 
 
 def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
@@ -670,7 +677,9 @@ def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
     elif not cfg.auto_freeze:
         ignored |= AUTO_FREEZE_SETTINGS
     elif cfg.optimizer == "onebitadam":
-        ignored.add("freeze_after_trust_peak")  # no trust ratio to wait for
+        ignored |= {"freeze_after_trust_peak", "trust_peak_layers"}  # no trust ratio to wait for
+    elif not cfg.freeze_after_trust_peak:
+        ignored.add("trust_peak_layers")  # read only by the wait
     now = dataclasses.asdict(cfg)
     saved = {**ADDED_SETTINGS, **saved}
     return {k: (saved.get(k), v) for k, v in now.items() if k not in ignored and saved.get(k) != v}
