@@ -1,7 +1,7 @@
 """Loss against bytes: 1-bit LAMB's automatic freeze beside freezes picked by hand before and after it.
 
-    python -m onebitlamb.benchmarks.freeze_tradeoff        # demo at seeds 1238-1242, 20 runs (~95 min on 2 cores)
-    python -m onebitlamb.benchmarks.freeze_tradeoff --runs demo:1238 --fractions 0.3,0.35
+    python -m onebitlamb.benchmarks.freeze_tradeoff        # demo at seeds 1238-1242, 20 runs (~2 h on 2 cores)
+    python -m onebitlamb.benchmarks.freeze_tradeoff --runs demo:1238 --fractions 0.3,0.35,0.4
     python -m onebitlamb.benchmarks.freeze_tradeoff --list # every run: finished, to run or from step N
 
 On ``demo`` the automatic freeze (every default: it waits for the trust ratios' peak) trails the
@@ -9,12 +9,13 @@ hand-picked 35% by about half a percent of held-out loss over nine seeds, and at
 froze earlier, sending fewer bytes (docs/convergence.md). A later freeze costs bytes (each warm-up
 step is a full fp32 all-reduce), so a comparison at one fraction mixes two things: how well the
 automatic freeze picks its step at each seed, and how many bytes it spends. This runs, at each seed,
-the automatic freeze and 1-bit LAMB frozen by hand at each of ``--fractions`` (by default 30%, about
-the automatic freeze's mean step on ``demo``; 35%; 40%), and sets each run's loss beside its bytes:
-against a fraction that sends about as much, the gap is the choice of step alone; against the later
-ones, it is what the extra bytes buy. The runs share the convergence study's folders (``--out``), so
-the automatic freeze and the 35% reuse what ``trust_peak`` ran at the same seeds. Writes the
-"freeze trade-off" section of BENCHMARKS.md and a plot of loss against bytes (``--plot``).
+the automatic freeze, the same with ``--trust-peak-layers unclipped`` (the wait's median over the
+layers LAMB did not clip), and 1-bit LAMB frozen by hand at each of ``--fractions`` (by default 30%,
+about the automatic freeze's mean step on ``demo``, and 35%), and sets each run's loss beside its
+bytes: against a fraction that sends about as much, the gap is the choice of step alone; against a
+later one, it is what the extra bytes buy. The runs share the convergence study's folders
+(``--out``), so the automatic freeze and the 35% reuse what ``trust_peak`` ran at the same seeds.
+Writes the "freeze trade-off" section of BENCHMARKS.md and a plot of loss against bytes (``--plot``).
 """
 from __future__ import annotations
 
