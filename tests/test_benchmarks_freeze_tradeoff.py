@@ -3,7 +3,8 @@ import pytest
 
 from onebitlamb.benchmarks import convergence
 from onebitlamb.benchmarks import freeze_tradeoff as ft
-from onebitlamb.benchmarks.convergence import _AUTO_TRUST_PEAK, AUTO_TRUST_PEAK_UNCLIPPED, PRESETS, pretrain_config
+from onebitlamb.benchmarks.convergence import (_AUTO_TRUST_PEAK, AUTO_TRUST_PEAK_LEVEL, AUTO_TRUST_PEAK_UNCLIPPED, PRESETS,
+                                               pretrain_config)
 
 
 def _run(loss, megabytes, freeze):
@@ -117,3 +118,37 @@ def test_plot_needs_a_seed_with_every_run(tmp_path):
     # seed 2's 40% diverged: no seed is complete
     assert not ft.plot(_two_seeds(), [("demo", 2)], [0.3, 0.35, 0.4], str(picture))
     assert not picture.exists()
+
+
+def test_render_sets_the_chosen_automatic_freezes_beside_the_default():
+    """--automatic median_level: its column and its line against the default, and no unclipped one.
+    Seed 1: the median-level one 3.9 at 33 MB against the default's 4.0 at 30 MB: -2.5%, 1.10x the bytes."""
+    results = {**_two_seeds(), ("demo", AUTO_TRUST_PEAK_LEVEL, 1): _run(3.9, 33, 170)}
+    text = ft.render(results, [("demo", 1)], [0.3, 0.35], "cmd", [ft.OTHERS["median_level"]])
+    assert ("| preset | seed | automatic (default) | automatic, median level | 30% | 35% | median level vs default "
+            "| best fraction |") in text
+    assert ("| demo | 1 | 150, 4.000, 30.0 MB | 170, 3.900, 33.0 MB | 154, 4.100, 31.0 MB; -2.4% "
+            "| 179, 3.960, 35.0 MB; +1.0% | -2.5% | 35% |") in text
+    assert "--trust-peak-measure median_level" in text and "unclipped" not in text
+    assert ("- `demo`, the median-level one against the automatic freeze over 1 seed: -2.5%, no worse at 1; it sent "
+            "1.10x the bytes") in text
+    # 3.9 against the 30%'s 4.1: -4.9%; against the better fraction (the 35%'s 3.96): -1.5%
+    assert "- `demo`, the median-level one against the 30% over 1 seed: -4.9%" in text
+    assert "- `demo`, the median-level one against the best of the fractions at each seed (picked in hindsight) " \
+           "over 1 seed: -1.5%" in text
+    alone = ft.render(results, [("demo", 1)], [0.3, 0.35], "cmd", [])
+    assert "| demo | 1 | 150, 4.000, 30.0 MB | 154, 4.100, 31.0 MB; -2.4% | 179, 3.960, 35.0 MB; +1.0% | 35% |" in alone
+    assert "The last column: the fraction with the lowest loss at that seed." in alone
+
+
+def test_main_runs_the_chosen_automatic_freezes(monkeypatch, tmp_path):
+    ran = []
+    monkeypatch.setattr(convergence, "run_one", lambda out_dir, *_: ran.append(out_dir.split("/")[-1]) or
+                        _run(4.0, 30, 150))
+    assert ft.main(["--runs", "demo:1238", "--fractions", "0.3", "--automatic", "median_level", "--out",
+                    str(tmp_path / "runs"), "--results", str(tmp_path / "B.md"), "--plot", str(tmp_path / "t.png")]) == 0
+    assert ran == ["1bit-lamb_auto_cap_75pct_transient_end_2.5_after_trust_peak_seed_1238",
+                   "1bit-lamb_auto_cap_75pct_transient_end_2.5_after_trust_peak_median_level_seed_1238",
+                   "1bit-lamb_freeze_30pct_seed_1238"]
+    with pytest.raises(SystemExit):
+        ft.main(["--automatic", "mean", "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "B.md")])

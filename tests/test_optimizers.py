@@ -707,6 +707,10 @@ def test_trust_rise_by_hand():
     history[:, 1] = -math.inf  # a layer whose trust ratio was never defined is left out
     assert trust_rise(history, count=9) == pytest.approx(-0.1)  # the lower middle of (0.3, -0.1)
     assert trust_rise(torch.full((4, 2), -math.inf), count=9) is None
+    # the median level: a layer that overtakes the median one moves it, though most layers fall
+    history = torch.tensor([[0.0, 1.0, 2.0], [1.5, 0.9, 1.9]])
+    assert trust_rise(history, count=2) == pytest.approx(-0.1)  # rises 1.5, -0.1, -0.1
+    assert trust_rise(history, count=2, measure="median_level") == pytest.approx(0.5)  # 1.5 against 1.0
 
 
 def _rising_trust_run(after_trust_peak, steps=120, resume_at=None):
@@ -814,7 +818,51 @@ def test_trust_peak_over_unclipped_layers_leaves_out_the_pinned_ones():
     assert ready_unclipped == ready and frozen_unclipped == 40
 
 
+def _overtaking_run(trust_peak_measure):
+    """Three layers: one whose trust ratio rises by 10% a step from 0.6 (its weights grow, the gradient
+    stays), past two whose ratios (1 and 3) fall very slowly (their weights shrink at a tiny rate).
+    Returns (ready step, freeze step, each step's trust ratios)."""
+    rising = torch.nn.Parameter(torch.full((16,), 0.6))
+    falling = [torch.nn.Parameter(torch.full((16,), value)) for value in (1.0, 3.0)]
+    opt = onebitlamb.OneBitLamb([{"params": [rising]}, {"params": falling, "lr": 1e-4}], lr=1e-1,
+                                freeze_step="auto", max_freeze_step=60, freeze_window=5, freeze_tolerance=1.0,
+                                trust_peak_measure=trust_peak_measure)
+    ratios = []
+    for _ in range(60):
+        rising.grad = -torch.ones(16)
+        for p in falling:
+            p.grad = torch.ones(16)
+        opt.step()
+        ratios.append([d["trust_ratio"] for d in opt.layer_diagnostics()])
+        if opt.stage == "compression":
+            break
+    return opt.freeze_ready_step, opt.state["flat"]["frozen_at"], ratios
+
+
+def test_trust_peak_by_the_median_level_waits_while_a_layer_overtakes_the_median():
+    """Two layers of three fall, so the median of the rises is below 0 as soon as the window restarted at
+    "ready" is full. The median level is the rising layer's from when it passes the ratio of 1 until it
+    passes 3, and the freeze waits for it: the first step from ready + window on where the median of
+    the levels (log of the bias-corrected running average, coeff_beta 0.9) is no higher than a window
+    before, recomputed here from the trust ratios each step applied."""
+    ready, frozen, _ = _overtaking_run("median_rise")
+    assert frozen == ready + 5
+    ready_level, frozen_level, ratios = _overtaking_run("median_level")
+    assert ready_level == ready
+    window, beta = 5, 0.9
+    average, medians = torch.zeros(3), []
+    for t, row in enumerate(ratios, start=1):
+        average = beta * average + (1 - beta) * torch.tensor(row, dtype=torch.float64)
+        medians.append(float(torch.log(average / (1 - beta ** t)).median()))
+    expected = next(t for t in range(ready + window, len(medians) + 1)
+                    if medians[t - 1] - medians[t - 1 - window] <= 0)
+    assert frozen_level == expected > ready + 2 * window, (frozen_level, expected, ready)
+    assert ratios[frozen_level - 1][0] > 3.0  # by then it has passed the higher of the two
+
+
 @pytest.mark.parametrize("kwargs,match", [
+    ({"freeze_step": "auto", "max_freeze_step": 10, "trust_peak_measure": "mean"},
+     "Invalid trust_peak_measure: 'mean' \\(one of median_rise, median_level\\)"),
     ({"freeze_step": 10, "freeze_after_trust_peak": True}, "freeze_after_trust_peak=True needs freeze_step='auto'"),
     ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_after_trust_peak": 1}, "freeze_after_trust_peak: 1"),
     ({"freeze_step": "auto", "max_freeze_step": 10, "trust_peak_layers": "weights"},

@@ -192,6 +192,14 @@ def test_changed_settings_ignores_only_what_the_run_does_not_read():
     del before["trust_peak_layers"]
     assert pretrain.changed_settings(cfg(*auto), before) == {}
     assert set(pretrain.changed_settings(cfg(*auto, *unclipped), before)) == {"trust_peak_layers"}
+    # so does how it judges the peak; a run from before the option judged by the median of the rises
+    level = ["--trust-peak-measure", "median_level"]
+    assert changed(auto, auto + level) == {"trust_peak_measure"}
+    assert changed(auto + ["--no-freeze-after-trust-peak"], auto + ["--no-freeze-after-trust-peak"] + level) == set()
+    assert changed(adam, adam + level) == set()
+    del before["trust_peak_measure"]
+    assert pretrain.changed_settings(cfg(*auto), before) == {}
+    assert set(pretrain.changed_settings(cfg(*auto, *level), before)) == {"trust_peak_measure"}
     assert changed(fixed + ["--freeze-frac", "0.2"], fixed) == {"freeze_frac"}
     lamb = ["--optimizer", "lamb"]
     assert changed(lamb + ["--freeze-frac", "0.2", "--update-guard", "4"], lamb) == set()  # LAMB never freezes

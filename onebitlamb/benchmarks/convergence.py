@@ -50,6 +50,8 @@ _AUTO, _AUTO_BEFORE = "1bit-lamb auto (cap 75%), transient end 2.5", "1bit-lamb 
 _AUTO_TRUST_PEAK = "1bit-lamb auto (cap 75%), transient end 2.5, after trust peak"
 # the same, its median trust ratio over the layers LAMB did not clip (--trust-peak-layers unclipped)
 AUTO_TRUST_PEAK_UNCLIPPED = "1bit-lamb auto (cap 75%), transient end 2.5, after unclipped trust peak"
+# the same, judging the peak by the median layer's level instead of the median of the layers' rises
+AUTO_TRUST_PEAK_LEVEL = "1bit-lamb auto (cap 75%), transient end 2.5, after trust peak, median level"
 DEFAULT_AUTO = _AUTO_TRUST_PEAK  # 1-bit LAMB's automatic freeze with every default
 # The rule before with the two options against a blow-up (b512; demo at every seed): can they make
 # its earlier freeze safe where it froze in the middle of the plateau exit (demo seed 1236)?
@@ -85,6 +87,9 @@ VARIANTS: Dict[str, Tuple[str, List[str]]] = {
     AUTO_TRUST_PEAK_UNCLIPPED: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end",
                                                "2.5", "--freeze-after-trust-peak", "--trust-peak-layers",
                                                "unclipped"]),
+    AUTO_TRUST_PEAK_LEVEL: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end",
+                                           "2.5", "--freeze-after-trust-peak", "--trust-peak-measure",
+                                           "median_level"]),
     _AUTO_BEFORE_GUARDED: ("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75", "--freeze-transient-end", "0",
                                           "--compression-space", "update", "--update-guard", "4",
                                           "--no-freeze-after-trust-peak"]),

@@ -24,19 +24,40 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from onebitlamb.benchmarks.convergence import (_AUTO_TRUST_PEAK, AUTO_TRUST_PEAK_UNCLIPPED, PRESETS, VARIANTS, _loss, add_run_arguments,
-                                               mean_and_margin, pretrain_config, print_plan, row_at_seed,
-                                               run_rows)
+from onebitlamb.benchmarks.convergence import (_AUTO_TRUST_PEAK, AUTO_TRUST_PEAK_LEVEL, AUTO_TRUST_PEAK_UNCLIPPED, PRESETS,
+                                               VARIANTS, _loss, add_run_arguments, mean_and_margin, pretrain_config,
+                                               print_plan, row_at_seed, run_rows)
 from onebitlamb.benchmarks.report import command_line, heading, write_section
 from onebitlamb.benchmarks.targets import _mean_text
 from onebitlamb.benchmarks.trust_peak import parse_runs
 
 DEFAULT_RUNS = ["demo:1238,1239,1240,1241,1242"]
 DEFAULT_FRACTIONS = (0.3, 0.35)
-# the automatic freezes: every default, and the wait reading only the layers LAMB did not clip
-AUTOMATIC = [(_AUTO_TRUST_PEAK, "the automatic freeze"), (AUTO_TRUST_PEAK_UNCLIPPED, "the unclipped one")]
+
+
+class Automatic(NamedTuple):
+    """An automatic freeze the table sets beside the hand-picked ones."""
+    variant: str      # the study's variant (VARIANTS), and so its run folder
+    name: str         # in the summary's sentences
+    label: str        # in the table's header
+    marker: str       # in the plot
+    description: str  # in the section's opening paragraph
+
+
+DEFAULT = Automatic(_AUTO_TRUST_PEAK, "the automatic freeze", "default", "*", "")
+# the other automatic freezes that --automatic can set beside the default (its options for the wait)
+OTHERS = {
+    "unclipped": Automatic(AUTO_TRUST_PEAK_UNCLIPPED, "the unclipped one", "unclipped", "^",
+                           "the same with `--trust-peak-layers unclipped` (that median over the layers whose "
+                           "ratio LAMB did not clip in the window)"),
+    "median_level": Automatic(AUTO_TRUST_PEAK_LEVEL, "the median-level one", "median level", "s",
+                              "the same with `--trust-peak-measure median_level` (it waits for the median of the "
+                              "layers' trust ratios to stop rising, not for the median of their rises)"),
+}
+DEFAULT_OTHERS = ("unclipped",)
+_MARKER_NAMES = {"*": "star", "^": "triangle", "s": "square"}
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PLOT = str(REPO / "docs" / "freeze_tradeoff.png")
 Results = Dict[Tuple[str, str, int], dict]  # (preset, variant, seed) -> the run's metrics
@@ -77,38 +98,44 @@ def _finite(run: Optional[dict]) -> bool:
     return run is not None and run["final_eval_loss"] == run["final_eval_loss"]
 
 
-def render(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence[float], command: str) -> str:
-    """One row per (preset, seed): each automatic freeze's step, loss and megabytes sent per worker, each
-    fraction's; then, per automatic freeze and fraction over the seeds, the one against the other."""
+def render(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence[float], command: str,
+           others: Sequence[Automatic] = tuple(OTHERS[k] for k in DEFAULT_OTHERS)) -> str:
+    """One row per (preset, seed): the default automatic freeze's step, loss and megabytes sent per worker,
+    each of ``others``', each fraction's; then, per automatic freeze and fraction over the seeds, the one
+    against the other, and each of ``others`` against the default."""
     names = [fraction_variant(f)[0] for f in fractions]
     labels = [f"{100 * f:g}%" for f in fractions]
+    beside = "".join(f"{o.description}, " for o in others)
+    last = (f"The last columns: {' and '.join(o.label for o in others)} against the default, and the fraction "
+            if others else "The last column: the fraction ")
     lines = heading("Loss against bytes: the automatic freeze and freezes picked by hand", command)
     lines += [
         "1-bit LAMB with every default (`--auto-freeze`, the study's 75% cap; it waits for the median layer's "
-        "trust ratio to stop rising), the same with `--trust-peak-layers unclipped` (that median over the "
-        "layers whose ratio LAMB did not clip in the window), and frozen by hand at fractions of the steps, "
+        f"trust ratio to stop rising), {beside}and frozen by hand at fractions of the steps, "
         "at the same seeds. Each cell: the freeze step, held-out loss at the end, megabytes sent per worker "
-        "over the run; a fraction's cell ends with the default's loss against it. The last columns: "
-        "unclipped against the default, and the fraction with the lowest loss at that seed.",
+        "over the run; a fraction's cell ends with the default's loss against it. "
+        f"{last}with the lowest loss at that seed.",
         "",
-        "| preset | seed | automatic (default) | automatic, unclipped | " + " | ".join(labels)
-        + " | unclipped vs default | best fraction |",
-        "|---|---:|---|---|" + "---|" * len(labels) + "---:|---|",
+        "| preset | seed | automatic (default) | " + "".join(f"automatic, {o.label} | " for o in others)
+        + " | ".join(labels) + "".join(f" | {o.label} vs default" for o in others) + " | best fraction |",
+        "|---|---:|---|" + "---|" * len(others) + "---|" * len(labels) + "---:|" * len(others) + "---|",
     ]
     for preset, seed in seeds:
-        auto, unclipped = (results.get((preset, v, seed)) for v, _ in AUTOMATIC)
+        auto = results.get((preset, DEFAULT.variant, seed))
+        other_runs = [results.get((preset, o.variant, seed)) for o in others]
         cells, best = [], None
         for label, name in zip(labels, names):
             run = results.get((preset, name, seed))
             cells.append(_cell(run) + (f"; {_against(auto, run)}" if _finite(auto) and _finite(run) else ""))
             if _finite(run) and (best is None or run["final_eval_loss"] < best[1]):
                 best = (label, run["final_eval_loss"])
-        lines.append(f"| {preset} | {seed} | {_cell(auto)} | {_cell(unclipped)} | " + " | ".join(cells)
-                     + f" | {_against(unclipped, auto) if _finite(unclipped) and _finite(auto) else '-'} "
-                     f"| {best[0] if best else '-'} |")
+        lines.append(f"| {preset} | {seed} | {_cell(auto)} | " + "".join(f"{_cell(r)} | " for r in other_runs)
+                     + " | ".join(cells)
+                     + "".join(f" | {_against(r, auto) if _finite(r) and _finite(auto) else '-'}" for r in other_runs)
+                     + f" | {best[0] if best else '-'} |")
     lines.append("")
     for preset in dict.fromkeys(p for p, _ in seeds):
-        lines += _summary(results, preset, [s for p, s in seeds if p == preset], labels, names)
+        lines += _summary(results, preset, [s for p, s in seeds if p == preset], labels, names, others)
     return "\n".join(lines) + "\n"
 
 
@@ -143,26 +170,27 @@ def _comparison(results: Results, preset: str, seeds: Sequence[int], variant: st
 
 
 def _summary(results: Results, preset: str, seeds: Sequence[int], labels: Sequence[str],
-             names: Sequence[str]) -> List[str]:
-    """Where each automatic freeze came; each against each fraction, and the unclipped one against the
+             names: Sequence[str], others: Sequence[Automatic]) -> List[str]:
+    """Where each automatic freeze came; each against each fraction, and each of ``others`` against the
     default; then each against the best fraction at each seed, which only hindsight picks."""
     lines: List[str] = []
     total = pretrain_config("onebitlamb", PRESETS[preset]).steps
-    for variant, name in AUTOMATIC:
+    automatic = [DEFAULT, *others]
+    for variant, name, *_ in automatic:
         steps = [r["freeze_step"] for s in seeds for r in [results.get((preset, variant, s))]
                  if _finite(r) and r["freeze_step"]]
         if steps:
             lines.append(f"- `{preset}`: {name} came at steps {min(steps)}-{max(steps)} of {total} (mean "
                          f"{statistics.fmean(steps):.0f}, {100 * statistics.fmean(steps) / total:.0f}% of the steps)")
-    pairs = [(variant, name, fraction, f"the {label}") for variant, name in AUTOMATIC
+    pairs = [(a.variant, a.name, fraction, f"the {label}") for a in automatic
              for label, fraction in zip(labels, names)]
-    pairs.append((AUTOMATIC[1][0], AUTOMATIC[1][1], AUTOMATIC[0][0], AUTOMATIC[0][1]))
+    pairs += [(o.variant, o.name, DEFAULT.variant, DEFAULT.name) for o in others]
     for variant, name, other, other_name in pairs:
         line = _comparison(results, preset, seeds, variant, other, name, other_name)
         if line:
             lines.append(line)
     if len(names) > 1:
-        for variant, name in AUTOMATIC:
+        for variant, name, *_ in automatic:
             best_gaps = []
             for s in seeds:
                 fixed = [results[(preset, n, s)]["final_eval_loss"] for n in names if _finite(results.get((preset, n, s)))]
@@ -174,16 +202,18 @@ def _summary(results: Results, preset: str, seeds: Sequence[int], labels: Sequen
     return lines
 
 
-def plot(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence[float], path: str) -> bool:
+def plot(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence[float], path: str,
+         others: Sequence[Automatic] = tuple(OTHERS[k] for k in DEFAULT_OTHERS)) -> bool:
     """Loss (against the median fraction's at the same seed) over megabytes sent: a line through each
-    seed's hand-picked freezes, the default automatic freeze as a star of the same colour, the unclipped
-    one as a triangle. False (and nothing written) when no seed has every one of these runs."""
+    seed's hand-picked freezes, the default automatic freeze as a star of the same colour, each of
+    ``others`` with its own marker. False (and nothing written) when no seed has every one of these runs."""
     from onebitlamb.train.plots import _plt
 
     names = [fraction_variant(f)[0] for f in fractions]
     reference = names[len(names) // 2]
+    automatic = [DEFAULT, *others]
     complete = [(p, s) for p, s in seeds
-                if all(_finite(results.get((p, n, s))) for n in names + [v for v, _ in AUTOMATIC])]
+                if all(_finite(results.get((p, n, s))) for n in names + [a.variant for a in automatic])]
     if not complete:
         return False
     plt = _plt()
@@ -197,15 +227,16 @@ def plot(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence
 
         fixed = [point(results[(preset, n, seed)]) for n in names]
         ax.plot(*zip(*fixed), "o-", color=colour, label=f"{preset} seed {seed}")
-        for (variant, _), marker in zip(AUTOMATIC, ("*", "^")):
-            ax.plot(*point(results[(preset, variant, seed)]), marker, color=colour, markersize=12)
+        for a in automatic:
+            ax.plot(*point(results[(preset, a.variant, seed)]), a.marker, color=colour, markersize=12)
         if k == len(complete) - 1:
             for fraction, xy in zip(fractions, fixed):
                 ax.annotate(f"{100 * fraction:g}%", xy, textcoords="offset points", xytext=(4, 6), fontsize=8)
     ax.axhline(0.0, color="grey", linewidth=0.5)
     ax.set_xlabel("megabytes sent per worker over the run")
     ax.set_ylabel(f"held-out loss against the {100 * fractions[len(names) // 2]:g}% freeze (%)")
-    ax.set_title("1-bit LAMB: hand-picked freezes (dots), automatic (star), unclipped (triangle)", fontsize=10)
+    shown = ", ".join(f"{'automatic' if a is DEFAULT else a.label} ({_MARKER_NAMES[a.marker]})" for a in automatic)
+    ax.set_title(f"1-bit LAMB: hand-picked freezes (dots), {shown}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -226,6 +257,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"presets and seeds (default: {' '.join(DEFAULT_RUNS)})")
     parser.add_argument("--fractions", default=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS),
                         help="the hand-picked freezes, as fractions of the steps (default: %(default)s)")
+    parser.add_argument("--automatic", nargs="*", choices=sorted(OTHERS), default=list(DEFAULT_OTHERS),
+                        help="the automatic freezes to set beside the default one (default: %(default)s; "
+                             "none: the default alone)")
     parser.add_argument("--plot", default=DEFAULT_PLOT,
                         help="where to draw loss against bytes (default: docs/freeze_tradeoff.png in the repository)")
     add_run_arguments(parser, "run folders (shared with the study; reused)", "freeze trade-off")
@@ -235,16 +269,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         fractions = parse_fractions(args.fractions)
     except ValueError as exc:
         parser.error(str(exc))
+    others = [OTHERS[k] for k in dict.fromkeys(args.automatic)]
     # seed by seed, so that a stopped benchmark leaves whole seeds behind
     rows = [row_at_seed(preset, variant, optimizer, flags, seed) for preset, seed in seeds
-            for variant, optimizer, flags in [(v, *VARIANTS[v]) for v, _ in AUTOMATIC]
+            for variant, optimizer, flags in [(a.variant, *VARIANTS[a.variant]) for a in [DEFAULT, *others]]
             + [fraction_variant(f) for f in fractions]]
     if args.list:
         print_plan(rows, args.out)
         return 0
     results = run_rows(rows, args.out)
-    body = render(results, seeds, fractions, command_line(argv))
-    if plot(results, seeds, fractions, args.plot):
+    body = render(results, seeds, fractions, command_line(argv), others)
+    if plot(results, seeds, fractions, args.plot, others):
         body += f"\nPlot: `{_shown(args.plot)}`.\n"
     print(body)
     write_section(args.section, body, args.results)

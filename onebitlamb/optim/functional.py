@@ -215,11 +215,18 @@ def freeze_due(step: int, spread: Optional[float], peak: float, floor: int, cap:
     return settled(spread, tolerance) or transient_passed(spread, peak, transient, end)
 
 
-def trust_rise(history: torch.Tensor, count: int) -> Optional[float]:
-    """How far the median layer's trust ratio rose over the window: the median over the layers of
-    the last row minus the first (rows: each warm-up step's per-layer ``log`` of the trust ratio's
-    running average; log scale, so 0.1 is about 10%). None until the window is full or while no
-    layer has a finite level throughout it.
+def trust_rise(history: torch.Tensor, count: int, measure: str = "median_rise") -> Optional[float]:
+    """How far the layers' trust ratios rose over the window (rows: each warm-up step's per-layer
+    ``log`` of the trust ratio's running average; log scale, so 0.1 is about 10%), over the layers
+    with a finite level throughout it. ``measure="median_rise"``: the median over the layers of
+    each one's rise (the last row minus the first), which is at most 0 once half the layers have
+    stopped rising. ``"median_level"``: how far the median of the levels rose (the median of the
+    last row minus that of the first), which is at most 0 once the median trust ratio, the one a
+    freeze keeps for the typical layer, has stopped rising. They differ in a lull: on the main
+    job (``demo`` seed 1238, steps 111-120) half the layers stood still or fell a little while
+    the others rose, and the median of the rises sat within 0.005 of 0 while the median level
+    still rose by 0.09-0.16 a window. None until the window is full or while no layer has a
+    finite level throughout it.
 
     Why it can hold a freeze back (``OneBitLamb(freeze_after_trust_peak=True)``): stage 2 keeps the
     trust ratio of the freeze, and on the main job's ``b1024`` LAMB's own trust ratios keep rising
@@ -235,7 +242,10 @@ def trust_rise(history: torch.Tensor, count: int) -> Optional[float]:
     finite = torch.isfinite(history).all(dim=0)
     if not bool(finite.any()):
         return None
-    return float((history[-1, finite] - history[0, finite]).median())
+    first, last = history[0, finite], history[-1, finite]
+    if measure == "median_level":
+        return float(last.median() - first.median())
+    return float((last - first).median())
 
 
 def trust_peak_passed(rise: Optional[float]) -> bool:

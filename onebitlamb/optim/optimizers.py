@@ -13,6 +13,8 @@ from onebitlamb.optim.staged import StagedOptimizer, validate_common
 COMPRESSION_SPACES = ("momentum", "update")
 # which layers' trust ratios the wait for their peak reads (StagedOptimizer._record_warmup)
 TRUST_PEAK_LAYERS = ("all", "unclipped")
+# how it judges that they have stopped rising (functional.trust_rise)
+TRUST_PEAK_MEASURES = ("median_rise", "median_level")
 
 
 def _is_int(value) -> bool:
@@ -122,6 +124,7 @@ class OneBitLamb(StagedOptimizer):
                  freeze_tolerance: float = 0.3, freeze_transient: Optional[float] = 5.0,
                  freeze_transient_end: Optional[float] = 2.5, unfreeze_rise: Optional[float] = None,
                  freeze_after_trust_peak: Optional[bool] = None, trust_peak_layers: str = "all",
+                 trust_peak_measure: str = "median_rise",
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
         onebit = _onebit_options(type(self).__name__, freeze_step, min_freeze_step, max_freeze_step,
                                  freeze_window, freeze_tolerance, freeze_transient, freeze_transient_end,
@@ -135,6 +138,9 @@ class OneBitLamb(StagedOptimizer):
             freeze_after_trust_peak = freeze_step == "auto"
         if trust_peak_layers not in TRUST_PEAK_LAYERS:
             raise ValueError(f"Invalid trust_peak_layers: {trust_peak_layers!r} (one of {', '.join(TRUST_PEAK_LAYERS)})")
+        if trust_peak_measure not in TRUST_PEAK_MEASURES:
+            raise ValueError(f"Invalid trust_peak_measure: {trust_peak_measure!r} "
+                             f"(one of {', '.join(TRUST_PEAK_MEASURES)})")
         validate_common(lr, betas, eps, weight_decay)
         _validate_lamb(min_coeff, max_coeff)
         if not 0.0 <= coeff_beta < 1.0:
@@ -148,7 +154,7 @@ class OneBitLamb(StagedOptimizer):
                         bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
                         coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
                         factor_threshold=factor_threshold, freeze_after_trust_peak=freeze_after_trust_peak,
-                        trust_peak_layers=trust_peak_layers,
+                        trust_peak_layers=trust_peak_layers, trust_peak_measure=trust_peak_measure,
                         **onebit)
         super().__init__(params, defaults, freeze_step=freeze_step, process_group=process_group)
 

@@ -224,14 +224,16 @@ class StagedOptimizer(Optimizer):
     @property
     def trust_rise(self) -> Optional[float]:
         """With ``freeze_after_trust_peak``, if the last step ran the warm-up (the freeze's own step
-        included): how far (log scale) the median layer's trust ratio (its running average, the one
-        stage 2 would keep) rose over the last ``freeze_window`` steps. Once the variance criterion
+        included): how far (log scale) the layers' trust ratios (their running averages, the ones
+        stage 2 would keep) rose over the last ``freeze_window`` steps, as ``trust_peak_measure``
+        judges it (``functional.trust_rise``). Once the variance criterion
         has held, the window restarts from that step and the freeze waits for this to be at most 0,
         so the earliest freeze is ``freeze_window`` steps later. None otherwise, and until a window
         is in."""
         if not self._waiting_for_trust_peak() or not self._auto_freeze_watching():
             return None
-        return F.trust_rise(self._flat["trust_history"], self._flat["trust_history_count"])
+        return F.trust_rise(self._flat["trust_history"], self._flat["trust_history_count"],
+                             self._trust_peak_measure())
 
     @property
     def freeze_ready_step(self) -> Optional[int]:
@@ -244,6 +246,9 @@ class StagedOptimizer(Optimizer):
 
     def _waiting_for_trust_peak(self) -> bool:
         return self.freeze_step == "auto" and bool(self.defaults.get("freeze_after_trust_peak"))
+
+    def _trust_peak_measure(self) -> str:
+        return self.defaults.get("trust_peak_measure", "median_rise")  # only OneBitLamb has the option
 
     def _watching_rise(self) -> bool:
         return self.freeze_step == "auto" and self.defaults.get("unfreeze_rise") is not None
@@ -393,7 +398,8 @@ class StagedOptimizer(Optimizer):
         if flat["step"] >= d["max_freeze_step"]:
             return True
         return (flat["freeze_ready_at"] is not None
-                and F.trust_peak_passed(F.trust_rise(flat["trust_history"], flat["trust_history_count"])))
+                and F.trust_peak_passed(F.trust_rise(flat["trust_history"], flat["trust_history_count"],
+                                                          self._trust_peak_measure())))
 
     def _track_local_variance(self, grads: torch.Tensor) -> None:
         """Each layer's mean squared *local* gradient, averaged over the ranks (one all-reduce of

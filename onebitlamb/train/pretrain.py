@@ -36,7 +36,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from onebitlamb.optim.optimizers import TRUST_PEAK_LAYERS
+from onebitlamb.optim.optimizers import TRUST_PEAK_LAYERS, TRUST_PEAK_MEASURES
 from onebitlamb.train import data
 from onebitlamb.train.data import atomic_save
 from onebitlamb.train.model import ModelConfig, build_model, mlm_loss
@@ -62,7 +62,7 @@ DEFAULTS = dict(
     freeze_transient_end=2.5, unfreeze_rise=0.0,
     # with auto_freeze, 1-bit LAMB waits for its trust ratios' peak (docs/convergence.md, "Freezing
     # after the trust ratios' peak"); without it there is no automatic freeze to delay
-    freeze_after_trust_peak=True, trust_peak_layers="all",
+    freeze_after_trust_peak=True, trust_peak_layers="all", trust_peak_measure="median_rise",
     compression_space="momentum", update_guard=0.0,
 )
 PRESETS = {
@@ -122,6 +122,7 @@ class TrainConfig:
     unfreeze_rise: float
     freeze_after_trust_peak: bool
     trust_peak_layers: str
+    trust_peak_measure: str
     compression_space: str
     update_guard: float
     cache_dir: str = ""
@@ -214,6 +215,10 @@ def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True
     g.add_argument("--trust-peak-layers", choices=TRUST_PEAK_LAYERS, default=None,
                    help="with --freeze-after-trust-peak: the layers whose median trust ratio it reads (default "
                         "all; unclipped: leave out a layer whose ratio LAMB clipped at a step of the window)")
+    g.add_argument("--trust-peak-measure", choices=TRUST_PEAK_MEASURES, default=None,
+                   help="with --freeze-after-trust-peak: when the trust ratios have stopped rising (default "
+                        "median_rise: the median of the layers' rises over the window is at most 0; "
+                        "median_level: the median of the layers' ratios is no higher than a window before)")
 
 
 def config_from_args(args: argparse.Namespace, optimizer: Optional[str] = None, out: Optional[str] = None) -> TrainConfig:
@@ -495,7 +500,8 @@ def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
         onebit.update(freeze_step=cfg.freeze_step)
     if cfg.optimizer == "onebitlamb":
         return onebitlamb.OneBitLamb(groups, **common, **onebit, freeze_after_trust_peak=cfg.freeze_after_trust_peak,
-                                     trust_peak_layers=cfg.trust_peak_layers)
+                                     trust_peak_layers=cfg.trust_peak_layers,
+                                     trust_peak_measure=cfg.trust_peak_measure)
     return onebitlamb.OneBitAdam(groups, **common, **onebit)
 
 
@@ -661,10 +667,11 @@ def check_resumable(cfg: TrainConfig, saved: Optional[dict] = None) -> None:
 # Settings only the 1-bit optimizers read, and of those, the ones only the automatic freeze reads
 ONEBIT_SETTINGS = {"freeze_frac", "compression_space", "update_guard"}
 AUTO_FREEZE_SETTINGS = {"min_freeze_frac", "freeze_window", "freeze_tolerance", "freeze_transient",
-                        "freeze_transient_end", "unfreeze_rise", "freeze_after_trust_peak", "trust_peak_layers"}
+                        "freeze_transient_end", "unfreeze_rise", "freeze_after_trust_peak", "trust_peak_layers",
+                        "trust_peak_measure"}
 # Settings added after runs were saved, and the value those runs had in effect
 ADDED_SETTINGS = {"freeze_transient_end": 0.0, "unfreeze_rise": 0.0, "freeze_after_trust_peak": False,
-                  "trust_peak_layers": "all"}
+                  "trust_peak_layers": "all", "trust_peak_measure": "median_rise"}
 
 
 def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
@@ -677,9 +684,9 @@ def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
     elif not cfg.auto_freeze:
         ignored |= AUTO_FREEZE_SETTINGS
     elif cfg.optimizer == "onebitadam":
-        ignored |= {"freeze_after_trust_peak", "trust_peak_layers"}  # no trust ratio to wait for
+        ignored |= {"freeze_after_trust_peak", "trust_peak_layers", "trust_peak_measure"}  # no trust ratio
     elif not cfg.freeze_after_trust_peak:
-        ignored.add("trust_peak_layers")  # read only by the wait
+        ignored |= {"trust_peak_layers", "trust_peak_measure"}  # read only by the wait
     now = dataclasses.asdict(cfg)
     saved = {**ADDED_SETTINGS, **saved}
     return {k: (saved.get(k), v) for k, v in now.items() if k not in ignored and saved.get(k) != v}
