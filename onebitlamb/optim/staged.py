@@ -226,10 +226,9 @@ class StagedOptimizer(Optimizer):
         """With ``freeze_after_trust_peak``, if the last step ran the warm-up (the freeze's own step
         included): how far (log scale) the layers' trust ratios (their running averages, the ones
         stage 2 would keep) rose over the last ``freeze_window`` steps, as ``trust_peak_measure``
-        judges it (``functional.trust_rise``). Once the variance criterion
-        has held, the window restarts from that step and the freeze waits for this to be at most 0,
-        so the earliest freeze is ``freeze_window`` steps later. None otherwise, and until a window
-        is in."""
+        judges it (``functional.trust_rise``). Once the variance criterion has held, the window
+        restarts from that step and the freeze waits for this to be at most 0, so the earliest
+        freeze is ``freeze_window`` steps later. None otherwise, and until a window is in."""
         if not self._waiting_for_trust_peak() or not self._auto_freeze_watching():
             return None
         return F.trust_rise(self._flat["trust_history"], self._flat["trust_history_count"],
