@@ -2,6 +2,7 @@
 
     python -m onebitlamb.benchmarks.freeze_tradeoff        # demo at seeds 1238-1242, 20 runs (~2 h on 2 cores)
     python -m onebitlamb.benchmarks.freeze_tradeoff --runs demo:1238 --fractions 0.3,0.35,0.4
+    python -m onebitlamb.benchmarks.freeze_tradeoff --automatic median_level --fractions 0.3 --section NAME
     python -m onebitlamb.benchmarks.freeze_tradeoff --list # every run: finished, to run or from step N
 
 On ``demo`` the automatic freeze (every default: it waits for the trust ratios' peak) trails the
@@ -9,8 +10,10 @@ hand-picked 35% by about half a percent of held-out loss over nine seeds, and at
 froze earlier, sending fewer bytes (docs/convergence.md). A later freeze costs bytes (each warm-up
 step is a full fp32 all-reduce), so a comparison at one fraction mixes two things: how well the
 automatic freeze picks its step at each seed, and how many bytes it spends. This runs, at each seed,
-the automatic freeze, the same with ``--trust-peak-layers unclipped`` (the wait's median over the
-layers LAMB did not clip), and 1-bit LAMB frozen by hand at each of ``--fractions`` (by default 30%,
+the automatic freeze, the same with each of the wait's options named by ``--automatic`` (by default
+``unclipped``: ``--trust-peak-layers unclipped``, the wait's median over the layers LAMB did not
+clip; ``median_level``: ``--trust-peak-measure median_level``, the median of the layers' levels
+instead of the median of their rises), and 1-bit LAMB frozen by hand at each of ``--fractions`` (by default 30%,
 about the automatic freeze's mean step on ``demo``, and 35%), and sets each run's loss beside its
 bytes: against a fraction that sends about as much, the gap is the choice of step alone; against a
 later one, it is what the extra bytes buy. The runs share the convergence study's folders
