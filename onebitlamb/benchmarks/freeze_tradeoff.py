@@ -60,6 +60,7 @@ OTHERS = {
                               "layers' trust ratios to stop rising, not for the median of their rises)"),
 }
 DEFAULT_OTHERS = ("unclipped",)
+_DEFAULT_AUTOMATIC = tuple(OTHERS[k] for k in DEFAULT_OTHERS)
 _MARKER_NAMES = {"*": "star", "^": "triangle", "s": "square"}
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PLOT = str(REPO / "docs" / "freeze_tradeoff.png")
@@ -102,7 +103,7 @@ def _finite(run: Optional[dict]) -> bool:
 
 
 def render(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence[float], command: str,
-           others: Sequence[Automatic] = tuple(OTHERS[k] for k in DEFAULT_OTHERS)) -> str:
+           others: Sequence[Automatic] = _DEFAULT_AUTOMATIC) -> str:
     """One row per (preset, seed): the default automatic freeze's step, loss and megabytes sent per worker,
     each of ``others``', each fraction's; then, per automatic freeze and fraction over the seeds, the one
     against the other, and each of ``others`` against the default."""
@@ -179,11 +180,11 @@ def _summary(results: Results, preset: str, seeds: Sequence[int], labels: Sequen
     lines: List[str] = []
     total = pretrain_config("onebitlamb", PRESETS[preset]).steps
     automatic = [DEFAULT, *others]
-    for variant, name, *_ in automatic:
-        steps = [r["freeze_step"] for s in seeds for r in [results.get((preset, variant, s))]
+    for a in automatic:
+        steps = [r["freeze_step"] for s in seeds for r in [results.get((preset, a.variant, s))]
                  if _finite(r) and r["freeze_step"]]
         if steps:
-            lines.append(f"- `{preset}`: {name} came at steps {min(steps)}-{max(steps)} of {total} (mean "
+            lines.append(f"- `{preset}`: {a.name} came at steps {min(steps)}-{max(steps)} of {total} (mean "
                          f"{statistics.fmean(steps):.0f}, {100 * statistics.fmean(steps) / total:.0f}% of the steps)")
     pairs = [(a.variant, a.name, fraction, f"the {label}") for a in automatic
              for label, fraction in zip(labels, names)]
@@ -206,7 +207,7 @@ def _summary(results: Results, preset: str, seeds: Sequence[int], labels: Sequen
 
 
 def plot(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence[float], path: str,
-         others: Sequence[Automatic] = tuple(OTHERS[k] for k in DEFAULT_OTHERS)) -> bool:
+         others: Sequence[Automatic] = _DEFAULT_AUTOMATIC) -> bool:
     """Loss (against the median fraction's at the same seed) over megabytes sent: a line through each
     seed's hand-picked freezes, the default automatic freeze as a star of the same colour, each of
     ``others`` with its own marker. False (and nothing written) when no seed has every one of these runs."""

@@ -231,8 +231,7 @@ class StagedOptimizer(Optimizer):
         freeze is ``freeze_window`` steps later. None otherwise, and until a window is in."""
         if not self._waiting_for_trust_peak() or not self._auto_freeze_watching():
             return None
-        return F.trust_rise(self._flat["trust_history"], self._flat["trust_history_count"],
-                             self._trust_peak_measure())
+        return self._trust_rise_now()
 
     @property
     def freeze_ready_step(self) -> Optional[int]:
@@ -246,8 +245,10 @@ class StagedOptimizer(Optimizer):
     def _waiting_for_trust_peak(self) -> bool:
         return self.freeze_step == "auto" and bool(self.defaults.get("freeze_after_trust_peak"))
 
-    def _trust_peak_measure(self) -> str:
-        return self.defaults.get("trust_peak_measure", "median_rise")  # only OneBitLamb has the option
+    def _trust_rise_now(self) -> Optional[float]:
+        flat = self._flat  # trust_peak_measure: only OneBitLamb has the option
+        return F.trust_rise(flat["trust_history"], flat["trust_history_count"],
+                            self.defaults.get("trust_peak_measure", "median_rise"))
 
     def _watching_rise(self) -> bool:
         return self.freeze_step == "auto" and self.defaults.get("unfreeze_rise") is not None
@@ -397,8 +398,7 @@ class StagedOptimizer(Optimizer):
         if flat["step"] >= d["max_freeze_step"]:
             return True
         return (flat["freeze_ready_at"] is not None
-                and F.trust_peak_passed(F.trust_rise(flat["trust_history"], flat["trust_history_count"],
-                                                          self._trust_peak_measure())))
+                and F.trust_peak_passed(self._trust_rise_now()))
 
     def _track_local_variance(self, grads: torch.Tensor) -> None:
         """Each layer's mean squared *local* gradient, averaged over the ranks (one all-reduce of
