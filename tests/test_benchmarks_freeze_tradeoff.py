@@ -13,6 +13,7 @@ def _run(loss, megabytes, freeze):
 
 def test_parse_fractions():
     assert ft.parse_fractions("0.35,0.3,0.35") == [0.3, 0.35]
+    assert ft.parse_fractions("none") == []
     for bad in ("", "x", "0", "1", "0.3,1.2", "-0.1"):
         with pytest.raises(ValueError, match="invalid fractions"):
             ft.parse_fractions(bad)
@@ -152,3 +153,29 @@ def test_main_runs_the_chosen_automatic_freezes(monkeypatch, tmp_path):
                    "1bit-lamb_freeze_30pct_seed_1238"]
     with pytest.raises(SystemExit):
         ft.main(["--automatic", "mean", "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "B.md")])
+
+
+def test_without_fractions_the_automatic_freezes_stand_alone(monkeypatch, tmp_path):
+    """--fractions none: the default and the chosen automatic freezes, their comparison, no fraction's column
+    and no plot (it draws against a fraction). Seed 1: the median-level one 3.9 at 33 MB, the default 4.0 at
+    30 MB: -2.5%, 1.10x the bytes."""
+    results = {**_two_seeds(), ("demo", AUTO_TRUST_PEAK_LEVEL, 1): _run(3.9, 33, 170)}
+    text = ft.render(results, [("demo", 1)], [], "cmd", [ft.OTHERS["median_level"]])
+    assert "| preset | seed | automatic (default) | automatic, median level | median level vs default |\n" in text
+    assert "| demo | 1 | 150, 4.000, 30.0 MB | 170, 3.900, 33.0 MB | -2.5% |\n" in text
+    assert "The last column: median level against the default." in text
+    assert "fraction" not in text and "by hand at" not in text
+    assert ("- `demo`, the median-level one against the automatic freeze over 1 seed: -2.5%, no worse at 1; it sent "
+            "1.10x the bytes") in text
+    picture = tmp_path / "none.png"
+    assert not ft.plot(results, [("demo", 1)], [], str(picture), [ft.OTHERS["median_level"]])
+    assert not picture.exists()
+
+    ran = []
+    monkeypatch.setattr(convergence, "run_one", lambda out_dir, *_: ran.append(out_dir.split("/")[-1]) or
+                        _run(4.0, 30, 150))
+    assert ft.main(["--runs", "b1024:1235", "--fractions", "none", "--automatic", "median_level", "--out",
+                    str(tmp_path / "runs"), "--results", str(tmp_path / "B.md"), "--plot", str(picture)]) == 0
+    assert ran == ["1bit-lamb_auto_cap_75pct_transient_end_2.5_after_trust_peak_seed_1235",
+                   "1bit-lamb_auto_cap_75pct_transient_end_2.5_after_trust_peak_median_level_seed_1235"]
+    assert "Plot:" not in (tmp_path / "B.md").read_text() and not picture.exists()

@@ -3,6 +3,7 @@
     python -m onebitlamb.benchmarks.freeze_tradeoff        # demo at seeds 1238-1242, 20 runs (~2 h on 2 cores)
     python -m onebitlamb.benchmarks.freeze_tradeoff --runs demo:1238 --fractions 0.3,0.35,0.4
     python -m onebitlamb.benchmarks.freeze_tradeoff --automatic median_level --fractions 0.3 --section NAME
+    python -m onebitlamb.benchmarks.freeze_tradeoff --runs b1024:1234,1235 --automatic median_level --fractions none
     python -m onebitlamb.benchmarks.freeze_tradeoff --list # every run: finished, to run or from step N
 
 On ``demo`` the automatic freeze (every default: it waits for the trust ratios' peak) trails the
@@ -68,7 +69,10 @@ Results = Dict[Tuple[str, str, int], dict]  # (preset, variant, seed) -> the run
 
 
 def parse_fractions(text: str) -> List[float]:
-    """``"0.3,0.35"`` -> ``[0.3, 0.35]``: sorted, each strictly between 0 and 1."""
+    """``"0.3,0.35"`` -> ``[0.3, 0.35]``: sorted, each strictly between 0 and 1; ``"none"`` -> ``[]``
+    (the automatic freezes alone, where the hand-picked ones at the same seeds are already measured)."""
+    if text == "none":
+        return []
     try:
         values = [float(part) for part in text.split(",")]
     except ValueError:
@@ -110,19 +114,22 @@ def render(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequen
     names = [fraction_variant(f)[0] for f in fractions]
     labels = [f"{100 * f:g}%" for f in fractions]
     beside = "".join(f"{o.description}, " for o in others)
-    last = (f"The last columns: {' and '.join(o.label for o in others)} against the default, and the fraction "
-            if others else "The last column: the fraction ")
+    compared = [f"{' and '.join(o.label for o in others)} against the default"] if others else []
+    compared += ["the fraction with the lowest loss at that seed"] if fractions else []
+    last = (f"The last column{'s' if len(compared) > 1 else ''}: {', and '.join(compared)}." if compared else "")
+    by_hand = "and frozen by hand at fractions of the steps, " if fractions else ""
     lines = heading("Loss against bytes: the automatic freeze and freezes picked by hand", command)
     lines += [
         "1-bit LAMB with every default (`--auto-freeze`, the study's 75% cap; it waits for the median layer's "
-        f"trust ratio to stop rising), {beside}and frozen by hand at fractions of the steps, "
-        "at the same seeds. Each cell: the freeze step, held-out loss at the end, megabytes sent per worker "
-        "over the run; a fraction's cell ends with the default's loss against it. "
-        f"{last}with the lowest loss at that seed.",
+        f"trust ratio to stop rising), {beside}{by_hand}at the same seeds. Each cell: the freeze step, held-out "
+        "loss at the end, megabytes sent per worker over the run"
+        + ("; a fraction's cell ends with the default's loss against it." if fractions else ".")
+        + (f" {last}" if last else ""),
         "",
-        "| preset | seed | automatic (default) | " + "".join(f"automatic, {o.label} | " for o in others)
-        + " | ".join(labels) + "".join(f" | {o.label} vs default" for o in others) + " | best fraction |",
-        "|---|---:|---|" + "---|" * len(others) + "---|" * len(labels) + "---:|" * len(others) + "---|",
+        _table_row(["preset", "seed", "automatic (default)", *(f"automatic, {o.label}" for o in others), *labels,
+                    *(f"{o.label} vs default" for o in others), *(["best fraction"] if fractions else [])]),
+        "|---|---:|---|" + "---|" * len(others) + "---|" * len(labels) + "---:|" * len(others)
+        + ("---|" if fractions else ""),
     ]
     for preset, seed in seeds:
         auto = results.get((preset, DEFAULT.variant, seed))
@@ -133,14 +140,17 @@ def render(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequen
             cells.append(_cell(run) + (f"; {_against(auto, run)}" if _finite(auto) and _finite(run) else ""))
             if _finite(run) and (best is None or run["final_eval_loss"] < best[1]):
                 best = (label, run["final_eval_loss"])
-        lines.append(f"| {preset} | {seed} | {_cell(auto)} | " + "".join(f"{_cell(r)} | " for r in other_runs)
-                     + " | ".join(cells)
-                     + "".join(f" | {_against(r, auto) if _finite(r) and _finite(auto) else '-'}" for r in other_runs)
-                     + f" | {best[0] if best else '-'} |")
+        lines.append(_table_row([preset, str(seed), _cell(auto), *(_cell(r) for r in other_runs), *cells,
+                                 *(_against(r, auto) if _finite(r) and _finite(auto) else "-" for r in other_runs),
+                                 *([best[0] if best else "-"] if fractions else [])]))
     lines.append("")
     for preset in dict.fromkeys(p for p, _ in seeds):
         lines += _summary(results, preset, [s for p, s in seeds if p == preset], labels, names, others)
     return "\n".join(lines) + "\n"
+
+
+def _table_row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
 def _against(run: dict, other: dict) -> str:
@@ -210,9 +220,12 @@ def plot(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence
          others: Sequence[Automatic] = _DEFAULT_AUTOMATIC) -> bool:
     """Loss (against the median fraction's at the same seed) over megabytes sent: a line through each
     seed's hand-picked freezes, the default automatic freeze as a star of the same colour, each of
-    ``others`` with its own marker. False (and nothing written) when no seed has every one of these runs."""
+    ``others`` with its own marker. False (and nothing written) when no seed has every one of these runs,
+    or there is no fraction to measure against."""
     from onebitlamb.train.plots import _plt
 
+    if not fractions:
+        return False
     names = [fraction_variant(f)[0] for f in fractions]
     reference = names[len(names) // 2]
     automatic = [DEFAULT, *others]
@@ -260,7 +273,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, metavar="PRESET:SEED,...",
                         help=f"presets and seeds (default: {' '.join(DEFAULT_RUNS)})")
     parser.add_argument("--fractions", default=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS),
-                        help="the hand-picked freezes, as fractions of the steps (default: %(default)s)")
+                        help="the hand-picked freezes, as fractions of the steps (default: %(default)s; none: "
+                             "the automatic freezes alone)")
     parser.add_argument("--automatic", nargs="*", choices=sorted(OTHERS), default=list(DEFAULT_OTHERS),
                         help="the automatic freezes to set beside the default one (default: %(default)s; "
                              "none: the default alone)")
