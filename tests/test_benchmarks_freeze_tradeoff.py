@@ -164,7 +164,8 @@ def test_without_fractions_the_automatic_freezes_stand_alone(monkeypatch, tmp_pa
     assert "| preset | seed | automatic (default) | automatic, median level | median level vs default |\n" in text
     assert "| demo | 1 | 150, 4.000, 30.0 MB | 170, 3.900, 33.0 MB | -2.5% |\n" in text
     assert "The last column: median level against the default." in text
-    assert "fraction" not in text and "by hand at" not in text
+    assert text.startswith("## Loss against bytes: the automatic freezes\n")
+    assert "fraction" not in text and "by hand" not in text
     assert ("- `demo`, the median-level one against the automatic freeze over 1 seed: -2.5%, no worse at 1; it sent "
             "1.10x the bytes") in text
     picture = tmp_path / "none.png"

@@ -118,7 +118,8 @@ def render(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequen
     compared += ["the fraction with the lowest loss at that seed"] if fractions else []
     last = (f"The last column{'s' if len(compared) > 1 else ''}: {', and '.join(compared)}." if compared else "")
     by_hand = "and frozen by hand at fractions of the steps, " if fractions else ""
-    lines = heading("Loss against bytes: the automatic freeze and freezes picked by hand", command)
+    title = "the automatic freeze and freezes picked by hand" if fractions else "the automatic freezes"
+    lines = heading(f"Loss against bytes: {title}", command)
     lines += [
         "1-bit LAMB with every default (`--auto-freeze`, the study's 75% cap; it waits for the median layer's "
         f"trust ratio to stop rising), {beside}{by_hand}at the same seeds. Each cell: the freeze step, held-out "
