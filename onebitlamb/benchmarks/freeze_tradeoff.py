@@ -223,10 +223,10 @@ def plot(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence
     seed's hand-picked freezes, the default automatic freeze as a star of the same colour, each of
     ``others`` with its own marker. False (and nothing written) when no seed has every one of these runs,
     or there is no fraction to measure against."""
-    from onebitlamb.train.plots import _plt
-
     if not fractions:
         return False
+    from onebitlamb.train.plots import _plt
+
     names = [fraction_variant(f)[0] for f in fractions]
     reference = names[len(names) // 2]
     automatic = [DEFAULT, *others]
