@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from onebitlamb.benchmarks.report import command_line, heading, write_section
+from onebitlamb.benchmarks.report import command_line, heading, table_row, write_section
 from onebitlamb.comm.launch import WorkerError
 
 # name -> flags over the demo preset
@@ -637,7 +637,7 @@ def render(results: List[dict], command: str) -> str:
         # more seeds of the seeded rows are the seed table's business; this one compares steps
         seeds = sorted({r.get("seed", DEFAULT_SEED) for r in results
                         if r["preset"] == preset and is_scan_result(r)})
-        lines += ["", "| preset | freeze | " + " | ".join(f"seed {s}" for s in seeds) + " | mean gap |",
+        lines += ["", table_row(["preset", "freeze", *(f"seed {s}" for s in seeds), "mean gap"]),
                   "|---|---|" + "---|" * len(seeds) + "---:|"]
         by_step: Dict[object, Dict[int, dict]] = {}
         for r in results:
@@ -661,9 +661,8 @@ def render(results: List[dict], command: str) -> str:
             runs = [(by_step[step][s], lamb.get((preset, s))) for s in seeds if s in by_step[step]]
             gaps = [100 * (r["loss"] / ref["loss"] - 1) for r, ref in runs if ref and r["loss"] == r["loss"]]
             mean_gap = f"{sum(gaps) / len(gaps):+.1f}%" if gaps and len(gaps) == len(seeds) else "-"
-            lines.append(f"| {preset} | {step if step in names else f'step {step}'} | "
-                         + " | ".join(cell(by_step[step].get(s), s, step in names) for s in seeds)
-                         + f" | {mean_gap} |")
+            lines.append(table_row([preset, step if step in names else f"step {step}",
+                                    *(cell(by_step[step].get(s), s, step in names) for s in seeds), mean_gap]))
     return "\n".join(lines)
 
 

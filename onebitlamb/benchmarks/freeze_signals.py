@@ -26,7 +26,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from onebitlamb.benchmarks.convergence import PRESETS, format_rate, pretrain_config, run_one
-from onebitlamb.benchmarks.report import command_line, heading, write_section
+from onebitlamb.benchmarks.report import command_line, heading, table_row, write_section
 from onebitlamb.optim import functional as F
 
 # (preset, seed) -> the cap of a warm-up whose freeze is held off: past the plateau exit of every
@@ -377,13 +377,12 @@ def render_ends(rows: List[dict]) -> str:
         "recorded before the freeze's own step was: `-`, the record ends first). The steps the runs took, with the default and with the rule before, check the "
         "replay.",
         "",
-        "| preset, seed | default's run | rule before's run | " + " | ".join(names) + " |",
+        table_row(["preset, seed", "default's run", "rule before's run", *names]),
         "|---|---:|---:|" + "---:|" * len(names),
     ]
     for r in rows:
         cells = ["-" if step is None else str(step) for step in r["steps"]]
-        lines.append(f"| {r['preset']}, {r['seed']} | {r['freeze']} | {r['before'] or '-'} | "
-                     + " | ".join(cells) + " |")
+        lines.append(table_row([f"{r['preset']}, {r['seed']}", r["freeze"], r["before"] or "-", *cells]))
     return "\n".join(lines) + "\n"
 
 

@@ -33,7 +33,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 from onebitlamb.benchmarks.convergence import (_AUTO_TRUST_PEAK, AUTO_TRUST_PEAK_LEVEL, AUTO_TRUST_PEAK_UNCLIPPED, PRESETS,
                                                VARIANTS, _loss, add_run_arguments, mean_and_margin, pretrain_config,
                                                print_plan, row_at_seed, run_rows)
-from onebitlamb.benchmarks.report import command_line, heading, write_section
+from onebitlamb.benchmarks.report import command_line, heading, table_row, write_section
 from onebitlamb.benchmarks.targets import _mean_text
 from onebitlamb.benchmarks.trust_peak import parse_runs
 
@@ -127,8 +127,8 @@ def render(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequen
         + ("; a fraction's cell ends with the default's loss against it." if fractions else ".")
         + (f" {last}" if last else ""),
         "",
-        _table_row(["preset", "seed", "automatic (default)", *(f"automatic, {o.label}" for o in others), *labels,
-                    *(f"{o.label} vs default" for o in others), *(["best fraction"] if fractions else [])]),
+        table_row(["preset", "seed", "automatic (default)", *(f"automatic, {o.label}" for o in others), *labels,
+                   *(f"{o.label} vs default" for o in others), *(["best fraction"] if fractions else [])]),
         "|---|---:|---|" + "---|" * len(others) + "---|" * len(labels) + "---:|" * len(others)
         + ("---|" if fractions else ""),
     ]
@@ -141,17 +141,13 @@ def render(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequen
             cells.append(_cell(run) + (f"; {_against(auto, run)}" if _finite(auto) and _finite(run) else ""))
             if _finite(run) and (best is None or run["final_eval_loss"] < best[1]):
                 best = (label, run["final_eval_loss"])
-        lines.append(_table_row([preset, str(seed), _cell(auto), *(_cell(r) for r in other_runs), *cells,
-                                 *(_against(r, auto) if _finite(r) and _finite(auto) else "-" for r in other_runs),
-                                 *([best[0] if best else "-"] if fractions else [])]))
+        lines.append(table_row([preset, seed, _cell(auto), *(_cell(r) for r in other_runs), *cells,
+                                *(_against(r, auto) if _finite(r) and _finite(auto) else "-" for r in other_runs),
+                                *([best[0] if best else "-"] if fractions else [])]))
     lines.append("")
     for preset in dict.fromkeys(p for p, _ in seeds):
         lines += _summary(results, preset, [s for p, s in seeds if p == preset], labels, names, others)
     return "\n".join(lines) + "\n"
-
-
-def _table_row(cells: Sequence[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
 
 
 def _against(run: dict, other: dict) -> str:

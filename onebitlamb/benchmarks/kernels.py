@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from onebitlamb.benchmarks.report import command_line, heading, write_section
+from onebitlamb.benchmarks.report import command_line, heading, table_row, write_section
 
 MB = 1 << 20
 FULL_SIZES = [1 * MB, 4 * MB, 16 * MB, 32 * MB, 64 * MB]
@@ -186,12 +186,12 @@ def _ratio_table(kernels: Dict[int, Dict[str, float]], bandwidth: bool = False) 
     """Markdown rows: each kernel's time as a multiple of the copy (and the copy's bandwidth)."""
     columns = ["elements", "copy (ms)"] + (["copy GB/s"] if bandwidth else []) + [
         "compress (x copy)", "decompress (x copy)", "whole, n=4 (x copy)", "of which server decode+add (x copy)"]
-    rows = ["| " + " | ".join(columns) + " |", "|" + "---:|" * len(columns)]
+    rows = [table_row(columns), "|" + "---:|" * len(columns)]
     for numel, t in kernels.items():
         c = t["copy"]
         cells = [_size_label(numel), f"{c * 1e3:.3f}"] + ([f"{8 * numel / c / 1e9:,.0f}"] if bandwidth else [])
         cells += [f"{t[k] / c:.2f}" for k in ("compress", "decompress", "whole", "server_accumulate")]
-        rows.append("| " + " | ".join(cells) + " |")
+        rows.append(table_row(cells))
     return rows
 
 

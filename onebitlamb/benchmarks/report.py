@@ -43,6 +43,11 @@ def heading(title: str, command: str, machine: str = "") -> List[str]:
     return [f"## {title}", "", f"Command: `{command}`  ", f"Machine: {machine_line()}{machine}", ""]
 
 
+def table_row(cells: Sequence[object]) -> str:
+    """One row of a markdown table."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def write_section(name: str, body: str, path: Optional[Path] = None) -> Path:
     path = Path(path) if path is not None else default_results_path()
     begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
