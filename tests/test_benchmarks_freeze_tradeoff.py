@@ -54,21 +54,21 @@ def test_render_rows_and_summary():
             "| 179, 3.960, 35.0 MB; +1.0% | 205, 3.980, 40.0 MB; +0.5% | -2.0% | 35% |") in text
     assert ("| demo | 2 | 120, 5.000, 25.0 MB | 175, 4.950, 34.0 MB | 154, 5.000, 31.0 MB; +0.0% "
             "| 179, 4.900, 35.0 MB; +2.0% | diverged | -1.0% | 35% |") in text
-    assert "- `demo`: the automatic freeze came at steps 120-150 of 512 (mean 135, 26% of the steps)" in text
+    assert "- `demo`: the automatic freeze with the 5% floor came at steps 120-150 of 512 (mean 135, 26% of the steps)" in text
     assert "- `demo`: the unclipped one came at steps 175-180 of 512 (mean 178, 35% of the steps)" in text
     # -2.44 and 0: mean -1.22, standard error 1.22, Student's t at 2 seeds 12.706: -1.22 ± 15.50;
     # bytes 30/31 and 25/31: 0.89x
-    assert ("- `demo`, the automatic freeze against the 30% over 2 seeds: mean -1.2% ± 1.2 (standard error; within "
+    assert ("- `demo`, the automatic freeze with the 5% floor against the 30% over 2 seeds: mean -1.2% ± 1.2 (standard error; within "
             "the seeds' spread), no worse at 2, at 95% between -16.7% and +14.3%; it sent 0.89x the bytes") in text
     # the diverged 40% at seed 2 leaves one seed: +0.5%, and 30/40 of the bytes
-    assert ("- `demo`, the automatic freeze against the 40% over 1 seed: +0.5%, no worse at 0; it sent 0.75x the "
+    assert ("- `demo`, the automatic freeze with the 5% floor against the 40% over 1 seed: +0.5%, no worse at 0; it sent 0.75x the "
             "bytes") in text
     # -2.0 and -1.0: mean -1.5, standard error 0.5, at 2 seeds -1.5 ± 6.35; bytes 36/30 and 34/25: 1.28x
-    assert ("- `demo`, the unclipped one against the automatic freeze over 2 seeds: mean -1.5% ± 0.5 (standard "
+    assert ("- `demo`, the unclipped one against the automatic freeze with the 5% floor over 2 seeds: mean -1.5% ± 0.5 (standard "
             "error; within the seeds' spread), no worse at 2, at 95% between -7.9% and +4.9%; it sent 1.28x the "
             "bytes") in text
     # the best of the three in hindsight only where all three ran: seed 1, against 3.96
-    assert "- `demo`, the automatic freeze against the best of the fractions at each seed (picked in hindsight) " \
+    assert "- `demo`, the automatic freeze with the 5% floor against the best of the fractions at each seed (picked in hindsight) " \
            "over 1 seed: +1.0%" in text
     assert "- `demo`, the unclipped one against the best of the fractions at each seed (picked in hindsight) " \
            "over 1 seed: -1.0%" in text
@@ -79,7 +79,7 @@ def test_render_marks_a_missing_automatic_freeze():
     del results[("demo", _AUTO_TRUST_PEAK, 2)]
     text = ft.render(results, [("demo", 2)], [0.3, 0.35], "cmd")
     assert "| demo | 2 | not run | 175, 4.950, 34.0 MB | 154, 5.000, 31.0 MB | 179, 4.900, 35.0 MB | - | 35% |" in text
-    assert "the automatic freeze against" not in text and "against the automatic freeze" not in text
+    assert "with the 5% floor against" not in text and "against the automatic freeze" not in text
 
 
 def test_main_runs_seed_by_seed_and_writes_its_section_and_plot(monkeypatch, tmp_path):
@@ -126,12 +126,12 @@ def test_render_sets_the_chosen_automatic_freezes_beside_the_default():
     Seed 1: the median-level one 3.9 at 33 MB against the default's 4.0 at 30 MB: -2.5%, 1.10x the bytes."""
     results = {**_two_seeds(), ("demo", AUTO_TRUST_PEAK_LEVEL, 1): _run(3.9, 33, 170)}
     text = ft.render(results, [("demo", 1)], [0.3, 0.35], "cmd", [ft.OTHERS["median_level"]])
-    assert ("| preset | seed | automatic (default) | automatic, median level | 30% | 35% | median level vs default "
+    assert ("| preset | seed | automatic, 5% floor | automatic, median level | 30% | 35% | median level vs 5% floor "
             "| best fraction |") in text
     assert ("| demo | 1 | 150, 4.000, 30.0 MB | 170, 3.900, 33.0 MB | 154, 4.100, 31.0 MB; -2.4% "
             "| 179, 3.960, 35.0 MB; +1.0% | -2.5% | 35% |") in text
     assert "--trust-peak-measure median_level" in text and "unclipped" not in text
-    assert ("- `demo`, the median-level one against the automatic freeze over 1 seed: -2.5%, no worse at 1; it sent "
+    assert ("- `demo`, the median-level one against the automatic freeze with the 5% floor over 1 seed: -2.5%, no worse at 1; it sent "
             "1.10x the bytes") in text
     # 3.9 against the 30%'s 4.1: -4.9%; against the better fraction (the 35%'s 3.96): -1.5%
     assert "- `demo`, the median-level one against the 30% over 1 seed: -4.9%" in text
@@ -161,12 +161,12 @@ def test_without_fractions_the_automatic_freezes_stand_alone(monkeypatch, tmp_pa
     30 MB: -2.5%, 1.10x the bytes."""
     results = {**_two_seeds(), ("demo", AUTO_TRUST_PEAK_LEVEL, 1): _run(3.9, 33, 170)}
     text = ft.render(results, [("demo", 1)], [], "cmd", [ft.OTHERS["median_level"]])
-    assert "| preset | seed | automatic (default) | automatic, median level | median level vs default |\n" in text
+    assert "| preset | seed | automatic, 5% floor | automatic, median level | median level vs 5% floor |\n" in text
     assert "| demo | 1 | 150, 4.000, 30.0 MB | 170, 3.900, 33.0 MB | -2.5% |\n" in text
-    assert "The last column: median level against the default." in text
+    assert "The last column: median level against the 5% floor." in text
     assert text.startswith("## Loss against bytes: the automatic freezes\n")
     assert "fraction" not in text and "by hand" not in text
-    assert ("- `demo`, the median-level one against the automatic freeze over 1 seed: -2.5%, no worse at 1; it sent "
+    assert ("- `demo`, the median-level one against the automatic freeze with the 5% floor over 1 seed: -2.5%, no worse at 1; it sent "
             "1.10x the bytes") in text
     picture = tmp_path / "none.png"
     assert not ft.plot(results, [("demo", 1)], [], str(picture), [ft.OTHERS["median_level"]])

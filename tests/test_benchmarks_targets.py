@@ -42,7 +42,8 @@ def test_the_runs_are_rows_of_the_study_on_every_preset():
         assert row.seed == 1234
     assert {row.preset for row in tg.runs()} == set(DEFAULT_PLAN)
     assert convergence.command(tg.runs()[1]).endswith("--global-batch 512 --steps 128 --eval-every 16 --auto-freeze "
-                                             "--freeze-frac 0.75 --freeze-transient-end 2.5 --freeze-after-trust-peak")
+                                             "--freeze-frac 0.75 --freeze-transient-end 2.5 --freeze-after-trust-peak "
+                                             "--min-freeze-frac 0.3")
 
 
 def test_more_seeds_are_the_studys_seeded_rows_after_every_preset_at_the_first():
@@ -124,16 +125,16 @@ def test_main_runs_each_check_once_in_the_study_folders_and_writes_its_section(m
     results = tmp_path / "B.md"
     assert tg.main(["--out", str(tmp_path / "runs"), "--results", str(results)]) == 0
     assert len(ran) == len(tg.runs()) == 12
-    assert ran[1] == (str(tmp_path / "runs" / "b512" / "1bit-lamb_auto_cap_75pct_transient_end_2.5_after_trust_peak"),
+    assert ran[1] == (str(tmp_path / "runs" / "b512" / "1bit-lamb_auto_cap_75pct_transient_end_2.5_after_trust_peak_floor_30pct"),
                       "onebitlamb", ["--global-batch", "512", "--steps", "128", "--eval-every", "16", "--auto-freeze",
                                      "--freeze-frac", "0.75", "--freeze-transient-end", "2.5",
-                                     "--freeze-after-trust-peak"])
+                                     "--freeze-after-trust-peak", "--min-freeze-frac", "0.3"])
     text = results.read_text()
     assert "<!-- begin targets -->" in text and "defaults: met: within on 4 of 4 presets" in text
     ran.clear()
     assert tg.main(["--seeds", "b4096:2", "--out", str(tmp_path / "runs"), "--results", str(results)]) == 0
     assert len(ran) == 16 and ran[13][0] == str(tmp_path / "runs" / "b4096" /
-                                                "1bit-lamb_auto_cap_75pct_transient_end_2.5_after_trust_peak_seed_1235")
+                                                "1bit-lamb_auto_cap_75pct_transient_end_2.5_after_trust_peak_floor_30pct_seed_1235")
     assert "`b4096` at 2 seeds" in results.read_text()
 
 

@@ -713,7 +713,7 @@ def test_trust_rise_by_hand():
     assert trust_rise(history, count=2, measure="median_level") == pytest.approx(0.5)  # 1.5 against 1.0
 
 
-def _rising_trust_run(after_trust_peak, steps=120, resume_at=None):
+def _rising_trust_run(after_trust_peak, steps=120, resume_at=None, min_freeze_step=5):
     """A small regression net whose trust ratios rise for a while after its variance has settled
     (its weights grow, its Adam direction does not). Returns the optimizer, the step-by-step
     trust ratios (layer_diagnostics) and trust_rise."""
@@ -721,8 +721,8 @@ def _rising_trust_run(after_trust_peak, steps=120, resume_at=None):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     x = torch.randn(256, 8)
     y = (x @ torch.randn(8, 1)).tanh()
-    options = dict(lr=1e-2, freeze_step="auto", min_freeze_step=5, max_freeze_step=100, freeze_window=10,
-                   freeze_tolerance=1.0)
+    options = dict(lr=1e-2, freeze_step="auto", min_freeze_step=min_freeze_step, max_freeze_step=100,
+                   freeze_window=10, freeze_tolerance=1.0)
     if after_trust_peak is not None:  # None: the default
         options["freeze_after_trust_peak"] = after_trust_peak
     opt = onebitlamb.OneBitLamb(model.parameters(), **options)
@@ -765,6 +765,26 @@ def test_freeze_after_trust_peak_waits_until_the_median_trust_ratio_stops_rising
     assert rises[frozen_at - 1] <= 0                           # the freeze's own step decided it
     resumed, _, _ = _rising_trust_run(True, resume_at=ready + 2)  # a checkpoint taken while it waited
     assert resumed.state["flat"]["frozen_at"] == frozen_at
+
+
+def test_with_the_wait_the_floor_bounds_the_freeze_not_the_criterion():
+    """min_freeze_step above the step the wait ends at freezes at the floor, with the criterion and
+    the wait judged from the start as without it (a floor on the criterion would restart the
+    wait's window there and freeze a window or more later); one at or below it changes nothing."""
+    plain, _, _ = _rising_trust_run(True)
+    ready, frozen_at = plain.freeze_ready_step, plain.state["flat"]["frozen_at"]
+    assert plain.trust_peak_step == frozen_at and ready > 5
+    at_the_freeze, _, _ = _rising_trust_run(True, min_freeze_step=frozen_at)
+    assert at_the_freeze.state["flat"]["frozen_at"] == frozen_at
+    after_ready = ready + 1  # as a floor on the criterion it would have moved the wait
+    assert _rising_trust_run(True, min_freeze_step=after_ready)[0].state["flat"]["frozen_at"] == frozen_at
+    floor = frozen_at + 7
+    floored, ratios, rises = _rising_trust_run(True, min_freeze_step=floor)
+    assert floored.state["flat"]["frozen_at"] == floor
+    assert (floored.freeze_ready_step, floored.trust_peak_step) == (ready, frozen_at)
+    assert any(r > 0 for r in rises[frozen_at:floor])  # the ratios rose again; the wait had ended
+    resumed, _, _ = _rising_trust_run(True, resume_at=frozen_at + 2, min_freeze_step=floor)
+    assert resumed.state["flat"]["frozen_at"] == floor  # the wait's end is part of the state
 
 
 def test_the_automatic_freeze_waits_for_the_trust_peak_by_default_and_a_fixed_freeze_has_none():

@@ -164,18 +164,19 @@ def test_changed_settings_ignores_only_what_the_run_does_not_read():
     assert changed(auto + ["--lr", "1e-2"], auto + ["--out", "b", "--no-progress"]) == {"lr"}
     # a run saved before a setting existed ran with the value that stands for the old behaviour (the
     # transient's end at half the peak), not with the new default
-    older = dataclasses.asdict(cfg(*auto))
+    early = auto + ["--min-freeze-frac", "0.05"]  # the floor before the one under the wait
+    older = dataclasses.asdict(cfg(*early))
     del older["freeze_transient_end"]
-    assert set(pretrain.changed_settings(cfg(*auto), older)) == {"freeze_transient_end"}
-    assert pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0"), older) == {}
+    assert set(pretrain.changed_settings(cfg(*early), older)) == {"freeze_transient_end"}
+    assert pretrain.changed_settings(cfg(*early, "--freeze-transient-end", "0"), older) == {}
     del older["unfreeze_rise"]  # a run from before the undone freeze: it had none
-    assert pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0"), older) == {}
-    assert set(pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0", "--unfreeze-rise", "4"),
+    assert pretrain.changed_settings(cfg(*early, "--freeze-transient-end", "0"), older) == {}
+    assert set(pretrain.changed_settings(cfg(*early, "--freeze-transient-end", "0", "--unfreeze-rise", "4"),
                                          older)) == {"unfreeze_rise"}
     del older["freeze_after_trust_peak"]  # a run from before the option waited for no trust peak
-    assert pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0", "--no-freeze-after-trust-peak"),
+    assert pretrain.changed_settings(cfg(*early, "--freeze-transient-end", "0", "--no-freeze-after-trust-peak"),
                                      older) == {}
-    assert set(pretrain.changed_settings(cfg(*auto, "--freeze-transient-end", "0"), older)) == {
+    assert set(pretrain.changed_settings(cfg(*early, "--freeze-transient-end", "0"), older)) == {
         "freeze_after_trust_peak"}  # now the default: that run is not this one
     fixed = ["--optimizer", "onebitlamb"]
     assert changed(fixed + ["--freeze-tolerance", "0.25"], fixed) == set()  # a fixed freeze never reads it
@@ -204,6 +205,14 @@ def test_changed_settings_ignores_only_what_the_run_does_not_read():
     lamb = ["--optimizer", "lamb"]
     assert changed(lamb + ["--freeze-frac", "0.2", "--update-guard", "4"], lamb) == set()  # LAMB never freezes
     assert changed(lamb + ["--seed", "7"], lamb) == {"seed"}
+    # the floor: 30% of the steps under 1-bit LAMB's wait, the early 5% where no wait reads it, so a
+    # run with the wait from before the floor moved is not this one, and 1-bit Adam's runs stay valid
+    no_wait = auto + ["--no-freeze-after-trust-peak"]
+    assert (cfg(*auto).min_freeze_frac, cfg(*no_wait).min_freeze_frac, cfg(*adam).min_freeze_frac) == (0.3, 0.05, 0.05)
+    assert changed(auto + ["--min-freeze-frac", "0.05"], auto) == {"min_freeze_frac"}
+    assert changed(no_wait + ["--min-freeze-frac", "0.05"], no_wait) == set()
+    assert changed(adam + ["--min-freeze-frac", "0.05"], adam) == set()
+    assert cfg(*auto, "--min-freeze-frac", "0.1").min_freeze_frac == 0.1
 
 
 def test_torchrun_launch_matches_local_launch(compared, tmp_path, corpus_dir):

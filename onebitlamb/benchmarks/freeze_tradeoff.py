@@ -6,15 +6,17 @@
     python -m onebitlamb.benchmarks.freeze_tradeoff --runs b1024:1234,1235 --automatic median_level --fractions none
     python -m onebitlamb.benchmarks.freeze_tradeoff --list # every run: finished, to run or from step N
 
-On ``demo`` the automatic freeze (every default: it waits for the trust ratios' peak) trails the
-hand-picked 35% by about half a percent of held-out loss over nine seeds, and at most of them it
-froze earlier, sending fewer bytes (docs/convergence.md). A later freeze costs bytes (each warm-up
+On ``demo`` the automatic freeze (it waits for the trust ratios' peak), with the early floor it had
+by default until the floor under the wait, trails the hand-picked 35% by about half a percent of
+held-out loss over nine seeds, and at most of them it froze earlier, sending fewer bytes
+(docs/convergence.md). A later freeze costs bytes (each warm-up
 step is a full fp32 all-reduce), so a comparison at one fraction mixes two things: how well the
 automatic freeze picks its step at each seed, and how many bytes it spends. This runs, at each seed,
-the automatic freeze, the same with each of the wait's options named by ``--automatic`` (by default
+that automatic freeze, the same with each of the options named by ``--automatic`` (by default
 ``unclipped``: ``--trust-peak-layers unclipped``, the wait's median over the layers LAMB did not
 clip; ``median_level``: ``--trust-peak-measure median_level``, the median of the layers' levels
-instead of the median of their rises), and 1-bit LAMB frozen by hand at each of ``--fractions`` (by default 30%,
+instead of the median of their rises; ``floor``: ``--min-freeze-frac 0.3``, never frozen before 30%
+of the steps, every default now), and 1-bit LAMB frozen by hand at each of ``--fractions`` (by default 30%,
 about the automatic freeze's mean step on ``demo``, and 35%), and sets each run's loss beside its
 bytes: against a fraction that sends about as much, the gap is the choice of step alone; against a
 later one, it is what the extra bytes buy. The runs share the convergence study's folders
@@ -30,7 +32,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from onebitlamb.benchmarks.convergence import (_AUTO_TRUST_PEAK, AUTO_TRUST_PEAK_LEVEL, AUTO_TRUST_PEAK_UNCLIPPED, PRESETS,
+from onebitlamb.benchmarks.convergence import (_AUTO_TRUST_PEAK, AUTO_FLOOR, AUTO_TRUST_PEAK_LEVEL, AUTO_TRUST_PEAK_UNCLIPPED,
+                                               PRESETS,
                                                VARIANTS, _loss, add_run_arguments, mean_and_margin, pretrain_config,
                                                print_plan, row_at_seed, run_rows)
 from onebitlamb.benchmarks.report import command_line, heading, table_row, write_section
@@ -50,9 +53,14 @@ class Automatic(NamedTuple):
     description: str  # in the section's opening paragraph
 
 
-DEFAULT = Automatic(_AUTO_TRUST_PEAK, "the automatic freeze", "default", "*", "")
-# the other automatic freezes that --automatic can set beside the default (its options for the wait)
+# the automatic freeze every table sets the others against: the default until the floor under the
+# wait (the tables before it call it "default"), whose runs they share with trust_peak's
+BASE = Automatic(_AUTO_TRUST_PEAK, "the automatic freeze with the 5% floor", "5% floor", "*", "")
+# the other automatic freezes that --automatic can set beside it (the wait's options, and the floor)
 OTHERS = {
+    "floor": Automatic(AUTO_FLOOR, "the automatic freeze with the 30% floor", "30% floor", "D",
+                       "the same never frozen before 30% of the steps (`--min-freeze-frac 0.3`, every default "
+                       "now)"),
     "unclipped": Automatic(AUTO_TRUST_PEAK_UNCLIPPED, "the unclipped one", "unclipped", "^",
                            "the same with `--trust-peak-layers unclipped` (that median over the layers whose "
                            "ratio LAMB did not clip in the window)"),
@@ -62,7 +70,7 @@ OTHERS = {
 }
 DEFAULT_OTHERS = ("unclipped",)
 _DEFAULT_AUTOMATIC = tuple(OTHERS[k] for k in DEFAULT_OTHERS)
-_MARKER_NAMES = {"*": "star", "^": "triangle", "s": "square"}
+_MARKER_NAMES = {"*": "star", "^": "triangle", "s": "square", "D": "diamond"}
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PLOT = str(REPO / "docs" / "freeze_tradeoff.png")
 Results = Dict[Tuple[str, str, int], dict]  # (preset, variant, seed) -> the run's metrics
@@ -108,32 +116,34 @@ def _finite(run: Optional[dict]) -> bool:
 
 def render(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence[float], command: str,
            others: Sequence[Automatic] = _DEFAULT_AUTOMATIC) -> str:
-    """One row per (preset, seed): the default automatic freeze's step, loss and megabytes sent per worker,
+    """One row per (preset, seed): the base automatic freeze's step, loss and megabytes sent per worker,
     each of ``others``', each fraction's; then, per automatic freeze and fraction over the seeds, the one
-    against the other, and each of ``others`` against the default."""
+    against the other, and each of ``others`` against the base one (``BASE``)."""
     names = [fraction_variant(f)[0] for f in fractions]
     labels = [f"{100 * f:g}%" for f in fractions]
     beside = "".join(f"{o.description}, " for o in others)
-    compared = [f"{' and '.join(o.label for o in others)} against the default"] if others else []
+    compared = [f"{' and '.join(o.label for o in others)} against the {BASE.label}"] if others else []
     compared += ["the fraction with the lowest loss at that seed"] if fractions else []
     last = (f"The last column{'s' if len(compared) > 1 else ''}: {', and '.join(compared)}." if compared else "")
     by_hand = "and frozen by hand at fractions of the steps, " if fractions else ""
     title = "the automatic freeze and freezes picked by hand" if fractions else "the automatic freezes"
     lines = heading(f"Loss against bytes: {title}", command)
     lines += [
-        "1-bit LAMB with every default (`--auto-freeze`, the study's 75% cap; it waits for the median layer's "
-        f"trust ratio to stop rising), {beside}{by_hand}at the same seeds. Each cell: the freeze step, held-out "
-        "loss at the end, megabytes sent per worker over the run"
-        + ("; a fraction's cell ends with the default's loss against it." if fractions else ".")
+        "1-bit LAMB's automatic freeze (`--auto-freeze`, the study's 75% cap; it waits for the median layer's "
+        "trust ratio to stop rising) with the floor it had by default before the floor under the wait "
+        f"(`--min-freeze-frac 0.05`, the {BASE.label}), {beside}{by_hand}at the same seeds. Each cell: the "
+        "freeze step, held-out loss at the end, megabytes sent per worker over the run"
+        + (f"; a fraction's cell ends with the {BASE.label}'s loss against it." if fractions else ".")
         + (f" {last}" if last else ""),
         "",
-        table_row(["preset", "seed", "automatic (default)", *(f"automatic, {o.label}" for o in others), *labels,
-                   *(f"{o.label} vs default" for o in others), *(["best fraction"] if fractions else [])]),
+        table_row(["preset", "seed", f"automatic, {BASE.label}", *(f"automatic, {o.label}" for o in others),
+                   *labels, *(f"{o.label} vs {BASE.label}" for o in others),
+                   *(["best fraction"] if fractions else [])]),
         "|---|---:|---|" + "---|" * len(others) + "---|" * len(labels) + "---:|" * len(others)
         + ("---|" if fractions else ""),
     ]
     for preset, seed in seeds:
-        auto = results.get((preset, DEFAULT.variant, seed))
+        auto = results.get((preset, BASE.variant, seed))
         other_runs = [results.get((preset, o.variant, seed)) for o in others]
         cells, best = [], None
         for label, name in zip(labels, names):
@@ -183,10 +193,10 @@ def _comparison(results: Results, preset: str, seeds: Sequence[int], variant: st
 def _summary(results: Results, preset: str, seeds: Sequence[int], labels: Sequence[str],
              names: Sequence[str], others: Sequence[Automatic]) -> List[str]:
     """Where each automatic freeze came; each against each fraction, and each of ``others`` against the
-    default; then each against the best fraction at each seed, which only hindsight picks."""
+    base one; then each against the best fraction at each seed, which only hindsight picks."""
     lines: List[str] = []
     total = pretrain_config("onebitlamb", PRESETS[preset]).steps
-    automatic = [DEFAULT, *others]
+    automatic = [BASE, *others]
     for a in automatic:
         steps = [r["freeze_step"] for s in seeds for r in [results.get((preset, a.variant, s))]
                  if _finite(r) and r["freeze_step"]]
@@ -195,7 +205,7 @@ def _summary(results: Results, preset: str, seeds: Sequence[int], labels: Sequen
                          f"{statistics.fmean(steps):.0f}, {100 * statistics.fmean(steps) / total:.0f}% of the steps)")
     pairs = [(a.variant, a.name, fraction, f"the {label}") for a in automatic
              for label, fraction in zip(labels, names)]
-    pairs += [(o.variant, o.name, DEFAULT.variant, DEFAULT.name) for o in others]
+    pairs += [(o.variant, o.name, BASE.variant, BASE.name) for o in others]
     for variant, name, other, other_name in pairs:
         line = _comparison(results, preset, seeds, variant, other, name, other_name)
         if line:
@@ -216,7 +226,7 @@ def _summary(results: Results, preset: str, seeds: Sequence[int], labels: Sequen
 def plot(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence[float], path: str,
          others: Sequence[Automatic] = _DEFAULT_AUTOMATIC) -> bool:
     """Loss (against the median fraction's at the same seed) over megabytes sent: a line through each
-    seed's hand-picked freezes, the default automatic freeze as a star of the same colour, each of
+    seed's hand-picked freezes, the base automatic freeze as a star of the same colour, each of
     ``others`` with its own marker. False (and nothing written) when no seed has every one of these runs,
     or there is no fraction to measure against."""
     if not fractions:
@@ -225,7 +235,7 @@ def plot(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence
 
     names = [fraction_variant(f)[0] for f in fractions]
     reference = names[len(names) // 2]
-    automatic = [DEFAULT, *others]
+    automatic = [BASE, *others]
     complete = [(p, s) for p, s in seeds
                 if all(_finite(results.get((p, n, s))) for n in names + [a.variant for a in automatic])]
     if not complete:
@@ -249,7 +259,7 @@ def plot(results: Results, seeds: Sequence[Tuple[str, int]], fractions: Sequence
     ax.axhline(0.0, color="grey", linewidth=0.5)
     ax.set_xlabel("megabytes sent per worker over the run")
     ax.set_ylabel(f"held-out loss against the {100 * fractions[len(names) // 2]:g}% freeze (%)")
-    shown = ", ".join(f"{'automatic' if a is DEFAULT else a.label} ({_MARKER_NAMES[a.marker]})" for a in automatic)
+    shown = ", ".join(f"{a.label} ({_MARKER_NAMES[a.marker]})" for a in automatic)
     ax.set_title(f"1-bit LAMB: hand-picked freezes (dots), {shown}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -273,8 +283,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="the hand-picked freezes, as fractions of the steps (default: %(default)s; none: "
                              "the automatic freezes alone)")
     parser.add_argument("--automatic", nargs="*", choices=sorted(OTHERS), default=list(DEFAULT_OTHERS),
-                        help="the automatic freezes to set beside the default one (default: %(default)s; "
-                             "none: the default alone)")
+                        help="the automatic freezes to set beside the one with the 5%% floor (default: "
+                             "%(default)s; none: that one alone)")
     parser.add_argument("--plot", default=DEFAULT_PLOT,
                         help="where to draw loss against bytes (default: docs/freeze_tradeoff.png in the repository)")
     add_run_arguments(parser, "run folders (shared with the study; reused)", "freeze trade-off")
@@ -287,7 +297,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     others = [OTHERS[k] for k in dict.fromkeys(args.automatic)]
     # seed by seed, so that a stopped benchmark leaves whole seeds behind
     rows = [row_at_seed(preset, variant, optimizer, flags, seed) for preset, seed in seeds
-            for variant, optimizer, flags in [(a.variant, *VARIANTS[a.variant]) for a in [DEFAULT, *others]]
+            for variant, optimizer, flags in [(a.variant, *VARIANTS[a.variant]) for a in [BASE, *others]]
             + [fraction_variant(f) for f in fractions]]
     if args.list:
         print_plan(rows, args.out)

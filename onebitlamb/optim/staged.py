@@ -140,6 +140,7 @@ class StagedOptimizer(Optimizer):
             flat["trust_history"] = torch.zeros(self.defaults["freeze_window"] + 1, L, **f32)
             flat["trust_history_count"] = 0
             flat["freeze_ready_at"] = None  # the step at whose end the variance criterion first held
+            flat["trust_peak_at"] = None  # the step at whose end the trust ratios had then stopped rising
         if self._watching_rise():
             flat["local_variance"] = torch.zeros(L, **f32)
             # the local levels of the freeze's step and the frozen steps since, the last window of them
@@ -241,6 +242,15 @@ class StagedOptimizer(Optimizer):
         if not self._waiting_for_trust_peak() or "flat" not in self.state:
             return None
         return self._flat["freeze_ready_at"]
+
+    @property
+    def trust_peak_step(self) -> Optional[int]:
+        """With ``freeze_after_trust_peak``: the step at whose end the wait ended (the trust ratios
+        had stopped rising since ``freeze_ready_step``). The freeze comes there, or at
+        ``min_freeze_step`` when that is later. None before (and after an undone freeze)."""
+        if not self._waiting_for_trust_peak() or "flat" not in self.state:
+            return None
+        return self._flat.get("trust_peak_at")
 
     def _waiting_for_trust_peak(self) -> bool:
         return self.freeze_step == "auto" and bool(self.defaults.get("freeze_after_trust_peak"))
@@ -382,10 +392,16 @@ class StagedOptimizer(Optimizer):
         if self.freeze_step != "auto":
             return flat["step"] == self.freeze_step
         d = self.defaults
+        waiting = self._waiting_for_trust_peak()
+        # With the wait the floor bounds the freeze, not the criterion: the criterion and the wait
+        # are watched from the start, so a floor below the step they call for changes nothing (on
+        # b1024 the wait ends after 30% of the steps at every seed measured), and one above it
+        # freezes at the floor (docs/convergence.md, "A floor under the wait")
         due = F.freeze_due(flat["step"], F.window_spread(flat["freeze_history"], flat["freeze_history_count"]),
-                           flat.get("freeze_spread_peak", 0.0), d["min_freeze_step"], d["max_freeze_step"],
-                           d["freeze_tolerance"], d["freeze_transient"], d["freeze_transient_end"])
-        if not self._waiting_for_trust_peak():
+                           flat.get("freeze_spread_peak", 0.0), 1 if waiting else d["min_freeze_step"],
+                           d["max_freeze_step"], d["freeze_tolerance"], d["freeze_transient"],
+                           d["freeze_transient_end"])
+        if not waiting:
             return due
         if due and flat["freeze_ready_at"] is None:
             # kept: the spread may move above the tolerance again while the trust ratios still rise
@@ -397,8 +413,10 @@ class StagedOptimizer(Optimizer):
             flat["trust_history_count"] = 1
         if flat["step"] >= d["max_freeze_step"]:
             return True
-        return (flat["freeze_ready_at"] is not None
-                and F.trust_peak_passed(self._trust_rise_now()))
+        if (flat["freeze_ready_at"] is not None and flat.get("trust_peak_at") is None
+                and F.trust_peak_passed(self._trust_rise_now())):
+            flat["trust_peak_at"] = flat["step"]  # kept: the ratios may rise again before the floor
+        return flat.get("trust_peak_at") is not None and flat["step"] >= d["min_freeze_step"]
 
     def _track_local_variance(self, grads: torch.Tensor) -> None:
         """Each layer's mean squared *local* gradient, averaged over the ranks (one all-reduce of
@@ -456,6 +474,7 @@ class StagedOptimizer(Optimizer):
         if self._waiting_for_trust_peak():
             flat["trust_history_count"] = 0
             flat["freeze_ready_at"] = None
+            flat["trust_peak_at"] = None
         flat["unfrozen_at"].append(flat["step"])
         self._scratch = {}  # the caches derived from the frozen variance
 

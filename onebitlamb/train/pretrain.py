@@ -57,7 +57,9 @@ DEFAULTS = dict(
     weight_decay=0.01, clip=1.0, beta1=0.9, beta2=0.999, eps=1e-6, mask_prob=0.15,
     eval_every=32, eval_samples=512, ckpt_every=64,
     # 1-bit optimizers: freeze_frac is the freeze, or with auto_freeze the latest it may happen
-    auto_freeze=False, min_freeze_frac=0.05, freeze_window=20, freeze_tolerance=0.3, freeze_transient=5.0,
+    # min_freeze_frac None: 0.3 under 1-bit LAMB's wait for the trust peak (docs/convergence.md, "A
+    # floor under the wait"), 0.05 elsewhere, the floor the criterion alone and 1-bit Adam were measured with
+    auto_freeze=False, min_freeze_frac=None, freeze_window=20, freeze_tolerance=0.3, freeze_transient=5.0,
     # half the transient threshold, not half the spread's peak (docs/convergence.md, "A spike on the plateau")
     freeze_transient_end=2.5, unfreeze_rise=0.0,
     # with auto_freeze, 1-bit LAMB waits for its trust ratios' peak (docs/convergence.md, "Freezing
@@ -187,7 +189,8 @@ def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True
                  clip="max norm of each worker's local gradient, 0 = off",
                  freeze_frac="1-bit optimizers: fraction of the steps in the warm-up stage (with "
                              "--auto-freeze: the latest the freeze may happen)",
-                 min_freeze_frac="with --auto-freeze: the earliest the freeze may happen",
+                 min_freeze_frac="with --auto-freeze: the earliest the freeze may happen (default 0.3 for "
+                                 "1-bit LAMB with --freeze-after-trust-peak, 0.05 otherwise; at most --freeze-frac)",
                  freeze_window="with --auto-freeze: steps over which the warm-up must have settled",
                  freeze_tolerance="with --auto-freeze: how far (log scale) every layer's variance may move "
                                   "over the window to count as settled",
@@ -231,6 +234,9 @@ def config_from_args(args: argparse.Namespace, optimizer: Optional[str] = None, 
         values["optimizer"] = optimizer
     if not values["auto_freeze"] and getattr(args, "freeze_after_trust_peak", None) is None:
         values["freeze_after_trust_peak"] = False  # on by default only where there is a freeze to delay
+    if values["min_freeze_frac"] is None:
+        waits = values["optimizer"] == "onebitlamb" and values["auto_freeze"] and values["freeze_after_trust_peak"]
+        values["min_freeze_frac"] = 0.3 if waits else 0.05
     lr_lamb, lr_adam = values.pop("lr_lamb"), values.pop("lr_adam")
     if values["lr"] is None:
         values["lr"] = lr_adam if values["optimizer"] == "onebitadam" else lr_lamb
@@ -360,13 +366,14 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
     # state of the run: what the metrics file reports, saved in every checkpoint
     history = {"eval": [], "train_loss": [], "bytes": [], "stage": [], "lr": [], "diagnostics": [],
                "freeze_spread": [], "freeze_levels": [], "variance_rise": [], "trust_rise": [],
-               "freeze_ready_step": None, "train_time_s": 0.0, "wall_time_s": 0.0}
+               "freeze_ready_step": None, "trust_peak_step": None, "train_time_s": 0.0, "wall_time_s": 0.0}
     start_step = 0
     if cfg.resume:
         start_step, history = load_checkpoint(cfg, rank, world, model, optimizer, scheduler, history, device)
         for key in ("freeze_levels", "variance_rise", "trust_rise"):  # a checkpoint from before they were recorded
             history.setdefault(key, [None] * start_step)
         history.setdefault("freeze_ready_step", None)
+        history.setdefault("trust_peak_step", None)
     elif master:
         _fresh_out_dir(cfg)
     if master:
@@ -427,6 +434,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
         history["trust_rise"].append(getattr(optimizer, "trust_rise", None))  # the wait for the trust peak (1-bit LAMB)
         if getattr(optimizer, "freeze_ready_step", None) is not None:
             history["freeze_ready_step"] = optimizer.freeze_ready_step
+        if getattr(optimizer, "trust_peak_step", None) is not None:
+            history["trust_peak_step"] = optimizer.trust_peak_step
         history["lr"].append(scheduler.get_last_lr()[0])
         if diagnose:
             history["diagnostics"].append(layer_report(step + 1, stage, names, before, optimizer))
@@ -753,9 +762,11 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
         "variance_rise": ({"layers": list(names), "per_step": history["variance_rise"]}
                            if any(row is not None for row in history["variance_rise"]) else None),
         # the wait for the trust peak: per warm-up step, the median layer's trust-ratio rise over the
-        # window; and the step the variance criterion first held, from which the freeze waited
+        # window; the step the variance criterion first held, from which the freeze waited; and the
+        # step the wait ended (the freeze came there, or at the floor when that was later)
         "trust_rise": history["trust_rise"] if any(v is not None for v in history["trust_rise"]) else None,
         "freeze_ready_step": history["freeze_ready_step"],
+        "trust_peak_step": history["trust_peak_step"],
         "stage": history["stage"],
         "lr": history["lr"],
         "diagnostics": history["diagnostics"],
