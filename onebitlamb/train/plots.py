@@ -185,6 +185,9 @@ def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
     if ready:
         ax_spread.axvline(ready, color="tab:green", ls="--", lw=1.2, label=f"criterion held (step {ready})")
     freeze = metrics.get("freeze_step")
+    waited = metrics.get("trust_peak_step")
+    if waited and waited != freeze:  # the freeze came later, at the floor
+        ax_spread.axvline(waited, color="tab:green", ls="-.", lw=1.2, label=f"the wait ended (step {waited})")
     if freeze:
         for ax in (ax_levels, ax_spread):
             ax.axvline(freeze, color="tab:orange", ls=":", lw=1.5, label=f"freeze (step {freeze})")
