@@ -32,10 +32,9 @@ import sys
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from onebitlamb.benchmarks.convergence import (_AUTO_TRUST_PEAK, AUTO_FLOOR, AUTO_TRUST_PEAK_LEVEL, AUTO_TRUST_PEAK_UNCLIPPED,
-                                               PRESETS,
-                                               VARIANTS, _loss, add_run_arguments, mean_and_margin, pretrain_config,
-                                               print_plan, row_at_seed, run_rows)
+from onebitlamb.benchmarks.convergence import (_AUTO_TRUST_PEAK, AUTO_FLOOR, AUTO_TRUST_PEAK_LEVEL,
+                                               AUTO_TRUST_PEAK_UNCLIPPED, PRESETS, VARIANTS, _loss, add_run_arguments,
+                                               mean_and_margin, pretrain_config, print_plan, row_at_seed, run_rows)
 from onebitlamb.benchmarks.report import command_line, heading, table_row, write_section
 from onebitlamb.benchmarks.targets import _mean_text
 from onebitlamb.benchmarks.trust_peak import parse_runs
