@@ -180,3 +180,18 @@ def test_without_fractions_the_automatic_freezes_stand_alone(monkeypatch, tmp_pa
     assert ran == ["1bit-lamb_auto_cap_75pct_transient_end_2.5_after_trust_peak_seed_1235",
                    "1bit-lamb_auto_cap_75pct_transient_end_2.5_after_trust_peak_median_level_seed_1235"]
     assert "Plot:" not in (tmp_path / "B.md").read_text() and not picture.exists()
+
+
+def test_the_floor_is_every_default_and_the_base_is_the_default_before_it():
+    """The 30% floor's row is the main job's 1-bit LAMB with --auto-freeze and nothing else changed
+    (the study's cap aside); the base row differs from it in the floor alone, so its saved runs
+    stay the default before the floor."""
+    import dataclasses
+
+    from onebitlamb.train.pretrain import changed_settings
+
+    every_default = pretrain_config("onebitlamb", ["--auto-freeze", "--freeze-frac", "0.75"])
+    floor, base = (pretrain_config(*convergence.VARIANTS[v]) for v in (ft.OTHERS["floor"].variant, ft.BASE.variant))
+    assert ft.OTHERS["floor"].variant == convergence.DEFAULT_AUTO
+    assert changed_settings(every_default, dataclasses.asdict(floor)) == {}
+    assert changed_settings(floor, dataclasses.asdict(base)) == {"min_freeze_frac": (0.05, 0.3)}

@@ -4,6 +4,7 @@
     python -m onebitlamb.benchmarks.freeze_tradeoff --runs demo:1238 --fractions 0.3,0.35,0.4
     python -m onebitlamb.benchmarks.freeze_tradeoff --automatic median_level --fractions 0.3 --section NAME
     python -m onebitlamb.benchmarks.freeze_tradeoff --runs b1024:1234,1235 --automatic median_level --fractions none
+    python -m onebitlamb.benchmarks.freeze_tradeoff --runs demo:1235,1236 --automatic floor --section NAME
     python -m onebitlamb.benchmarks.freeze_tradeoff --list # every run: finished, to run or from step N
 
 On ``demo`` the automatic freeze (it waits for the trust ratios' peak), with the early floor it had
