@@ -134,7 +134,7 @@ def test_the_automatic_freeze_waits_for_the_trust_peak_by_default_and_records_th
     assert recorded == [s for s in range(3, freeze + 1) if not ready <= s < ready + 2], (recorded, ready)
     waited = m["trust_peak_step"]  # the step the wait ended; None when the cap came first
     assert all(r > 0 for r in rise[ready + 1:(waited or freeze) - 1])  # it waited only while the trust ratios rose
-    assert waited is None and freeze == 12 or rise[waited - 1] <= 0
+    assert freeze == 12 if waited is None else rise[waited - 1] <= 0  # the cap, or the wait's own step decided
     # never before the floor under the wait, 30% of the steps by default: at the wait's end or at the floor
     assert waited is None or freeze == max(waited, round(0.3 * 16)), (waited, freeze)
     assert (tmp_path / "freeze.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # with the rise on its own scale
