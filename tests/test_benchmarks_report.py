@@ -1,5 +1,5 @@
 """The shared results file: each benchmark rewrites its own section and nobody else's."""
-from onebitlamb.benchmarks.report import HEADER, table_row, write_section
+from benchmarks.report import HEADER, table_row, write_section
 
 
 def test_a_new_file_gets_the_header_and_the_section(tmp_path):

@@ -1,14 +1,14 @@
 """How fast the 1-bit compression kernels are, measured against a memory copy; and what the
 compressed all-reduce saves against a plain fp32 all-reduce on local gloo ranks.
 
-    python -m onebitlamb.benchmarks.kernels [--quick] [--results PATH]
+    python -m benchmarks.kernels [--quick] [--results PATH]      # from the repository root
 
 Part 1, kernels, one thread (``torch.set_num_threads(1)``), fp32, best of several repeats. The
 yardstick is ``out.copy_(src)`` into a preallocated ``out`` (one read and one write of the
 buffer): every kernel here is memory bound, so its cost is best read as a multiple of a copy.
 
-- compress: ``collectives._compress_(error, buffer, packed, workspace)``, the worker's whole step 1 of
-  ALGORITHM.md (error add, scale, sign, error update, pack);
+- compress: ``collectives._compress_(error, buffer, packed, workspace)``, the worker's whole compression
+  step (error add, scale, sign, error update, pack);
 - decompress: ``unpack_signs(packed, numel, scale, out=out)`` into a preallocated ``out``;
 - whole compute of one rank for n = 4: everything ``compressed_allreduce`` computes, without the
   collectives, composed from the same internal functions in the same order: compress the buffer
@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from onebitlamb.benchmarks.report import command_line, heading, table_row, write_section
+from benchmarks.report import command_line, heading, table_row, write_section
 
 MB = 1 << 20
 FULL_SIZES = [1 * MB, 4 * MB, 16 * MB, 32 * MB, 64 * MB]
@@ -270,7 +270,7 @@ def render_cuda(kernels: Dict[int, Dict[str, float]], command: str, repeats: int
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
-    parser = argparse.ArgumentParser(prog="python -m onebitlamb.benchmarks.kernels", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, a smoke test")
     parser.add_argument("--results", type=Path, default=None,
@@ -283,7 +283,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     if argv is None:  # run from the command line
         command = command_line()
     else:             # called from Python
-        command = " ".join(["python -m onebitlamb.benchmarks.kernels", *map(shlex.quote, argv)])
+        command = " ".join(["python -m benchmarks.kernels", *map(shlex.quote, argv)])
 
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     repeats = 3 if args.quick else 9

@@ -1,6 +1,6 @@
 """Network benchmark: LAMB, 1-bit LAMB and 1-bit Adam pretraining a small BERT on emulated hosts.
 
-    sudo python -m onebitlamb.benchmarks.network            # default: 2 hosts, 10M..1G + unshaped
+    sudo .venv/bin/python -m benchmarks.network      # from the repository root; default: 2 hosts, 10M..1G + unshaped
 
 Every host is a network namespace on a bridge, every link shaped by a token bucket (see
 ``onebitlamb.netsim``). For each rate: step time in the warm-up and in the compression stage,
@@ -17,14 +17,14 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from onebitlamb.benchmarks.report import command_line, machine_line, write_section
+from benchmarks.report import command_line, machine_line, write_section
 from onebitlamb.netsim import cli, experiment
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m onebitlamb.benchmarks.network",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.network",
                                      description=__doc__.splitlines()[0])
     cli.add_arguments(parser)
     parser.add_argument("--plot", default=str(DOCS / "netsim_speedup.png"), help="PNG to write (default %(default)s)")

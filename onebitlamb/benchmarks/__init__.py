@@ -1,1 +1,0 @@
-"""Benchmark scripts. Each writes its own section of BENCHMARKS.md (see ``report``)."""
