@@ -1,0 +1,176 @@
+"""Convergence: 1-bit LAMB against LAMB, each with the main job's defaults.
+
+    python -m benchmarks.convergence                           # demo, seed 1234 (about a quarter of an hour on 2 cores)
+    python -m benchmarks.convergence --presets demo b1024 --seeds 3
+    python -m benchmarks.convergence --list                    # each run's state; runs nothing
+
+Run from the repository root. For every preset and seed, four runs of ``onebitlamb pretrain``
+(the rows of ROWS): LAMB, 1-bit LAMB with the automatic freeze, 1-bit LAMB frozen at a fixed 35%
+of the steps, and 1-bit Adam with the automatic freeze. Seeds count up from 1234, the main job's.
+
+Each run has its own folder, OUT/PRESET/SEED/ROW. A folder that holds metrics.json is a finished
+run and is reused as it is (move it away to run it again); one that holds a checkpoint is an
+interrupted run, continued with ``--resume``. The table goes to the "convergence" section of
+BENCHMARKS.md (or of ``--results``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from benchmarks.report import command_line, heading, table_row, write_section
+
+PRESETS = ("tiny", "demo", "b512", "b1024", "b4096", "large")
+FIRST_SEED = 1234
+TITLE = "Convergence: 1-bit LAMB against LAMB with the defaults"
+
+
+class Row(NamedTuple):
+    name: str          # the table's row
+    folder: str        # the run's folder under OUT/PRESET/SEED
+    flags: List[str]   # of `onebitlamb pretrain`, besides --preset, --seed and --out
+
+
+ROWS = [
+    Row("LAMB", "lamb", ["--optimizer", "lamb"]),
+    Row("1-bit LAMB, automatic freeze (default)", "onebitlamb-auto", ["--optimizer", "onebitlamb", "--freeze", "auto"]),
+    Row("1-bit LAMB, freeze at 35%", "onebitlamb-0.35", ["--optimizer", "onebitlamb", "--freeze", "0.35"]),
+    Row("1-bit Adam, automatic freeze (default)", "onebitadam-auto", ["--optimizer", "onebitadam", "--freeze", "auto"]),
+]
+
+Results = Dict[Tuple[str, int, str], dict]  # (preset, seed, row name) -> the run's metrics.json
+
+
+def run_folder(out: str, preset: str, seed: int, row: Row) -> str:
+    return os.path.join(out, preset, str(seed), row.folder)
+
+
+def pretrain_args(preset: str, seed: int, row: Row) -> List[str]:
+    """The arguments of ``onebitlamb pretrain`` for one run, without --out."""
+    return ["pretrain", "--preset", preset, "--seed", str(seed), *row.flags]
+
+
+def run_state(folder: str) -> str:
+    """"finished", "interrupted at step N" (a checkpoint, no metrics) or "to run"."""
+    if os.path.exists(os.path.join(folder, "metrics.json")):
+        return "finished"
+    pointer = os.path.join(folder, "checkpoint.json")
+    if os.path.exists(pointer):
+        with open(pointer) as f:
+            return f"interrupted at step {json.load(f).get('step', '?')}"
+    return "to run"
+
+
+def launch(command: List[str]) -> None:
+    """Runs one training as a child process, its output shown as it comes."""
+    subprocess.run(command, check=True)
+
+
+def run_one(folder: str, args: List[str]) -> dict:
+    """The metrics of one run: read when it finished before, else trained (resumed when interrupted)."""
+    state = run_state(folder)
+    if state != "finished":
+        command = [sys.executable, "-m", "onebitlamb", *args, "--out", folder, "--no-progress"]
+        if state != "to run":
+            command.append("--resume")
+        print(f"\n$ onebitlamb {shlex.join(command[3:])}", flush=True)
+        launch(command)
+        if run_state(folder) != "finished":
+            raise RuntimeError(f"{folder}: the run ended without metrics.json; the same command continues it")
+    with open(os.path.join(folder, "metrics.json")) as f:
+        return json.load(f)
+
+
+def _mean(values: Sequence[float], digits: int, unit: str = "") -> str:
+    """The mean (signed when it has a unit), with the standard deviation over the seeds when there are several."""
+    text = f"{statistics.mean(values):{'+' if unit else ''}.{digits}f}{unit}"
+    return text + (f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
+
+
+def preset_table(preset: str, seeds: Sequence[int], results: Results) -> List[str]:
+    """The table of one preset: one line per row, means over ``seeds``."""
+    lamb = [results[preset, s, ROWS[0].name] for s in seeds]
+    lamb_bytes = statistics.mean(m["bytes_sent_per_rank"] for m in lamb)
+    first = lamb[0]
+    lines = [
+        f"### {preset}: {first['steps']} steps, {first['samples']:,} samples, {first['world_size']} workers, "
+        f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}",
+        "",
+        table_row(["row", "seeds", "held-out loss", "gap to LAMB", "freeze step", "MB sent per worker",
+                   "LAMB's bytes / row's"]),
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in ROWS:
+        runs = [results[preset, s, row.name] for s in seeds]
+        gaps = [100 * (m["final_eval_loss"] / ref["final_eval_loss"] - 1) for m, ref in zip(runs, lamb)]
+        steps = [m["freeze_step"] for m in runs]
+        sent = statistics.mean(m["bytes_sent_per_rank"] for m in runs)
+        lines.append(table_row([
+            row.name, len(seeds), _mean([m["final_eval_loss"] for m in runs], 3),
+            "-" if row is ROWS[0] else _mean(gaps, 1, "%"),
+            "-" if steps[0] is None else (str(steps[0]) if len(set(steps)) == 1 else ", ".join(map(str, steps))),
+            f"{sent / 1e6:,.1f}", f"{lamb_bytes / sent:.2f}x"]))
+    return lines
+
+
+def render(presets: Sequence[str], seeds: Sequence[int], results: Results, command: str) -> str:
+    lines = [
+        *heading(TITLE, command),
+        "Each row is `onebitlamb pretrain --preset PRESET --seed SEED` with its flags, every other setting at "
+        "the main job's default:",
+        "",
+        *[f"- {row.name}: `{' '.join(row.flags)}`" for row in ROWS],
+        "",
+        "Held-out loss: the masked-language-model loss on the held-out samples at the end of the run, the mean "
+        "over the seeds (± their standard deviation when there are several). Gap to LAMB: the row's loss over "
+        "LAMB's at the same seed, minus 1, averaged over the seeds (lower is better). Freeze step: the step "
+        "1-bit compression began (one per seed when they differ). MB sent per worker: the whole run's bytes, "
+        "warm-up included, mean over the seeds.",
+    ]
+    for preset in presets:
+        lines += ["", *preset_table(preset, seeds, results)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.convergence", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", nargs="+", choices=PRESETS, default=["demo"], help="default: demo")
+    parser.add_argument("--seeds", type=int, default=1, help=f"how many seeds, from {FIRST_SEED} up (default 1)")
+    parser.add_argument("--out", default=os.path.join("runs", "convergence"),
+                        help="the runs' folder (default %(default)s)")
+    parser.add_argument("--results", default=None, help="markdown file to write the section into "
+                                                        "(default: the repository's BENCHMARKS.md)")
+    parser.add_argument("--list", action="store_true", help="print each run's state and run nothing")
+    args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
+    seeds = list(range(FIRST_SEED, FIRST_SEED + args.seeds))
+    runs = [(p, s, row) for p in args.presets for s in seeds for row in ROWS]
+    if args.list:
+        for preset, seed, row in runs:
+            folder = run_folder(args.out, preset, seed, row)
+            print(f"{folder:<50} {run_state(folder):<24} onebitlamb {shlex.join(pretrain_args(preset, seed, row))}")
+        return 0
+    results: Results = {}
+    for preset, seed, row in runs:
+        results[preset, seed, row.name] = run_one(run_folder(args.out, preset, seed, row),
+                                                  pretrain_args(preset, seed, row))
+    if argv is None:  # from the command line
+        command = command_line()
+    else:             # called from Python
+        command = " ".join(["python -m benchmarks.convergence", *map(shlex.quote, argv)])
+    body = render(args.presets, seeds, results, command)
+    print("\n" + body)
+    print(f"written to {write_section('convergence', body, args.results)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

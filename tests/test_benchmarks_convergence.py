@@ -1,0 +1,131 @@
+"""The convergence benchmark without training: its rows' commands, the reuse and resumption of runs,
+and the table it renders from metrics.json files written here by hand."""
+import json
+import sys
+
+import pytest
+
+from benchmarks import convergence
+from benchmarks.convergence import ROWS, main, pretrain_args, run_folder, run_one, run_state
+
+# (preset, seed, row folder) -> final_eval_loss, freeze_step, bytes_sent_per_rank
+METRICS = {
+    ("demo", 1234, "lamb"): (4.0, None, 1_000_000_000),
+    ("demo", 1235, "lamb"): (4.2, None, 1_000_000_000),
+    ("demo", 1234, "onebitlamb-auto"): (4.08, 180, 400_000_000),     # +2% against LAMB
+    ("demo", 1235, "onebitlamb-auto"): (4.242, 200, 300_000_000),    # +1%
+    ("demo", 1234, "onebitlamb-0.35"): (3.96, 210, 250_000_000),     # -1%
+    ("demo", 1235, "onebitlamb-0.35"): (4.2, 210, 250_000_000),      # 0%
+    ("demo", 1234, "onebitadam-auto"): (4.4, 30, 100_000_000),       # +10%
+    ("demo", 1235, "onebitadam-auto"): (4.62, 45, 120_000_000),      # +10%
+}
+
+
+def write_metrics(folder, loss, freeze_step, sent):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metrics.json").write_text(json.dumps(dict(
+        final_eval_loss=loss, freeze_step=freeze_step, bytes_sent_per_rank=sent,
+        steps=600, samples=76_800, world_size=4)))
+
+
+def write_all(out, seeds=(1234, 1235)):
+    for (preset, seed, name), values in METRICS.items():
+        if seed in seeds:
+            write_metrics(out / preset / str(seed) / name, *values)
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    def launch(command):
+        raise AssertionError(f"a run was started: {command}")
+    monkeypatch.setattr(convergence, "launch", launch)
+
+
+def section(path):
+    return path.read_text().split("<!-- begin convergence -->", 1)[1].split("<!-- end convergence -->", 1)[0]
+
+
+def test_each_row_is_the_main_job_with_its_flags():
+    assert [pretrain_args("b1024", 1235, row) for row in ROWS] == [
+        ["pretrain", "--preset", "b1024", "--seed", "1235", "--optimizer", "lamb"],
+        ["pretrain", "--preset", "b1024", "--seed", "1235", "--optimizer", "onebitlamb", "--freeze", "auto"],
+        ["pretrain", "--preset", "b1024", "--seed", "1235", "--optimizer", "onebitlamb", "--freeze", "0.35"],
+        ["pretrain", "--preset", "b1024", "--seed", "1235", "--optimizer", "onebitadam", "--freeze", "auto"],
+    ]
+    assert run_folder("runs/convergence", "b1024", 1235, ROWS[2]) == "runs/convergence/b1024/1235/onebitlamb-0.35"
+
+
+def test_the_table_from_finished_runs_without_training(tmp_path, no_training):
+    write_all(tmp_path / "runs")
+    results = tmp_path / "B.md"
+    results.write_text("# Benchmarks\n\n<!-- begin kernels -->\nkept\n<!-- end kernels -->\n")
+    assert main(["--seeds", "2", "--out", str(tmp_path / "runs"), "--results", str(results)]) == 0
+    text = section(results)
+    assert "<!-- begin kernels -->\nkept\n<!-- end kernels -->" in results.read_text()
+    assert f"## {convergence.TITLE}\n" in text
+    command = f"python -m benchmarks.convergence --seeds 2 --out {tmp_path / 'runs'} --results {results}"
+    assert f"Command: `{command}`" in text
+    assert "- 1-bit LAMB, freeze at 35%: `--optimizer onebitlamb --freeze 0.35`" in text
+    assert "### demo: 600 steps, 76,800 samples, 4 workers, seeds 1234, 1235\n" in text
+    # means over the two seeds, ± the standard deviation (|a - b| / sqrt 2 for two values); gaps per seed,
+    # then averaged; LAMB's 1,000 MB over the row's mean bytes
+    assert "| LAMB | 2 | 4.100 ± 0.141 | - | - | 1,000.0 | 1.00x |" in text
+    assert ("| 1-bit LAMB, automatic freeze (default) | 2 | 4.161 ± 0.115 | +1.5% ± 0.7 | 180, 200 | 350.0 | 2.86x |"
+            in text)
+    assert "| 1-bit LAMB, freeze at 35% | 2 | 4.080 ± 0.170 | -0.5% ± 0.7 | 210 | 250.0 | 4.00x |" in text
+    assert ("| 1-bit Adam, automatic freeze (default) | 2 | 4.510 ± 0.156 | +10.0% ± 0.0 | 30, 45 | 110.0 | 9.09x |"
+            in text)
+
+
+def test_the_default_seed_is_1234(tmp_path, no_training):
+    write_all(tmp_path / "runs", seeds=(1234,))
+    results = tmp_path / "B.md"
+    main(["--out", str(tmp_path / "runs"), "--results", str(results)])
+    text = section(results)
+    assert "### demo: 600 steps, 76,800 samples, 4 workers, seed 1234\n" in text
+    assert "±" not in text.split("### demo")[1]  # no spread over one seed
+    assert "| 1-bit LAMB, freeze at 35% | 1 | 3.960 | -1.0% | 210 | 250.0 | 4.00x |" in text
+
+
+def test_list_shows_each_runs_state_and_runs_nothing(tmp_path, no_training, capsys):
+    out = tmp_path / "runs"
+    write_metrics(out / "demo" / "1234" / "lamb", 4.0, None, 1)
+    (out / "demo" / "1234" / "onebitlamb-auto").mkdir(parents=True)
+    (out / "demo" / "1234" / "onebitlamb-auto" / "checkpoint.json").write_text(json.dumps({"step": 40}))
+    assert main(["--list", "--out", str(out), "--results", str(tmp_path / "B.md")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4
+    assert "finished" in lines[0] and "interrupted at step 40" in lines[1]
+    assert "to run" in lines[2] and "to run" in lines[3]
+    assert lines[3].endswith("onebitlamb pretrain --preset demo --seed 1234 --optimizer onebitadam --freeze auto")
+    assert not (tmp_path / "B.md").exists()
+
+
+def test_a_missing_run_is_trained_and_an_interrupted_one_resumed(tmp_path, monkeypatch):
+    started = []
+
+    def launch(command):  # stands in for the training: records the command, writes the metrics
+        started.append(command)
+        folder = command[command.index("--out") + 1]
+        write_metrics(tmp_path / folder, 4.5, 7, 10)
+
+    monkeypatch.setattr(convergence, "launch", launch)
+    monkeypatch.chdir(tmp_path)
+    args = pretrain_args("tiny", 1234, ROWS[1])
+    (tmp_path / "interrupted").mkdir()
+    (tmp_path / "interrupted" / "checkpoint.json").write_text(json.dumps({"step": 4}))
+
+    assert run_one("fresh", args)["final_eval_loss"] == 4.5
+    assert run_one("interrupted", args)["freeze_step"] == 7
+    assert started == [
+        [sys.executable, "-m", "onebitlamb", *args, "--out", "fresh", "--no-progress"],
+        [sys.executable, "-m", "onebitlamb", *args, "--out", "interrupted", "--no-progress", "--resume"],
+    ]
+    assert run_one("fresh", args)["final_eval_loss"] == 4.5 and len(started) == 2  # finished: reused
+
+
+def test_a_run_that_ends_without_metrics_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(convergence, "launch", lambda command: None)
+    with pytest.raises(RuntimeError, match="without metrics.json"):
+        run_one(str(tmp_path / "run"), pretrain_args("tiny", 1234, ROWS[0]))
+    assert run_state(str(tmp_path / "run")) == "to run"
