@@ -24,5 +24,9 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ""
 
+# The compression kernels against a memory copy, into BENCHMARKS.md (the other benchmarks: benchmarks/).
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.kernels
+
 clean:
 	rm -rf $(VENV) runs
