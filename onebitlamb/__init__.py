@@ -1,12 +1,13 @@
 """onebitlamb: 1-bit LAMB, 1-bit Adam and LAMB on plain torch.distributed.
 
-Public API: the optimizers ``Lamb``, ``OneBitLamb`` and ``OneBitAdam``; the collective
-``compressed_allreduce`` with ``padded_size``; ``CommStats`` for the bytes sent.
+Public API: the optimizers ``Lamb``, ``OneBitLamb`` and ``OneBitAdam``; the freeze policy
+``AutoFreeze``; the collective ``compressed_allreduce`` with ``padded_size``; ``CommStats`` for
+the bytes sent.
 """
 from onebitlamb.comm import CommStats, compressed_allreduce, padded_size
-from onebitlamb.optim import Lamb, OneBitAdam, OneBitLamb
+from onebitlamb.optim import AutoFreeze, Lamb, OneBitAdam, OneBitLamb
 
 __version__ = "0.1.0"
 
-__all__ = ["CommStats", "Lamb", "OneBitAdam", "OneBitLamb", "compressed_allreduce", "padded_size",
+__all__ = ["AutoFreeze", "CommStats", "Lamb", "OneBitAdam", "OneBitLamb", "compressed_allreduce", "padded_size",
            "__version__"]

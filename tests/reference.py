@@ -53,8 +53,7 @@ class Reference:
     def __init__(self, init: List[torch.Tensor], kind: str, lr: List[float], wd: List[float], *,
                  freeze_step: Optional[int] = None, n: int = 1, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps=1e-8, min_coeff=0.01, max_coeff=10.0, coeff_beta=0.9,
-                 factor_min=0.5, factor_max=4.0, factor_threshold=0.1, compression_space="momentum"):
-        self.space = compression_space
+                 factor_min=0.5, factor_max=4.0, factor_threshold=0.1):
         self.x = [t.detach().clone().float() for t in init]
         self.kind, self.lr, self.wd, self.T = kind, lr, wd, freeze_step
         self.n, self.bc = n, bias_correction
@@ -104,13 +103,13 @@ class Reference:
             bufs = []
             for w in local:
                 b = torch.zeros(D)
-                b[:d] = torch.cat([self._to_space(l, w[l]).reshape(-1) for l in range(L)])
+                b[:d] = torch.cat([(self.k[l] * w[l]).reshape(-1) for l in range(L)])
                 bufs.append(b)
             out = self.sim(bufs)
             off = 0
             for l in range(L):
                 k = self.x[l].numel()
-                self.m[l] = self._from_space(l, out[off:off + k].reshape(self.x[l].shape))
+                self.m[l] = out[off:off + k].reshape(self.x[l].shape) / self.k[l]
                 off += k
         self.m = [self.m[l] * self.mask[l] for l in range(L)]
         for l in range(L):
@@ -131,16 +130,6 @@ class Reference:
                 self.r_prev[l] = r
                 coef = self.c_frz[l] * r
             self.x[l] = self.x[l] - self.lr[l] * coef * u
-
-    def _to_space(self, l, m):
-        if self.space == "update":  # preconditioned by the frozen variance
-            return m / (torch.sqrt(self.v_frozen[l]) + self.eps)
-        return self.k[l] * m
-
-    def _from_space(self, l, b):
-        if self.space == "update":
-            return b * (torch.sqrt(self.v_frozen[l]) + self.eps)
-        return b / self.k[l]
 
     def _freeze(self) -> None:
         L = len(self.x)

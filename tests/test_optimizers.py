@@ -69,21 +69,20 @@ def test_single_process_matches_reference(kind, bias_correction, weight_decay, m
 
 
 # ---------------------------------------------------------------- multi-process
-def _distributed_run(rank, n, kind, steps, freeze, resume_at, options=None, jump_at=None):
+def _distributed_run(rank, n, kind, steps, freeze, resume_at):
     """Each rank: a full run (params after every step, bytes per step), then a run stopped at each
-    ``resume_at`` step, checkpointed through bytes, restored into fresh objects and finished. With
-    ``jump_at``, layer 0's gradients are 1000x larger from that step on."""
+    ``resume_at`` step, checkpointed through bytes, restored into fresh objects and finished."""
     torch.manual_seed(0)
 
     def fresh(init):
         params = [torch.nn.Parameter(t.clone()) for t in init]
-        return params, make_optimizer(kind, params, LRS, [0.01, 0.0, 0.01, 0.0], freeze, **(options or {}))
+        return params, make_optimizer(kind, params, LRS, [0.01, 0.0, 0.01, 0.0], freeze)
 
     def run(params, opt, start, stop):
         history, nbytes, stages = [], [], []
         for t in range(start, stop + 1):
-            for i, (p, g) in enumerate(zip(params, grads_for(params, rank, t))):
-                p.grad = g * (1000.0 if i == 0 and jump_at is not None and t >= jump_at else 1.0)
+            for p, g in zip(params, grads_for(params, rank, t)):
+                p.grad = g
             stages.append(opt.stage)
             opt.step()
             history.append([p.detach().clone() for p in params])
@@ -108,7 +107,7 @@ def _distributed_run(rank, n, kind, steps, freeze, resume_at, options=None, jump
         h, _, _ = run(params, opt, stop + 1, steps)
         resumed[stop] = h[-1]
     return {"history": history, "bytes": nbytes, "stages": stages, "errors": errors, "resumed": resumed,
-            "numel": sum(p.numel() for p in params), "unfrozen_at": opt.state["flat"].get("unfrozen_at")}
+            "numel": sum(p.numel() for p in params)}
 
 
 def _assert_ranks_agree_and_resume_exactly(out):
@@ -123,20 +122,18 @@ def _assert_ranks_agree_and_resume_exactly(out):
                 assert torch.equal(a, b), f"rank {r}: resume after step {stop}"
 
 
-@pytest.mark.parametrize("n,space", [(2, "momentum"), (4, "momentum"), (2, "update")])
-def test_ranks_bit_identical_match_simulation_bytes_and_resume(n, space):
+@pytest.mark.parametrize("n", [2, 4])
+def test_ranks_bit_identical_match_simulation_bytes_and_resume(n):
     steps, freeze = 30, 10
     kind = "onebitlamb"
-    out = spawn_local(_distributed_run, n, (kind, steps, freeze, (5, 17), {"compression_space": space}),
-                      timeout_s=180)
+    out = spawn_local(_distributed_run, n, (kind, steps, freeze, (5, 17)), timeout_s=180)
     # bit-identical on all ranks after every step
     for t in range(steps):
         for r in range(1, n):
             for a, b in zip(out[0]["history"][t], out[r]["history"][t]):
                 assert torch.equal(a, b), f"rank {r} differs from rank 0 at step {t + 1}"
     # the same trajectory as a one-process simulation of the n workers
-    ref = Reference(initial_params(), kind, LRS, [0.01, 0.0, 0.01, 0.0], freeze_step=freeze, n=n,
-                    compression_space=space)
+    ref = Reference(initial_params(), kind, LRS, [0.01, 0.0, 0.01, 0.0], freeze_step=freeze, n=n)
     for t in range(1, steps + 1):
         ref.step([grads_for(ref.x, r, t) for r in range(n)])
         for a, x in zip(out[0]["history"][t - 1], ref.x):
@@ -309,14 +306,12 @@ def test_sparse_gradient_is_rejected():
     (onebitlamb.Lamb, {"eps": 0.0}, "eps"),
     (onebitlamb.Lamb, {"weight_decay": -0.1}, "weight_decay"),
     (onebitlamb.Lamb, {"min_coeff": 2.0, "max_coeff": 1.0}, "min_coeff"),
-    (onebitlamb.OneBitLamb, {}, "15-25%"),
     (onebitlamb.OneBitLamb, {"freeze_step": 0}, "freeze_step"),
     (onebitlamb.OneBitLamb, {"freeze_step": 2.5}, "freeze_step"),
     (onebitlamb.OneBitLamb, {"freeze_step": 5, "factor_min": 4.0, "factor_max": 1.0}, "factor_min"),
     (onebitlamb.OneBitLamb, {"freeze_step": 5, "factor_threshold": 1.0}, "factor_threshold"),
     (onebitlamb.OneBitLamb, {"freeze_step": 5, "coeff_beta": 1.0}, "coeff_beta"),
     (onebitlamb.OneBitLamb, {"freeze_step": 5, "min_coeff": 20.0}, "min_coeff"),
-    (onebitlamb.OneBitAdam, {}, "freeze_step"),
     (onebitlamb.OneBitAdam, {"freeze_step": -3}, "freeze_step"),
     (onebitlamb.OneBitAdam, {"freeze_step": 5, "betas": (0.9, 1.5)}, "beta2"),
 ])
@@ -332,13 +327,127 @@ def test_group_overrides_only_lr_and_weight_decay():
         onebitlamb.Lamb([{"params": [torch.nn.Parameter(torch.zeros(2))], "lr": -1}])
 
 
-# ---------------------------------------------------------------- issue 5 options
-def test_auto_freeze_same_step_on_all_ranks_guard_and_exact_resume():
-    """freeze_step="auto" with the guard, on 2 ranks: the ranks agree bit for bit (so they froze at
-    the same step), the freeze falls between the floor and the cap, and resume is exact."""
-    options = {"min_freeze_step": 8, "max_freeze_step": 25, "freeze_window": 5, "freeze_tolerance": 0.5,
-               "update_guard": 2.0, "compression_space": "update"}
-    out = spawn_local(_distributed_run, 2, ("onebitlamb", 40, "auto", (12, 30), options), timeout_s=180)
+# ---------------------------------------------------------------- the freeze policy
+def _auto(total, floor=None, cap=None, **kw):
+    """``AutoFreeze`` with its floor and cap given as steps."""
+    fractions = {}
+    if floor is not None:
+        fractions["min_fraction"] = floor / total
+    if cap is not None:
+        fractions["max_fraction"] = cap / total
+    return onebitlamb.AutoFreeze(total_steps=total, **fractions, **kw)
+
+
+def test_freeze_step_is_required_and_validated():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    for cls in (onebitlamb.OneBitLamb, onebitlamb.OneBitAdam):
+        with pytest.raises(TypeError, match="freeze_step"):
+            cls(p, lr=0.01)
+        for bad in ("auto", 0, -3, 2.5, True, None):
+            with pytest.raises(ValueError, match=f"Invalid freeze_step for {cls.__name__}: {bad!r}"):
+                cls(p, freeze_step=bad)
+        with pytest.raises(TypeError, match="unfreeze_rise"):  # the experiments' switches are gone
+            cls(p, freeze_step=5, unfreeze_rise=3.0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"total_steps": 0}, "Invalid total_steps: 0"),
+    ({"total_steps": 100.0}, "Invalid total_steps: 100.0"),
+    ({"total_steps": 100, "max_fraction": 1.5}, "Invalid max_fraction: 1.5"),
+    ({"total_steps": 100, "max_fraction": 0}, "Invalid max_fraction: 0"),
+    ({"total_steps": 100, "min_fraction": 0.9}, "Invalid min_fraction: 0.9"),
+    ({"total_steps": 100, "min_fraction": float("nan")}, "Invalid min_fraction: nan"),
+    ({"total_steps": 100, "window": 0}, "Invalid window: 0"),
+    ({"total_steps": 100, "tolerance": 0}, "Invalid tolerance: 0"),
+    ({"total_steps": 100, "transient": -1.0}, "Invalid transient: -1.0"),
+    ({"total_steps": 100, "transient_end": 5.0}, "Invalid transient_end: 5.0"),
+])
+def test_invalid_auto_freeze(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        onebitlamb.AutoFreeze(**kwargs)
+
+
+def test_auto_freeze_floor_and_cap_are_fractions_of_the_run():
+    policy = onebitlamb.AutoFreeze(total_steps=400)
+    lamb = onebitlamb.OneBitLamb([torch.nn.Parameter(torch.zeros(2))], freeze_step=policy).freeze_stats()
+    adam = onebitlamb.OneBitAdam([torch.nn.Parameter(torch.zeros(2))], freeze_step=policy).freeze_stats()
+    assert (lamb["floor_step"], lamb["cap_step"]) == (120, 300)  # 30% and 75%: 1-bit LAMB waits
+    assert (adam["floor_step"], adam["cap_step"]) == (20, 300)  # 5%: 1-bit Adam has no trust ratio
+    own = onebitlamb.AutoFreeze(total_steps=400, min_fraction=0.1, max_fraction=0.5)
+    stats = onebitlamb.OneBitLamb([torch.nn.Parameter(torch.zeros(2))], freeze_step=own).freeze_stats()
+    assert (stats["floor_step"], stats["cap_step"], stats["stage"], stats["frozen_at"]) == (40, 200, "warmup", None)
+    fixed = onebitlamb.OneBitAdam([torch.nn.Parameter(torch.zeros(2))], freeze_step=7).freeze_stats()
+    assert (fixed["floor_step"], fixed["cap_step"]) == (7, 7)
+
+
+def test_the_public_surface_stays_small():
+    import inspect
+    parameters = {cls: list(inspect.signature(cls).parameters) for cls in CLASSES.values()}
+    assert len(parameters[onebitlamb.OneBitLamb]) <= 15 and len(parameters[onebitlamb.OneBitAdam]) <= 9
+    known = {"params", "lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff",
+             "coeff_beta", "factor_max", "factor_min", "factor_threshold", "freeze_step", "process_group"}
+    for cls, names in parameters.items():
+        assert set(names) <= known, (cls, set(names) - known)
+    assert not hasattr(onebitlamb.Lamb([torch.nn.Parameter(torch.zeros(2))]), "freeze_stats")
+    for cls in CLASSES.values():
+        assert cls.__doc__ and "arXiv" in cls.__doc__
+        for name in parameters[cls]:
+            assert f"{name}:" in cls.__doc__ or f"{name}," in cls.__doc__, (cls, name)
+
+
+def _pinned_run(rank, n):
+    """The five runs of tests/data/pinned_runs.json on this rank; returns what was pinned."""
+    import hashlib
+
+    out = {}
+    for name in ("lamb-None", "onebitlamb-0.35", "onebitlamb-auto", "onebitadam-0.35", "onebitadam-auto"):
+        kind, freeze = name.split("-")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.LayerNorm(16),
+                                    torch.nn.Linear(16, 1))
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(512, 8, generator=g)
+        y = (x @ torch.randn(8, 1, generator=g)).tanh()
+        groups = [{"params": [p for p in model.parameters() if p.ndim > 1], "weight_decay": 0.01},
+                  {"params": [p for p in model.parameters() if p.ndim <= 1], "weight_decay": 0.0}]
+        if kind == "lamb":
+            opt = onebitlamb.Lamb(groups, lr=1e-2)
+        else:
+            freeze_step = onebitlamb.AutoFreeze(total_steps=200) if freeze == "auto" else 70
+            opt = CLASSES[kind](groups, lr=1e-2, freeze_step=freeze_step)
+        for t in range(1, 201):
+            rows = torch.randint(0, 512, (32,), generator=torch.Generator().manual_seed(1000 * t + rank))
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+            opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        out[name] = {"frozen_at": opt.state["flat"]["frozen_at"],
+                     "params_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+                     "bytes_sent": opt.comm_stats.bytes_sent}
+    return out
+
+
+def test_same_runs_bit_for_bit_as_before_the_freeze_policy_api():
+    """A fixed 35% freeze and AutoFreeze with its defaults (a 30% floor for 1-bit LAMB, 5% for 1-bit
+    Adam, a 75% cap) give, on 2 gloo ranks, the parameters the optimizers gave before the freeze
+    policy became an object (``freeze_step="auto"`` with ``min_freeze_step``/``max_freeze_step``):
+    tests/data/pinned_runs.json, written by that code. The automatic 1-bit LAMB run froze at 97,
+    between its floor (60) and cap (150), so the wait for the trust peak decided it."""
+    import json
+    import os
+
+    with open(os.path.join(os.path.dirname(__file__), "data", "pinned_runs.json")) as f:
+        pinned = json.load(f)["optimizer_runs"]
+    out = spawn_local(_pinned_run, 2, (), timeout_s=240)
+    assert out[0] == out[1]
+    assert out[0] == pinned
+
+
+def test_auto_freeze_same_step_on_all_ranks_and_exact_resume():
+    """AutoFreeze on 2 ranks: the ranks agree bit for bit (so they froze at the same step), the
+    freeze falls between the floor and the cap, and resume is exact in either stage."""
+    policy = _auto(40, floor=8, cap=25, window=5, tolerance=0.5)
+    out = spawn_local(_distributed_run, 2, ("onebitlamb", 40, policy, (12, 30)), timeout_s=180)
     stages = out[0]["stages"]
     assert stages == out[1]["stages"]
     frozen_at = stages.index("compression")
@@ -363,11 +472,11 @@ def test_settled_criterion_by_hand():
 
 def test_auto_freeze_waits_for_a_plateau_exit_and_respects_the_cap():
     """Gradients that grow 5% a step until step 60 (a layer leaving a plateau), then hold: the
-    variance keeps moving, so the automatic freeze must wait until it has settled."""
+    variance keeps moving, so the automatic freeze (1-bit Adam's: the criterion alone) must wait
+    until it has settled."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(64))
-    opt = onebitlamb.OneBitLamb([p], lr=1e-3, freeze_step="auto", min_freeze_step=10, max_freeze_step=150,
-                                freeze_window=10, freeze_tolerance=0.2, freeze_after_trust_peak=False)
+    opt = onebitlamb.OneBitAdam([p], lr=1e-3, freeze_step=_auto(150, floor=10, cap=150, window=10, tolerance=0.2))
     gen = torch.Generator().manual_seed(1)
     for t in range(1, 151):
         p.grad = math.exp(0.05 * min(t, 60)) * (1 + 0.1 * torch.randn(64, generator=gen))
@@ -376,46 +485,48 @@ def test_auto_freeze_waits_for_a_plateau_exit_and_respects_the_cap():
             break
     frozen_at = opt.state["flat"]["frozen_at"]
     assert 60 < frozen_at < 150, frozen_at
-    capped = onebitlamb.OneBitLamb([p], lr=1e-3, freeze_step="auto", max_freeze_step=7)
-    for t in range(1, 8):
-        p.grad = math.exp(0.5 * t) * torch.ones(64)  # never settles
-        capped.step()
-    assert capped.state["flat"]["frozen_at"] == 7
+    assert opt.freeze_stats()["frozen_at"] == frozen_at
+    for cls in (onebitlamb.OneBitLamb, onebitlamb.OneBitAdam):
+        capped = cls([p], lr=1e-3, freeze_step=_auto(7, cap=7))
+        for t in range(1, 8):
+            p.grad = math.exp(0.5 * t) * torch.ones(64)  # never settles
+            capped.step()
+        assert capped.state["flat"]["frozen_at"] == 7
 
 
-def test_freeze_levels_are_the_log_norms_of_the_bias_corrected_variance():
+def test_freeze_stats_levels_are_the_log_norms_of_the_bias_corrected_variance():
     """A constant gradient g makes v_hat = g^2 exactly (Adam's bias correction), so the level of a
     64-element layer with g = 2 is log ||4 * ones(64)|| = log 32; a layer with no gradient is -inf."""
     ps = [torch.nn.Parameter(torch.ones(64)), torch.nn.Parameter(torch.ones(8))]
-    opt = onebitlamb.OneBitLamb(ps, lr=1e-3, freeze_step="auto", max_freeze_step=3)
-    assert opt.freeze_levels is None  # nothing recorded yet
+    opt = onebitlamb.OneBitLamb(ps, lr=1e-3, freeze_step=_auto(3, cap=3))
+    assert opt.freeze_stats()["levels"] is None  # nothing recorded yet
     for _ in range(2):
         ps[0].grad, ps[1].grad = torch.full((64,), 2.0), torch.zeros(8)
         opt.step()
-    levels = opt.freeze_levels
+    levels = opt.freeze_stats()["levels"]
     assert levels[0] == pytest.approx(math.log(32.0), rel=1e-5) and levels[1] == -math.inf
     ps[0].grad, ps[1].grad = torch.full((64,), 2.0), torch.zeros(8)
     opt.step()  # the cap: frozen at the end of this step, whose levels are the freeze's own
-    assert opt.stage == "compression" and opt.freeze_levels[0] == pytest.approx(math.log(32.0), rel=1e-5)
+    stats = opt.freeze_stats()
+    assert stats["stage"] == "compression" and stats["frozen_at"] == 3
+    assert stats["levels"][0] == pytest.approx(math.log(32.0), rel=1e-5)
     ps[0].grad, ps[1].grad = torch.full((64,), 2.0), torch.zeros(8)
     opt.step()  # a frozen step: the levels are no longer watched
-    assert opt.freeze_levels is None and opt.freeze_spread is None
+    stats = opt.freeze_stats()
+    assert stats["levels"] is None and stats["spread"] is None and stats["frozen_at"] == 3
     fixed = onebitlamb.OneBitLamb([torch.nn.Parameter(torch.ones(4))], lr=1e-3, freeze_step=5)
     fixed.param_groups[0]["params"][0].grad = torch.ones(4)
     fixed.step()
-    assert fixed.freeze_levels is None  # only the automatic freeze watches the levels
+    assert fixed.freeze_stats()["levels"] is None  # only the automatic freeze watches the levels
 
 
 def test_transient_criterion_by_hand():
     from onebitlamb.optim.functional import transient_passed
-    assert not transient_passed(None, peak=12.0, transient=5.0)      # window not full
-    assert not transient_passed(1.0, peak=4.9, transient=5.0)        # no transient seen yet
-    assert not transient_passed(6.1, peak=12.0, transient=5.0)       # still above half the peak
-    assert transient_passed(6.0, peak=12.0, transient=5.0)
-    assert not transient_passed(0.1, peak=12.0, transient=None)      # turned off
-    assert not transient_passed(2.6, peak=12.0, transient=5.0, end=2.5)  # below half the peak, not below end
+    assert not transient_passed(None, peak=12.0, transient=5.0, end=2.5)  # window not full
+    assert not transient_passed(1.0, peak=4.9, transient=5.0, end=2.5)   # no transient seen yet
+    assert not transient_passed(2.6, peak=12.0, transient=5.0, end=2.5)  # not yet back to the end
     assert transient_passed(2.5, peak=12.0, transient=5.0, end=2.5)
-    assert not transient_passed(1.0, peak=4.9, transient=5.0, end=2.5)   # still no transient
+    assert transient_passed(2.5, peak=5.0, transient=5.0, end=2.5)
 
 
 def _through_a_checkpoint(opt, fresh):
@@ -428,54 +539,45 @@ def _through_a_checkpoint(opt, fresh):
     return resumed
 
 
-def _plateau_exit_run(transient, resume_at=None, end=None):
+def _plateau_exit_run(transient=5.0, end=2.5, resume_at=None):
     """Layer 0 sits on a plateau (gradients 1e-3) and leaves it over steps 30-40 (gradients grow
-    1000x); layer 1 drifts slowly all along. Returns the freeze step and the spread per step; with
-    ``resume_at``, the run continues from a checkpoint taken after that step, in a new optimizer."""
+    1000x); layer 1 drifts slowly all along. The criterion alone (1-bit Adam). Returns the freeze
+    step and the spread per step; with ``resume_at``, the run continues from a checkpoint taken
+    after that step, in a new optimizer."""
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(32))]
-    options = dict(lr=1e-3, freeze_step="auto", min_freeze_step=5, max_freeze_step=150, freeze_window=10,
-                   freeze_tolerance=0.2, freeze_transient=transient, freeze_transient_end=end,
-                   freeze_after_trust_peak=False)  # the rules alone
-    opt = onebitlamb.OneBitLamb(ps, **options)
+    policy = _auto(150, floor=5, cap=150, window=10, tolerance=0.2, transient=transient, transient_end=end)
+    opt = onebitlamb.OneBitAdam(ps, lr=1e-3, freeze_step=policy)
     gen = torch.Generator().manual_seed(1)
     spreads = []
     for t in range(1, 151):
         ps[0].grad = 1e-3 * 1000 ** (min(max(t - 30, 0), 10) / 10) * (1 + 0.1 * torch.randn(64, generator=gen))
         ps[1].grad = 0.97 ** t * (1 + 0.1 * torch.randn(32, generator=gen))
         opt.step()
-        spreads.append(opt.freeze_spread)
+        spreads.append(opt.freeze_stats()["spread"])
         if opt.stage == "compression":
             break
         if t == resume_at:
-            opt = _through_a_checkpoint(opt, lambda: onebitlamb.OneBitLamb(ps, **options))
+            opt = _through_a_checkpoint(opt, lambda: onebitlamb.OneBitAdam(ps, lr=1e-3, freeze_step=policy))
     return opt.state["flat"]["frozen_at"], spreads
 
 
 def test_auto_freeze_after_the_transient_and_not_before():
     """With the transient rule the freeze comes once the plateau exit is over (its spread back to
-    half its peak), not on the plateau and not in the middle of the exit; without it, only when
-    every layer has settled, later. A checkpoint taken after the peak remembers it."""
-    frozen_at, spreads = _plateau_exit_run(transient=5.0)
+    the transient's end), not on the plateau and not in the middle of the exit; with a transient
+    too tall to be seen, only when every layer has settled, later. A checkpoint taken after the
+    peak remembers it; a lower end waits longer."""
+    frozen_at, spreads = _plateau_exit_run()
     peak = max(s for s in spreads if s is not None)
-    assert peak > 8 and 40 < frozen_at < 55, (frozen_at, peak)
-    assert spreads[-2] > peak / 2      # the step before the freeze was still above half the peak
-    assert spreads[-1] <= peak / 2     # the freeze's own step records the spread that decided it
-    assert _plateau_exit_run(transient=5.0, resume_at=frozen_at - 3)[0] == frozen_at
-    settled_at, _ = _plateau_exit_run(transient=None)
+    assert peak > 8 and frozen_at > 40, (frozen_at, peak)
+    assert spreads[-2] > 2.5      # the step before the freeze was still above the end
+    assert spreads[-1] <= 2.5     # the freeze's own step records the spread that decided it
+    assert _plateau_exit_run(resume_at=frozen_at - 3)[0] == frozen_at
+    settled_at, _ = _plateau_exit_run(transient=1e9)
     assert settled_at > frozen_at + 10, (settled_at, frozen_at)
-
-
-def test_auto_freeze_after_the_transient_waits_for_an_absolute_end():
-    """With freeze_transient_end the freeze after the transient waits until the spread is back to
-    that value, not to half the peak: later, while the layers still moved more than the end."""
-    half_peak_at, _ = _plateau_exit_run(transient=5.0)
-    frozen_at, spreads = _plateau_exit_run(transient=5.0, end=1.0)
-    assert frozen_at > half_peak_at, (frozen_at, half_peak_at)
-    after_peak = spreads[spreads.index(max(s for s in spreads if s is not None)):-1]
-    assert min(after_peak) > 1.0, after_peak  # up to the step before the freeze, still moving more than that
-    assert spreads[-1] <= 1.0  # and the freeze's own step: the spread that decided it
-    assert _plateau_exit_run(transient=5.0, resume_at=frozen_at - 3, end=1.0)[0] == frozen_at
+    later, spreads_later = _plateau_exit_run(end=1.0)
+    assert later > frozen_at and spreads_later[-2] > 1.0 >= spreads_later[-1], (later, frozen_at)
+    assert _plateau_exit_run(end=1.0, resume_at=later - 3)[0] == later
 
 
 def _spike_on_a_drifting_plateau_run(spike: bool) -> int:
@@ -484,8 +586,7 @@ def _spike_on_a_drifting_plateau_run(spike: bool) -> int:
     one step (30) has gradients 1000x larger. Default thresholds. Returns the freeze step."""
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(32))]
-    opt = onebitlamb.OneBitLamb(ps, lr=1e-3, freeze_step="auto", min_freeze_step=5, max_freeze_step=150,
-                                freeze_window=10, freeze_after_trust_peak=False)
+    opt = onebitlamb.OneBitAdam(ps, lr=1e-3, freeze_step=_auto(150, floor=5, cap=150, window=10))
     gen = torch.Generator().manual_seed(1)
     for t in range(1, 151):
         scale = 1e-3 * 1.05 ** t * (1000.0 if spike and t == 30 else 1.0)
@@ -498,200 +599,12 @@ def _spike_on_a_drifting_plateau_run(spike: bool) -> int:
 
 
 def test_a_spike_on_a_plateau_that_is_not_left_still_freezes_it():
-    """The documented limit of rule 2 (docs/convergence.md, "A spike on the plateau"), pinned so that
-    a change to it shows: a one-step spike marks a transient, and once it has left the window the
-    plateau's slow drift is below the transient's end, so the freeze comes exactly one window after
-    the spike, on the plateau. Without the spike nothing but the cap freezes this plateau."""
+    """The documented limit of the transient rule (docs/convergence.md), pinned so that a change to
+    it shows: a one-step spike marks a transient, and once it has left the window the plateau's slow
+    drift is below the transient's end, so the freeze comes exactly one window after the spike, on
+    the plateau. Without the spike nothing but the cap freezes this plateau."""
     assert _spike_on_a_drifting_plateau_run(spike=True) == 30 + 10
     assert _spike_on_a_drifting_plateau_run(spike=False) == 150
-
-
-def _spike_then_exit_run(unfreeze_rise, cap=150, resume_at=None):
-    """The drifting plateau above with its one-step spike at step 30 (so rule 2 freezes at 40), then
-    layer 0 leaves the plateau over steps 70-80 (gradients grow 1000x) and holds. Returns the stage
-    of every step, the steps at whose end a freeze was undone, and the largest rise seen."""
-    torch.manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(32))]
-    options = dict(lr=1e-3, freeze_step="auto", min_freeze_step=5, max_freeze_step=cap, freeze_window=10,
-                   unfreeze_rise=unfreeze_rise, freeze_after_trust_peak=False)
-    opt = onebitlamb.OneBitLamb(ps, **options)
-    gen = torch.Generator().manual_seed(1)
-    stages, largest_rise, levels_at = [], -math.inf, []
-    for t in range(1, 161):
-        scale = 1e-3 * 1.05 ** min(t, 60) * (1000.0 if t == 30 else 1.0)
-        exit_ = 1000 ** (min(max(t - 70, 0), 10) / 10)
-        ps[0].grad = exit_ * scale * (1 + 0.1 * torch.randn(64, generator=gen))
-        ps[1].grad = 0.5 * scale * (1 + 0.1 * torch.randn(32, generator=gen))
-        stages.append(opt.stage)
-        opt.step()
-        if opt.variance_rise is not None:
-            largest_rise = max(largest_rise, max(opt.variance_rise))
-        if opt.freeze_levels is not None:
-            levels_at.append(t)
-        if t == resume_at:
-            opt = _through_a_checkpoint(opt, lambda: onebitlamb.OneBitLamb(ps, **options))
-    return stages, opt.state["flat"].get("unfrozen_at"), largest_rise, levels_at
-
-
-def test_an_undone_freeze_catches_a_plateau_exit_after_a_spike():
-    """unfreeze_rise against rule 2's documented limit: the spike freezes the plateau at step 40;
-    when the layer then leaves the plateau its local variance rises far above the frozen one, so the
-    freeze is undone (back to full communication) and the criterion freezes again once the exit is
-    over. Without the option, or with a cap before the exit, the freeze at 40 stays."""
-    stages, unfrozen_at, _, levels_at = _spike_then_exit_run(unfreeze_rise=3.0)
-    assert stages[:40] == ["warmup"] * 40 and stages[40] == "compression"
-    assert len(unfrozen_at) == 1 and 70 < unfrozen_at[0] <= 82, unfrozen_at
-    refrozen_at = stages.index("compression", unfrozen_at[0])
-    # a full window of new levels, and not before the exit's rise (steps 70-80) has left it
-    assert refrozen_at >= unfrozen_at[0] + 11 and refrozen_at >= 80 + 10, refrozen_at
-    assert stages[unfrozen_at[0]:refrozen_at] == ["warmup"] * (refrozen_at - unfrozen_at[0])
-    assert set(stages[refrozen_at:]) == {"compression"}
-    # the levels are recorded at every step that ran the warm-up (both freezes' own steps
-    # included) and at no other: not at the step that undid the freeze, which ran frozen
-    assert levels_at == [t for t, stage in enumerate(stages, start=1) if stage == "warmup"]
-    stages_off, unfrozen_off, rise_off, _ = _spike_then_exit_run(unfreeze_rise=None)
-    assert unfrozen_off is None and stages_off[40:] == ["compression"] * 120 and rise_off == -math.inf
-    stages_capped, unfrozen_capped, rise_capped, _ = _spike_then_exit_run(unfreeze_rise=3.0, cap=72)
-    assert unfrozen_capped == [] and stages_capped[40:] == ["compression"] * 120
-    assert rise_capped < 3.0  # watched until the cap only: the exit came after it
-    # a checkpoint during the first frozen stretch and one after the undoing both resume exactly
-    for resume_at in (60, unfrozen_at[0] + 3):
-        assert _spike_then_exit_run(unfreeze_rise=3.0, resume_at=resume_at)[:2] == (stages, unfrozen_at)
-
-
-def test_variance_rise_is_the_rise_of_the_local_gradient_variance_since_the_freeze():
-    """A constant gradient g gives a bias-corrected local variance of exactly g^2; after the freeze
-    a gradient twice as large makes it rise by log((b2 * (1 - b2^(t-1)) g^2 + (1 - b2) 4 g^2)
-    / (1 - b2^t) / g^2). Not reported before the freeze or without the option."""
-    ps = [torch.nn.Parameter(torch.ones(16)), torch.nn.Parameter(torch.ones(4))]
-    opt = onebitlamb.OneBitAdam(ps, lr=1e-3, freeze_step="auto", min_freeze_step=3, max_freeze_step=100,
-                                freeze_window=1, freeze_tolerance=10.0, unfreeze_rise=10.0)
-    for t in range(1, 5):
-        assert opt.variance_rise is None  # measured by frozen steps only (the freeze: end of step 3)
-        ps[0].grad = torch.full((16,), 2.0 if t == 4 else 1.0)
-        ps[1].grad = torch.zeros(4)  # never a gradient: no level, no rise
-        opt.step()
-    b2 = 0.999
-    expected = math.log((b2 * (1 - b2 ** 3) + (1 - b2) * 4.0) / (1 - b2 ** 4))
-    rise = opt.variance_rise
-    assert rise[0] == pytest.approx(expected, rel=1e-4) and math.isnan(rise[1])
-    plain = onebitlamb.OneBitAdam([torch.nn.Parameter(torch.ones(4))], lr=1e-3, freeze_step="auto",
-                                  max_freeze_step=1)
-    plain.param_groups[0]["params"][0].grad = torch.ones(4)
-    plain.step()
-    plain.step()
-    assert plain.variance_rise is None
-
-
-@pytest.mark.parametrize("kind", ["onebitlamb", "onebitadam"])
-def test_a_rise_that_never_undoes_the_freeze_only_watches(kind):
-    """Until it undoes a freeze, unfreeze_rise changes nothing: the same parameters, bit for bit,
-    as without it (the benchmark of undone freezes relies on this)."""
-    finals = []
-    for rise in (None, 1e6):
-        params = [torch.nn.Parameter(t.clone()) for t in initial_params()]
-        opt = make_optimizer(kind, params, LRS, [0.01, 0.0, 0.01, 0.0], "auto", max_freeze_step=45,
-                             freeze_window=4, freeze_tolerance=10.0, unfreeze_rise=rise)
-        for t in range(1, 41):
-            for p, g in zip(params, grads_for(params, 0, t)):
-                p.grad = g
-            opt.step()
-        assert opt.stage == "compression" and (opt.variance_rise is None) == (rise is None)
-        finals.append([p.detach().clone() for p in params])
-    for a, b in zip(*finals):
-        assert torch.equal(a, b)
-
-
-def test_window_rise_by_hand():
-    from onebitlamb.optim.functional import window_rise
-    hist = torch.tensor([[0.0, 5.0, -math.inf, 1.0],
-                         [2.0, 4.0, -math.inf, 1.0],
-                         [1.0, 3.0, 7.0, math.nan]])
-    rise = window_rise(hist, count=3)
-    assert rise[0] == 1.0 and rise[1] == 0.0  # above the window's lowest; a fall is no rise
-    assert rise[2] == 0.0 and math.isnan(rise[3])  # a first gradient is no rise; no level now: no rise
-    assert window_rise(hist, count=2)[0] == 0.0  # only the last two rows are in the window yet
-    assert window_rise(hist, count=9)[0] == 1.0  # a full window is the whole history
-
-
-def test_a_slow_creep_does_not_undo_the_freeze():
-    """Gradients growing 2% a step after the freeze: over 150 steps the local variance ends far
-    above its level at the freeze, but within any 10-step window it rises by about 0.4, not like a
-    plateau exit, so the freeze stays."""
-    torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(64))
-    opt = onebitlamb.OneBitAdam([p], lr=1e-3, freeze_step="auto", max_freeze_step=200, freeze_window=10,
-                                freeze_tolerance=10.0, min_freeze_step=20, unfreeze_rise=1.0)
-    gen = torch.Generator().manual_seed(1)
-    for t in range(1, 171):
-        p.grad = 1.02 ** max(t - 20, 0) * (1 + 0.1 * torch.randn(64, generator=gen))
-        opt.step()
-        if t == 20:
-            level_at_freeze = float(opt.state["flat"]["rise_history"][-1, 0])
-    flat = opt.state["flat"]
-    assert flat["frozen_at"] == 20 and flat["unfrozen_at"] == []
-    assert max(opt.variance_rise) < 1.0
-    assert float(flat["rise_history"][-1, 0]) - level_at_freeze > 2.0  # how far it crept in all
-
-
-def test_undone_freeze_same_steps_on_all_ranks_and_exact_resume():
-    """On 2 gloo ranks: both freeze at 12, both undo it at the same step after the jump (the rise is
-    averaged over the ranks), both freeze again, and stay bit-identical; resume is exact from a
-    checkpoint in either frozen stretch and in the warm-up between them."""
-    options = {"max_freeze_step": 40, "freeze_window": 4, "freeze_tolerance": 10.0, "min_freeze_step": 12,
-               "unfreeze_rise": 2.0, "freeze_after_trust_peak": False}
-    out = spawn_local(_distributed_run, 2, ("onebitlamb", 36, "auto", (15, 22, 30), options, 20), timeout_s=180)
-    stages = out[0]["stages"]
-    assert stages == out[1]["stages"] and out[0]["unfrozen_at"] == out[1]["unfrozen_at"] == [20]
-    assert stages[:12] == ["warmup"] * 12 and stages[12:20] == ["compression"] * 8 and stages[20] == "warmup"
-    assert "compression" in stages[21:]
-    _assert_ranks_agree_and_resume_exactly(out)
-
-
-def test_update_guard_bounds_a_blow_up():
-    """A gradient 1000x larger than in warm-up, after the freeze: with the guard the layer's step
-    stays within update_guard times its warm-up relative step; without it, it does not."""
-    moved = {}
-    for guard in (None, 3.0):
-        torch.manual_seed(0)
-        p = torch.nn.Parameter(torch.randn(100))
-        opt = onebitlamb.OneBitAdam([p], lr=1e-2, freeze_step=20, update_guard=guard)
-        gen = torch.Generator().manual_seed(2)
-        ratios = []
-        for t in range(1, 31):
-            scale = 1000.0 if t > 20 else 1.0
-            p.grad = scale * torch.randn(100, generator=gen)
-            before = p.detach().clone()
-            opt.step()
-            ratios.append(float((p.detach() - before).norm() / before.norm()))
-        reference = max(ratios[10:20])
-        moved[guard] = max(ratios[20:]) / reference
-        if guard is not None:
-            assert opt.state["flat"]["guard_hits"] > 0
-            assert any(d["guarded"] for d in opt.layer_diagnostics())
-    assert moved[None] > 10, moved
-    assert moved[3.0] <= 3.0 * 1.5, moved  # the guard's yardstick is an average, not this max
-
-
-@pytest.mark.parametrize("kwargs,match", [
-    ({"freeze_step": "auto"}, "max_freeze_step"),
-    ({"freeze_step": "auto", "max_freeze_step": 10, "min_freeze_step": 20}, "min_freeze_step"),
-    ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_window": 0}, "freeze_window"),
-    ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_tolerance": 0}, "freeze_tolerance"),
-    ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_transient": -1.0}, "freeze_transient"),
-    ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_transient_end": 0}, "freeze_transient_end"),
-    ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_transient_end": 5.0}, "freeze_transient_end: 5.0"),
-    ({"freeze_step": "sometime"}, "freeze_step"),
-    ({"freeze_step": 5, "compression_space": "gradient"}, "compression_space"),
-    ({"freeze_step": 5, "update_guard": 0.5}, "update_guard"),
-    ({"freeze_step": 5, "unfreeze_rise": 3.0}, "unfreeze_rise=3.0 needs freeze_step='auto'"),
-    ({"freeze_step": "auto", "max_freeze_step": 10, "unfreeze_rise": 0}, "unfreeze_rise: 0"),
-    ({"freeze_step": "auto", "max_freeze_step": 10, "unfreeze_rise": math.inf}, "unfreeze_rise: inf"),
-])
-@pytest.mark.parametrize("cls", [onebitlamb.OneBitLamb, onebitlamb.OneBitAdam])
-def test_invalid_onebit_options(cls, kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        cls([torch.nn.Parameter(torch.zeros(2))], **kwargs)
 
 
 def test_trust_rise_by_hand():
@@ -707,50 +620,43 @@ def test_trust_rise_by_hand():
     history[:, 1] = -math.inf  # a layer whose trust ratio was never defined is left out
     assert trust_rise(history, count=9) == pytest.approx(-0.1)  # the lower middle of (0.3, -0.1)
     assert trust_rise(torch.full((4, 2), -math.inf), count=9) is None
-    # the median level: a layer that overtakes the median one moves it, though most layers fall
-    history = torch.tensor([[0.0, 1.0, 2.0], [1.5, 0.9, 1.9]])
-    assert trust_rise(history, count=2) == pytest.approx(-0.1)  # rises 1.5, -0.1, -0.1
-    assert trust_rise(history, count=2, measure="median_level") == pytest.approx(0.5)  # 1.5 against 1.0
 
 
-def _rising_trust_run(after_trust_peak, steps=120, resume_at=None, min_freeze_step=5):
+def _rising_trust_run(steps=120, resume_at=None, floor=5):
     """A small regression net whose trust ratios rise for a while after its variance has settled
     (its weights grow, its Adam direction does not). Returns the optimizer, the step-by-step
-    trust ratios (layer_diagnostics) and trust_rise."""
+    trust ratios (layer_diagnostics) and freeze statistics."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     x = torch.randn(256, 8)
     y = (x @ torch.randn(8, 1)).tanh()
-    options = dict(lr=1e-2, freeze_step="auto", min_freeze_step=min_freeze_step, max_freeze_step=100,
-                   freeze_window=10, freeze_tolerance=1.0)
-    if after_trust_peak is not None:  # None: the default
-        options["freeze_after_trust_peak"] = after_trust_peak
-    opt = onebitlamb.OneBitLamb(model.parameters(), **options)
-    ratios, rises = [], []
+    policy = _auto(100, floor=floor, cap=100, window=10, tolerance=1.0)
+    opt = onebitlamb.OneBitLamb(model.parameters(), lr=1e-2, freeze_step=policy)
+    ratios, stats = [], []
     for t in range(1, steps + 1):
         rows = torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(t))
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
         opt.step()
         ratios.append([d["trust_ratio"] for d in opt.layer_diagnostics()])
-        rises.append(opt.trust_rise)
+        stats.append(opt.freeze_stats())
         if t == resume_at:
-            opt = _through_a_checkpoint(opt, lambda: onebitlamb.OneBitLamb(model.parameters(), **options))
+            opt = _through_a_checkpoint(
+                opt, lambda: onebitlamb.OneBitLamb(model.parameters(), lr=1e-2, freeze_step=policy))
         if opt.stage == "compression":
             break
-    return opt, ratios, rises
+    return opt, ratios, stats
 
 
-def test_freeze_after_trust_peak_waits_until_the_median_trust_ratio_stops_rising():
-    """The variance criterion alone freezes at some step R; with freeze_after_trust_peak the freeze
-    comes at the first step from R + freeze_window on (a window that starts at R) where the median
-    layer's running-average trust ratio is no higher than ``freeze_window`` steps before.
-    Recomputed here from the trust ratios each step applied (bias-corrected average with
-    coeff_beta 0.9, as the frozen coefficient is)."""
-    plain, _, _ = _rising_trust_run(False)
-    ready = plain.state["flat"]["frozen_at"]
-    opt, ratios, rises = _rising_trust_run(True)
-    assert opt.freeze_ready_step == ready  # the warm-up is the same run up to the freeze
+def test_one_bit_lamb_waits_until_the_median_trust_ratio_stops_rising():
+    """The variance criterion first holds at the step R where the spread is within the tolerance;
+    the freeze comes at the first step from R + window on (a window that starts at R) where the
+    median layer's running-average trust ratio is no higher than ``window`` steps before.
+    Both recomputed here: R from the spreads, the rise from the trust ratios each step applied
+    (bias-corrected average with coeff_beta 0.9, as the frozen coefficient is)."""
+    opt, ratios, stats = _rising_trust_run()
+    ready = next(t for t, s in enumerate(stats, start=1) if s["spread"] is not None and s["spread"] <= 1.0)
+    assert opt.freeze_stats()["ready_step"] == ready
     window, beta = 10, 0.9
     average, levels = torch.zeros(4), []
     for t, row in enumerate(ratios, start=1):
@@ -760,134 +666,52 @@ def test_freeze_after_trust_peak_waits_until_the_median_trust_ratio_stops_rising
                     if float((levels[t - 1] - levels[t - 1 - window]).sort().values[1]) <= 0)
     frozen_at = opt.state["flat"]["frozen_at"]
     assert frozen_at == expected and frozen_at > ready + window, (frozen_at, expected, ready)
+    rises = [s["trust_rise"] for s in stats]
     assert rises[ready - 1:ready + window - 1] == [None] * window  # the window restarted at R
     assert all(r > 0 for r in rises[ready + window - 1:frozen_at - 1])  # waited while it rose
     assert rises[frozen_at - 1] <= 0                           # the freeze's own step decided it
-    resumed, _, _ = _rising_trust_run(True, resume_at=ready + 2)  # a checkpoint taken while it waited
+    assert opt.freeze_stats()["trust_peak_step"] == frozen_at
+    resumed, _, _ = _rising_trust_run(resume_at=ready + 2)  # a checkpoint taken while it waited
     assert resumed.state["flat"]["frozen_at"] == frozen_at
 
 
 def test_with_the_wait_the_floor_bounds_the_freeze_not_the_criterion():
-    """min_freeze_step above the step the wait ends at freezes at the floor, with the criterion and
-    the wait judged from the start as without it (a floor on the criterion would restart the
-    wait's window there and freeze a window or more later); one at or below it changes nothing."""
-    plain, _, _ = _rising_trust_run(True)
-    ready, frozen_at = plain.freeze_ready_step, plain.state["flat"]["frozen_at"]
-    assert plain.trust_peak_step == frozen_at and ready > 5
-    at_the_freeze, _, _ = _rising_trust_run(True, min_freeze_step=frozen_at)
-    assert at_the_freeze.state["flat"]["frozen_at"] == frozen_at
-    after_ready = ready + 1  # as a floor on the criterion it would have moved the wait
-    assert _rising_trust_run(True, min_freeze_step=after_ready)[0].state["flat"]["frozen_at"] == frozen_at
+    """A floor above the step the wait ends at freezes at the floor, with the criterion and the
+    wait judged from the start as without it (a floor on the criterion would restart the wait's
+    window there and freeze a window or more later); one at or below it changes nothing."""
+    plain, _, _ = _rising_trust_run()
+    ready, frozen_at = plain.freeze_stats()["ready_step"], plain.state["flat"]["frozen_at"]
+    assert plain.freeze_stats()["trust_peak_step"] == frozen_at and ready > 5
+    assert _rising_trust_run(floor=frozen_at)[0].state["flat"]["frozen_at"] == frozen_at
+    assert _rising_trust_run(floor=ready + 1)[0].state["flat"]["frozen_at"] == frozen_at
     floor = frozen_at + 7
-    floored, ratios, rises = _rising_trust_run(True, min_freeze_step=floor)
+    floored, _, stats = _rising_trust_run(floor=floor)
     assert floored.state["flat"]["frozen_at"] == floor
-    assert (floored.freeze_ready_step, floored.trust_peak_step) == (ready, frozen_at)
-    assert any(r > 0 for r in rises[frozen_at:floor])  # the ratios rose again; the wait had ended
-    resumed, _, _ = _rising_trust_run(True, resume_at=frozen_at + 2, min_freeze_step=floor)
+    assert (floored.freeze_stats()["ready_step"], floored.freeze_stats()["trust_peak_step"]) == (ready, frozen_at)
+    assert any(s["trust_rise"] > 0 for s in stats[frozen_at:floor])  # the ratios rose again; the wait had ended
+    resumed, _, _ = _rising_trust_run(resume_at=frozen_at + 2, floor=floor)
     assert resumed.state["flat"]["frozen_at"] == floor  # the wait's end is part of the state
 
 
-def test_the_automatic_freeze_waits_for_the_trust_peak_by_default_and_a_fixed_freeze_has_none():
-    waiting, _, _ = _rising_trust_run(True)
-    default, _, _ = _rising_trust_run(None)
-    assert default.state["flat"]["frozen_at"] == waiting.state["flat"]["frozen_at"] > default.freeze_ready_step
-    fixed = onebitlamb.OneBitLamb([torch.nn.Parameter(torch.zeros(2))], freeze_step=10)
-    assert fixed.defaults["freeze_after_trust_peak"] is False
+def test_a_fixed_freeze_and_one_bit_adam_have_no_wait():
+    fixed = onebitlamb.OneBitLamb([torch.nn.Parameter(torch.ones(2))], freeze_step=10)
+    adam = onebitlamb.OneBitAdam([torch.nn.Parameter(torch.ones(2))], freeze_step=_auto(20, cap=20))
+    for opt in (fixed, adam):
+        for _ in range(3):
+            opt.param_groups[0]["params"][0].grad = torch.ones(2)
+            opt.step()
+        stats = opt.freeze_stats()
+        assert stats["trust_rise"] is None and stats["ready_step"] is None and "trust_history" not in opt.state["flat"]
 
 
-def test_freeze_after_trust_peak_still_freezes_at_the_cap():
+def test_the_wait_still_freezes_at_the_cap():
     """Trust ratios that rise at every step (the weights grow, the gradient stays the same) never
-    pass the peak: the cap freezes the run, as without the option."""
+    pass the peak: the cap freezes the run."""
     p = torch.nn.Parameter(torch.ones(16))
-    opt = onebitlamb.OneBitLamb([p], lr=1e-1, freeze_step="auto", max_freeze_step=30, freeze_window=5,
-                                freeze_tolerance=1.0, freeze_after_trust_peak=True)
+    opt = onebitlamb.OneBitLamb([p], lr=1e-1, freeze_step=_auto(30, cap=30, window=5, tolerance=1.0))
     for _ in range(30):
         p.grad = -torch.ones(16)  # a constant descent direction: |x| grows, |u| stays 4
         opt.step()
-    assert opt.freeze_ready_step is not None and opt.freeze_ready_step < 30
+    ready = opt.freeze_stats()["ready_step"]
+    assert ready is not None and ready < 30
     assert opt.state["flat"]["frozen_at"] == 30
-
-
-def _pinned_median_run(trust_peak_layers):
-    """One layer whose trust ratio rises at every step (its weights grow, the gradient stays), and two
-    whose ratio LAMB's clip pins at min_coeff (weights of 1e-4 against an update of norm 4, at a rate
-    too small to grow them): the median layer is a pinned one. Returns (ready step, freeze step)."""
-    rising = torch.nn.Parameter(torch.ones(16))
-    pinned = [torch.nn.Parameter(torch.full((16,), 1e-4)) for _ in range(2)]
-    opt = onebitlamb.OneBitLamb([{"params": [rising]}, {"params": pinned, "lr": 1e-4}], lr=1e-1,
-                                freeze_step="auto", max_freeze_step=40, freeze_window=5, freeze_tolerance=1.0,
-                                trust_peak_layers=trust_peak_layers)
-    for _ in range(40):
-        for p in [rising, *pinned]:
-            p.grad = -torch.ones(16)
-        opt.step()
-        assert [round(d["trust_ratio"], 6) for d in opt.layer_diagnostics()][1:] == [0.01, 0.01]
-        if opt.stage == "compression":
-            break
-    return opt.freeze_ready_step, opt.state["flat"]["frozen_at"]
-
-
-def test_trust_peak_over_unclipped_layers_leaves_out_the_pinned_ones():
-    """With every layer counted the pinned pair decides the median (a rise of exactly 0), so the freeze
-    comes as soon as the window restarted at "ready" is full, while the one free ratio still rises by
-    a factor of 1.1 a step. Left out, the rising layer holds the freeze back; once it reaches
-    max_coeff it is clipped too, no layer is left to read, and the cap freezes the run."""
-    ready, frozen = _pinned_median_run("all")
-    assert frozen == ready + 5
-    ready_unclipped, frozen_unclipped = _pinned_median_run("unclipped")
-    assert ready_unclipped == ready and frozen_unclipped == 40
-
-
-def _overtaking_run(trust_peak_measure):
-    """Three layers: one whose trust ratio rises by 10% a step from 0.6 (its weights grow, the gradient
-    stays), past two whose ratios (1 and 3) fall very slowly (their weights shrink at a tiny rate).
-    Returns (ready step, freeze step, each step's trust ratios)."""
-    rising = torch.nn.Parameter(torch.full((16,), 0.6))
-    falling = [torch.nn.Parameter(torch.full((16,), value)) for value in (1.0, 3.0)]
-    opt = onebitlamb.OneBitLamb([{"params": [rising]}, {"params": falling, "lr": 1e-4}], lr=1e-1,
-                                freeze_step="auto", max_freeze_step=60, freeze_window=5, freeze_tolerance=1.0,
-                                trust_peak_measure=trust_peak_measure)
-    ratios = []
-    for _ in range(60):
-        rising.grad = -torch.ones(16)
-        for p in falling:
-            p.grad = torch.ones(16)
-        opt.step()
-        ratios.append([d["trust_ratio"] for d in opt.layer_diagnostics()])
-        if opt.stage == "compression":
-            break
-    return opt.freeze_ready_step, opt.state["flat"]["frozen_at"], ratios
-
-
-def test_trust_peak_by_the_median_level_waits_while_a_layer_overtakes_the_median():
-    """Two layers of three fall, so the median of the rises is below 0 as soon as the window restarted at
-    "ready" is full. The median level is the rising layer's from when it passes the ratio of 1 until it
-    passes 3, and the freeze waits for it: the first step from ready + window on where the median of
-    the levels (log of the bias-corrected running average, coeff_beta 0.9) is no higher than a window
-    before, recomputed here from the trust ratios each step applied."""
-    ready, frozen, _ = _overtaking_run("median_rise")
-    assert frozen == ready + 5
-    ready_level, frozen_level, ratios = _overtaking_run("median_level")
-    assert ready_level == ready
-    window, beta = 5, 0.9
-    average, medians = torch.zeros(3), []
-    for t, row in enumerate(ratios, start=1):
-        average = beta * average + (1 - beta) * torch.tensor(row, dtype=torch.float64)
-        medians.append(float(torch.log(average / (1 - beta ** t)).median()))
-    expected = next(t for t in range(ready + window, len(medians) + 1)
-                    if medians[t - 1] - medians[t - 1 - window] <= 0)
-    assert frozen_level == expected > ready + 2 * window, (frozen_level, expected, ready)
-    assert ratios[frozen_level - 1][0] > 3.0  # by then it has passed the higher of the two
-
-
-@pytest.mark.parametrize("kwargs,match", [
-    ({"freeze_step": "auto", "max_freeze_step": 10, "trust_peak_measure": "mean"},
-     "Invalid trust_peak_measure: 'mean' \\(one of median_rise, median_level\\)"),
-    ({"freeze_step": 10, "freeze_after_trust_peak": True}, "freeze_after_trust_peak=True needs freeze_step='auto'"),
-    ({"freeze_step": "auto", "max_freeze_step": 10, "freeze_after_trust_peak": 1}, "freeze_after_trust_peak: 1"),
-    ({"freeze_step": "auto", "max_freeze_step": 10, "trust_peak_layers": "weights"},
-     "Invalid trust_peak_layers: 'weights' \\(one of all, unclipped\\)"),
-])
-def test_invalid_trust_peak_options(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        onebitlamb.OneBitLamb([torch.nn.Parameter(torch.zeros(2))], **kwargs)

@@ -1,8 +1,8 @@
 """The maths of LAMB, 1-bit LAMB and 1-bit Adam on flat buffers and per-layer vectors.
 
 Pure functions: no process groups, no optimizer state. ``staged.py`` decides which of them a
-step runs; the tests check them through the optimizers against a reference written separately
-from ALGORITHM.md. Per-layer quantities are float32 vectors with one entry per parameter tensor.
+step runs; the tests check them through the optimizers against a reference of the algorithm
+written separately (``tests/reference.py``). Per-layer quantities are float32 vectors with one entry per parameter tensor.
 """
 from __future__ import annotations
 
@@ -56,14 +56,6 @@ def trust_ratios(param_norms: torch.Tensor, update_norms: torch.Tensor, min_coef
     return torch.where(defined, ratio, torch.ones_like(ratio)), defined
 
 
-def relative_steps(coeff: torch.Tensor, param_norms: torch.Tensor,
-                   update_norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each layer's relative step per unit learning rate, ``c ||u|| / ||x||``, and where it is
-    defined (both norms non-zero): the yardstick of the stage-2 update guard."""
-    defined = (param_norms > 0) & (update_norms > 0)
-    return coeff * update_norms / torch.where(defined, param_norms, torch.ones_like(param_norms)), defined
-
-
 def update_ema_(ema: torch.Tensor, count: torch.Tensor, value: torch.Tensor, defined: torch.Tensor,
                 beta: float) -> None:
     """Per-layer moving average over the steps where the value was defined (the trust ratio's
@@ -74,7 +66,7 @@ def update_ema_(ema: torch.Tensor, count: torch.Tensor, value: torch.Tensor, def
 
 
 def corrected_ema(ema: torch.Tensor, count: torch.Tensor, beta: float) -> torch.Tensor:
-    """The average bias-corrected like Adam's moments (ALGORITHM.md [choice]); 1 with no update."""
+    """The average bias-corrected like Adam's moments (docs/algorithm.md); 1 with no update."""
     correction = 1 - torch.pow(torch.tensor(beta, dtype=ema.dtype), count.to(ema.dtype))
     return torch.where(count > 0, ema / torch.where(count > 0, correction, torch.ones_like(correction)),
                        torch.ones_like(ema))
@@ -97,7 +89,7 @@ def momentum_scales(momentum_norms: torch.Tensor, numels: torch.Tensor) -> torch
 def scaling_factors(max_denominator_ratio: torch.Tensor, plain_update_norms: torch.Tensor,
                     update_norms: torch.Tensor, weight_decays: torch.Tensor, prev_factor: torch.Tensor,
                     factor_min: float, factor_max: float, factor_threshold: float) -> torch.Tensor:
-    """1-bit LAMB's per-layer factor ("stabilized soft thresholds"), ALGORITHM.md stage 2 step 7.
+    """1-bit LAMB's per-layer factor ("stabilized soft thresholds"), docs/algorithm.md, stage 2.
 
     ``max_denominator_ratio`` is ``max(den / (sqrt(v_fresh_hat) + eps))`` per layer: how much the
     frozen variance overstates the live one. With weight decay only the part of the update that
@@ -136,7 +128,7 @@ def fresh_variance_statistics_(v_fresh: torch.Tensor, m: torch.Tensor, m_prev: t
                                 bias_correction1: float, bias_correction2: float, beta1: float, beta2: float,
                                 eps: float, views_of: List[slice], offsets: torch.Tensor, update: torch.Tensor,
                                 scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """All that 1-bit LAMB's stage 2 computes per element (ALGORITHM.md stage 2, steps 5-7), in one
+    """All that 1-bit LAMB's stage 2 computes per element (docs/algorithm.md, stage 2), in one
     pass where the compiled loop applies (contiguous float32 on the CPU; ``optim/native.py``).
 
     Writes Adam's direction with the frozen denominator into ``update`` and updates ``v_fresh``
@@ -164,48 +156,32 @@ def segment_max(flat: torch.Tensor, views_of: List[slice]) -> torch.Tensor:
 
 
 def settled(spread: Optional[float], tolerance: float) -> bool:
-    """The automatic freeze criterion: has the warm-up left its early transient?
+    """The automatic freeze's criterion: has the warm-up left its early transient?
 
     ``spread`` is ``window_spread`` of the last ``W + 1`` warm-up steps' per-layer
     ``log ||v_hat||`` (synchronized, so every rank decides alike). Settled when every layer's has
-    moved by at most ``tolerance`` (max minus min, in log space) over the window. A layer still on
-    the early plateau, or leaving it, has a variance that grows by orders of magnitude and holds
-    the freeze back; layers with no gradient yet (``log 0``) are ignored until they have one.
-
-    The trust ratio is deliberately not part of the test: measured on the main job (BERT, batch
-    512), the most mobile layer's trust ratio kept moving by a factor of about 3-4 over 20 steps
-    long after the variance had settled, so requiring it to settle too never let the freeze
-    happen before the cap (docs/convergence.md).
+    moved by at most ``tolerance`` over the window. A layer still on the early plateau, or leaving
+    it, has a variance that grows by orders of magnitude and holds the freeze back; layers with no
+    gradient yet (``log 0``) are ignored until they have one. The trust ratio is not part of the
+    test: the most mobile layer's keeps moving long after the variance has settled.
     """
     return spread is not None and spread <= tolerance
 
 
-def transient_passed(spread: Optional[float], peak: float, transient: Optional[float],
-                     end: Optional[float] = None) -> bool:
+def transient_passed(spread: Optional[float], peak: float, transient: float, end: float) -> bool:
     """The automatic freeze's second way out: the warm-up has been through its transient.
 
-    On the main job every preset shows one: some layers sit on a plateau with a tiny variance,
-    then leave it and their ``log ||v_hat||`` grows by 6-14 within a window; before it the spread
-    stayed below 2.9 in every run of the convergence study (docs/convergence.md). Freezing before
-    or during that rise fails (the frozen variance cannot follow); freezing once it is over works,
-    long before every layer has settled to ``freeze_tolerance``. So: passed when the spread has
-    once reached ``transient`` (``peak`` is the largest spread seen so far) and has since fallen to
-    ``end`` (the optimizers' default: half of ``transient``), or with ``end=None`` to half of that
-    peak. ``transient=None`` turns this way out off.
-
-    Half the peak is relative: a tall peak lets the freeze come while the layers still move a lot.
-    A one-step gradient spike on the plateau makes such a peak (its jump stays in the window for
-    exactly a window, then leaves it), and at one seed of the main job the freeze then came while
-    the attention layers' variance still grew by e^4 per window, still 8 below its later level
-    (docs/convergence.md). An absolute ``end`` waits until that growth has slowed.
+    Freezing before or during a plateau exit fails (the frozen variance cannot follow the jump);
+    freezing once it is over works, long before every layer has settled to the tolerance. So:
+    passed when the spread has once reached ``transient`` (``peak`` is the largest spread seen so
+    far) and has since fallen to ``end``. An absolute end rather than a share of the peak: a
+    one-step gradient spike makes a tall peak while the layers still move a lot.
     """
-    if transient is None or spread is None or peak < transient:
-        return False
-    return spread <= (peak / 2 if end is None else end)
+    return spread is not None and peak >= transient and spread <= end
 
 
-def freeze_due(step: int, spread: Optional[float], peak: float, floor: int, cap: float, tolerance: float,
-               transient: Optional[float], end: Optional[float]) -> bool:
+def freeze_due(step: int, spread: Optional[float], peak: float, floor: int, cap: int, tolerance: float,
+               transient: float, end: float) -> bool:
     """The automatic freeze's decision at the end of warm-up step ``step``: always at the cap,
     never before the floor, and in between once ``settled`` or ``transient_passed``."""
     if step >= cap:
@@ -215,27 +191,17 @@ def freeze_due(step: int, spread: Optional[float], peak: float, floor: int, cap:
     return settled(spread, tolerance) or transient_passed(spread, peak, transient, end)
 
 
-def trust_rise(history: torch.Tensor, count: int, measure: str = "median_rise") -> Optional[float]:
-    """How far the layers' trust ratios rose over the window (rows: each warm-up step's per-layer
-    ``log`` of the trust ratio's running average; log scale, so 0.1 is about 10%), over the layers
-    with a finite level throughout it. ``measure="median_rise"``: the median over the layers of
-    each one's rise (the last row minus the first), which is at most 0 once half the layers have
-    stopped rising. ``"median_level"``: how far the median of the levels rose (the median of the
-    last row minus that of the first), which is at most 0 once the median trust ratio, the one a
-    freeze keeps for the typical layer, has stopped rising. They differ in a lull: on the main
-    job (``demo`` seed 1238, steps 111-120) half the layers stood still or fell a little while
-    the others rose, and the median of the rises sat within 0.005 of 0 while the median level
-    still rose by 0.09-0.16 a window. None until the window is full or while no layer has a
-    finite level throughout it.
+def trust_rise(history: torch.Tensor, count: int) -> Optional[float]:
+    """How far the layers' trust ratios rose over the window: the median over the layers of each
+    one's rise (last row minus first; rows are each warm-up step's per-layer ``log`` of the trust
+    ratio's running average, so 0.1 is about 10%), over the layers with a finite level throughout.
+    At most 0 once half the layers have stopped rising. None until the window is full or while no
+    layer has a finite level throughout it.
 
-    Why it can hold a freeze back (``OneBitLamb(freeze_after_trust_peak=True)``): stage 2 keeps the
-    trust ratio of the freeze, and on the main job's ``b1024`` LAMB's own trust ratios keep rising
-    for 100-200 steps after the variance has left its transient. A freeze on that rise keeps a
-    smaller ratio than LAMB soon uses, and over the seeds measured the smaller the compressed steps,
-    the worse the run (docs/convergence.md). The median, not every layer: the most mobile layer's
-    ratio keeps moving by a factor of 3-4 long after the rest (``settled``). The optimizer starts
-    the window afresh when the variance criterion holds: the plateau exit makes the ratios dip,
-    and the criterion holds near the bottom of that dip, where they are flat before rising again.
+    Why a freeze waits for it: stage 2 keeps the trust ratio of the freeze, and LAMB's own ratios
+    may keep rising well after the variance has settled; a freeze on that rise keeps ratios smaller
+    than the ones LAMB soon uses. The median, not every layer: the most mobile layer's ratio keeps
+    moving long after the rest.
     """
     if count < history.shape[0]:
         return None
@@ -243,8 +209,6 @@ def trust_rise(history: torch.Tensor, count: int, measure: str = "median_rise") 
     if not bool(finite.any()):
         return None
     first, last = history[0, finite], history[-1, finite]
-    if measure == "median_level":
-        return float(last.median() - first.median())
     return float((last - first).median())
 
 
@@ -263,18 +227,3 @@ def window_spread(history: torch.Tensor, count: int) -> Optional[float]:
         return None
     window = history[:, finite]
     return float((window.max(dim=0).values - window.min(dim=0).values).max())
-
-
-def window_rise(history: torch.Tensor, count: int) -> torch.Tensor:
-    """Per column, how far the last of the most recent ``min(count, rows)`` rows lies above the
-    lowest finite one (log scale, so a rise of 5 is a factor e^5); ``nan`` where the last is not
-    finite (a layer with no gradient). Unlike ``window_spread`` it counts rises only: a layer
-    whose variance falls is no reason to undo a freeze."""
-    window = history[-min(count, history.shape[0]):]
-    finite = torch.isfinite(window)
-    lowest = torch.where(finite, window, torch.full_like(window, math.inf)).min(dim=0).values
-    last = window[-1]
-    known = torch.isfinite(last) & torch.isfinite(lowest)
-    rise = last - torch.where(known, lowest, torch.zeros_like(lowest))
-    return torch.where(known, rise, torch.full_like(last, math.nan))
-

@@ -1,0 +1,210 @@
+"""When the warm-up ends: a fixed step, or ``AutoFreeze``, the automatic policy.
+
+The optimizers take either as ``freeze_step``. ``AutoFreeze`` is a plain, immutable description
+(what a user writes); the decisions it implies run in ``AutomaticSchedule``, whose whole memory
+lives in the optimizer's flat state, so a checkpoint resumes a half-watched warm-up exactly and
+every rank, reading only synchronized values, decides alike. ``docs/convergence.md`` tells when
+to use which; ``docs/algorithm.md`` states the rule.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+from onebitlamb.optim import functional as F
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class AutoFreeze:
+    """Freeze once the warm-up has settled, between a floor and a cap given as fractions of the run.
+
+    Args:
+        total_steps: the number of optimizer steps of the whole run (what the fractions refer to).
+        min_fraction: the floor: no freeze before this share of the steps. ``None``: 0.3 for
+            ``OneBitLamb`` (measured with its wait for the trust ratios' peak), 0.05 for
+            ``OneBitAdam`` (which has no trust ratio to wait for).
+        max_fraction: the cap: the freeze comes at this share of the steps at the latest.
+        window: steps over which the warm-up must have settled.
+        tolerance: settled when every layer's ``log ||v_hat||`` moved by at most this over the window.
+        transient: a window spread this large marks a plateau exit (layers whose variance jumps by
+            orders of magnitude as they start to learn) ...
+        transient_end: ... after which the freeze may come once the spread is back to this.
+
+    With ``OneBitLamb`` the freeze then waits, up to the cap, until the median layer's trust ratio
+    has stopped rising over a window, so that stage 2 keeps the ratios LAMB reaches at their peak.
+    """
+
+    total_steps: int
+    min_fraction: Optional[float] = None
+    max_fraction: float = 0.75
+    window: int = 20
+    tolerance: float = 0.3
+    transient: float = 5.0
+    transient_end: float = 2.5
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.total_steps) or self.total_steps < 1:
+            raise ValueError(f"Invalid total_steps: {self.total_steps!r} (must be an integer >= 1)")
+        if not _is_number(self.max_fraction) or not 0 < self.max_fraction <= 1:
+            raise ValueError(f"Invalid max_fraction: {self.max_fraction!r} (must be in (0, 1])")
+        if self.min_fraction is not None and (not _is_number(self.min_fraction)
+                                              or not 0 < self.min_fraction <= self.max_fraction):
+            raise ValueError(f"Invalid min_fraction: {self.min_fraction!r} (None, or in (0, max_fraction="
+                             f"{self.max_fraction}])")
+        if not _is_int(self.window) or self.window < 1:
+            raise ValueError(f"Invalid window: {self.window!r} (must be an integer >= 1)")
+        if not _is_number(self.tolerance) or self.tolerance <= 0:
+            raise ValueError(f"Invalid tolerance: {self.tolerance!r} (must be a finite number > 0)")
+        if not _is_number(self.transient) or self.transient <= 0:
+            raise ValueError(f"Invalid transient: {self.transient!r} (must be a finite number > 0)")
+        if not _is_number(self.transient_end) or not 0 < self.transient_end < self.transient:
+            raise ValueError(f"Invalid transient_end: {self.transient_end!r} (must be in (0, transient="
+                             f"{self.transient}))")
+
+    def cap_step(self) -> int:
+        return max(1, round(self.max_fraction * self.total_steps))
+
+    def floor_step(self, waits_for_trust_peak: bool) -> int:
+        fraction = self.min_fraction
+        if fraction is None:
+            fraction = 0.3 if waits_for_trust_peak else 0.05
+        return min(self.cap_step(), max(1, round(fraction * self.total_steps)))
+
+
+FreezeStep = Union[int, AutoFreeze]
+
+
+def schedule_for(owner: str, freeze_step: Any, waits_for_trust_peak: bool) -> "FixedSchedule | AutomaticSchedule":
+    """The schedule behind an optimizer's ``freeze_step`` argument, validated."""
+    if isinstance(freeze_step, AutoFreeze):
+        return AutomaticSchedule(freeze_step, waits_for_trust_peak)
+    if _is_int(freeze_step) and freeze_step >= 1:
+        return FixedSchedule(freeze_step)
+    raise ValueError(f"Invalid freeze_step for {owner}: {freeze_step!r}. Pass the number of warm-up steps "
+                     f"with full communication (an integer >= 1; the paper suggests 15-25% of the run, small "
+                     f"models may need more) or onebitlamb.AutoFreeze(total_steps=...) to let the warm-up decide")
+
+
+class FixedSchedule:
+    """``freeze_step=N``: the freeze comes at the end of step N, whatever the warm-up shows."""
+
+    watches = False
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.floor_step = self.cap_step = step
+
+    def init_state(self, flat: Dict[str, Any], layers: int, device: torch.device) -> None:
+        pass
+
+    def record(self, flat: Dict[str, Any], variance_levels: torch.Tensor,
+               trust_levels: Optional[torch.Tensor]) -> None:
+        pass
+
+    def due(self, flat: Dict[str, Any]) -> bool:
+        return flat["step"] == self.step
+
+    def stats(self, flat: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        return _stats(flat, self.floor_step, self.cap_step)
+
+
+class AutomaticSchedule:
+    """The decisions of ``AutoFreeze`` for one optimizer. Every warm-up step ``record``s each
+    layer's ``log ||v_hat||`` (and, when waiting for the trust peak, the log of each layer's
+    running-average trust ratio, the value a freeze now would keep); ``due`` then says whether the
+    freeze comes at the end of this step."""
+
+    watches = True
+
+    def __init__(self, config: AutoFreeze, waits_for_trust_peak: bool) -> None:
+        self.config = config
+        self.waits = waits_for_trust_peak
+        self.floor_step = config.floor_step(waits_for_trust_peak)
+        self.cap_step = config.cap_step()
+
+    def init_state(self, flat: Dict[str, Any], layers: int, device: torch.device) -> None:
+        rows = dict(dtype=torch.float32, device=device)
+        flat["freeze_history"] = torch.zeros(self.config.window + 1, layers, **rows)
+        flat["freeze_history_count"] = 0
+        flat["freeze_spread_peak"] = 0.0
+        if self.waits:
+            flat["trust_history"] = torch.zeros(self.config.window + 1, layers, **rows)
+            flat["trust_history_count"] = 0
+            flat["freeze_ready_at"] = None  # the step at whose end the variance criterion first held
+            flat["trust_peak_at"] = None  # the step at whose end the trust ratios had then stopped rising
+
+    def record(self, flat: Dict[str, Any], variance_levels: torch.Tensor,
+               trust_levels: Optional[torch.Tensor]) -> None:
+        _push(flat, "freeze_history", variance_levels)
+        spread = F.window_spread(flat["freeze_history"], flat["freeze_history_count"])
+        if spread is not None:
+            flat["freeze_spread_peak"] = max(flat.get("freeze_spread_peak", 0.0), spread)
+        if self.waits:
+            _push(flat, "trust_history", trust_levels)
+
+    def due(self, flat: Dict[str, Any]) -> bool:
+        c, step = self.config, flat["step"]
+        spread = F.window_spread(flat["freeze_history"], flat["freeze_history_count"])
+        # With the wait the floor bounds the freeze, not the criterion: a floor on the criterion
+        # would restart the wait's window there and push the freeze a window or more later.
+        criterion = F.freeze_due(step, spread, flat.get("freeze_spread_peak", 0.0),
+                                 1 if self.waits else self.floor_step, self.cap_step, c.tolerance,
+                                 c.transient, c.transient_end)
+        if not self.waits:
+            return criterion
+        if criterion and flat["freeze_ready_at"] is None:
+            # Kept, since the spread may rise again while the ratios still climb. The window restarts
+            # here: one reaching back before this step sees the dip a plateau exit makes in the ratios.
+            flat["freeze_ready_at"] = step
+            flat["trust_history_count"] = 1
+        if step >= self.cap_step:
+            return True
+        if (flat["freeze_ready_at"] is not None and flat.get("trust_peak_at") is None
+                and F.trust_peak_passed(self._trust_rise(flat))):
+            flat["trust_peak_at"] = step  # kept: the ratios may rise again before the floor
+        return flat.get("trust_peak_at") is not None and step >= self.floor_step
+
+    def _trust_rise(self, flat: Dict[str, Any]) -> Optional[float]:
+        return F.trust_rise(flat["trust_history"], flat["trust_history_count"])
+
+    def stats(self, flat: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        out = _stats(flat, self.floor_step, self.cap_step)
+        # what decided the last step, while it ran the warm-up (the freeze's own step included)
+        if flat is None or flat["frozen_at"] not in (None, flat["step"]):
+            return out
+        out["spread"] = F.window_spread(flat["freeze_history"], flat["freeze_history_count"])
+        out["spread_peak"] = flat.get("freeze_spread_peak", 0.0)
+        if flat["freeze_history_count"] > 0:
+            out["levels"] = flat["freeze_history"][-1].tolist()
+        if self.waits:
+            out["trust_rise"] = self._trust_rise(flat)
+        return out
+
+
+def _stats(flat: Optional[Dict[str, Any]], floor_step: int, cap_step: int) -> Dict[str, Any]:
+    frozen_at = None if flat is None else flat["frozen_at"]
+    return {"stage": "warmup" if frozen_at is None else "compression", "frozen_at": frozen_at,
+            "floor_step": floor_step, "cap_step": cap_step, "spread": None, "spread_peak": None,
+            "ready_step": None if flat is None else flat.get("freeze_ready_at"),
+            "trust_rise": None, "trust_peak_step": None if flat is None else flat.get("trust_peak_at"),
+            "levels": None}
+
+
+def _push(flat: Dict[str, Any], history: str, levels: torch.Tensor) -> None:
+    """Append one step's per-layer levels to a window kept in the state (its oldest row drops
+    out; ``flat[history + "_count"]`` counts the rows ever pushed)."""
+    rows = flat[history]
+    rows.copy_(torch.roll(rows, -1, dims=0))
+    rows[-1] = levels
+    flat[history + "_count"] += 1

@@ -1,0 +1,153 @@
+"""One flat float32 buffer per moment: which slice each parameter owns, and the state built on it.
+
+Every trainable parameter (param-group order, then order within the group; empty ones and those
+with ``requires_grad=False`` left out) owns a slice of the flat buffers. That layout is what one
+all-reduce averages in the warm-up and what one compressed all-reduce sends afterwards, and it
+is identical on every rank, whichever ranks happen to have ``None`` gradients.
+
+The whole optimizer state is the flat state (``optimizer.state["flat"]``), so ``state_dict()``
+continues a run bit-identically, and it stays float32 whatever the parameters' dtype
+(``torch.optim``'s usual per-parameter state would be cast to a bf16 parameter's dtype on load).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from onebitlamb.optim import functional as F
+
+
+@dataclass
+class FlatLayout:
+    params: List[torch.Tensor]
+    groups: List[int]  # each parameter's param-group index
+    numels: List[int]
+    slices: List[slice]
+    offsets: torch.Tensor  # the layers' bounds, int64 on the CPU (the compiled loop reads them)
+    numel: int
+    device: torch.device
+
+    @classmethod
+    def of(cls, param_groups: Sequence[Dict[str, Any]]) -> "FlatLayout":
+        params, groups = [], []
+        for gi, g in enumerate(param_groups):
+            for p in g["params"]:
+                if p.requires_grad and p.numel() > 0:
+                    params.append(p)
+                    groups.append(gi)
+        numels = [p.numel() for p in params]
+        offsets = [0]
+        for n in numels:
+            offsets.append(offsets[-1] + n)
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        return cls(params=params, groups=groups, numels=numels,
+                   slices=[slice(offsets[i], offsets[i + 1]) for i in range(len(params))],
+                   offsets=torch.tensor(offsets, dtype=torch.int64), numel=offsets[-1],
+                   device=params[0].device if params else torch.device("cpu"))
+
+    def per_layer(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device)
+
+    def ones(self) -> torch.Tensor:
+        return self.per_layer([1.0] * len(self.params))
+
+    def hyper(self, param_groups: Sequence[Dict[str, Any]], key: str) -> torch.Tensor:
+        """A per-group hyper-parameter expanded to one value per layer."""
+        return self.per_layer([float(param_groups[gi][key]) for gi in self.groups])
+
+    def norms(self, flat: torch.Tensor) -> torch.Tensor:
+        """Each layer's Euclidean norm of a flat buffer."""
+        return F.norms([flat[s] for s in self.slices])
+
+    def param_norms(self) -> torch.Tensor:
+        return F.norms(self.params)
+
+    def gather_grads(self, out: torch.Tensor, owner: str) -> torch.Tensor:
+        """This rank's gradients in the flat layout, float32; ``None`` counts as zero."""
+        for p, s in zip(self.params, self.slices):
+            if p.grad is None:
+                out[s].zero_()
+            elif p.grad.is_sparse:
+                raise ValueError(f"{owner} does not support sparse gradients (parameter of shape "
+                                 f"{tuple(p.shape)}); use a dense embedding")
+            else:
+                out[s].copy_(p.grad.reshape(-1))
+        return out
+
+    def add_weight_decay_(self, update: torch.Tensor, param_groups: Sequence[Dict[str, Any]]) -> None:
+        for p, s, gi in zip(self.params, self.slices, self.groups):
+            wd = param_groups[gi]["weight_decay"]
+            if wd != 0:
+                update[s].add_(p.reshape(-1), alpha=wd)
+
+    def decayed_update_norms(self, update: torch.Tensor, plain_norms: torch.Tensor,
+                             param_groups: Sequence[Dict[str, Any]]) -> torch.Tensor:
+        """The update's norms after weight decay, given those before: only the layers with weight
+        decay changed (biases and LayerNorms usually have none)."""
+        decayed = [i for i, gi in enumerate(self.groups) if param_groups[gi]["weight_decay"] != 0]
+        if not decayed:
+            return plain_norms
+        norms = plain_norms.clone()
+        norms[decayed] = F.norms([update[self.slices[i]] for i in decayed]).to(norms.device)
+        return norms
+
+    def apply_(self, update: torch.Tensor, coeff: torch.Tensor, param_groups: Sequence[Dict[str, Any]]) -> None:
+        """``x -= lr * coeff * u`` per layer, with each group's learning rate."""
+        for p, s, gi, c in zip(self.params, self.slices, self.groups, coeff.tolist()):
+            step_size = param_groups[gi]["lr"] * c
+            u = update[s].view(p.shape)
+            if p.dtype == torch.float32:
+                p.add_(u, alpha=-step_size)
+            else:  # low-precision parameter: update in float32, round once
+                p.copy_(p.float().add_(u, alpha=-step_size))
+
+
+def new_flat_state(layout: FlatLayout, world_size: int) -> Dict[str, Any]:
+    """The state every optimizer starts from: the moments and the trust ratio's running average."""
+    f32 = dict(dtype=torch.float32, device=layout.device)
+    d, layers = layout.numel, len(layout.params)
+    return {
+        "step": 0,
+        "world_size": world_size,
+        "layer_numels": list(layout.numels),
+        "exp_avg": torch.zeros(d, **f32),
+        "exp_avg_sq": torch.zeros(d, **f32),  # v; after the freeze, v_frozen (= v_hat then)
+        "coeff_ema": torch.zeros(layers, **f32),
+        "coeff_ema_count": torch.zeros(layers, **f32),
+        "frozen_at": None,  # the step at whose end the freeze happened
+    }
+
+
+def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, world_size: int) -> None:
+    """A loaded state must fit the model and the world size; its tensors move to the model's device."""
+    if list(flat["layer_numels"]) != list(layout.numels):
+        raise ValueError(f"the optimizer state holds {len(flat['layer_numels'])} parameters of sizes "
+                         f"{flat['layer_numels'][:8]}..., the model has {len(layout.numels)} of sizes "
+                         f"{layout.numels[:8]}...: not the same model or param groups")
+    if flat["world_size"] != world_size:
+        raise ValueError(f"the optimizer state was saved with world size {flat['world_size']} and is "
+                         f"loaded with world size {world_size}; its compression errors are per rank, so "
+                         f"resume on {flat['world_size']} ranks")
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor) and value.device != layout.device:
+            flat[key] = value.to(layout.device)
+
+
+class Scratch:
+    """Float32 buffers reused across steps, and caches derived from the state (not part of it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers: Dict[str, torch.Tensor] = {}
+        self.derived: Dict[str, Any] = {}
+
+    def buffer(self, name: str, numel: int) -> torch.Tensor:
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() != numel:
+            buf = torch.zeros(numel, dtype=torch.float32, device=self.device)
+            self.buffers[name] = buf
+        return buf
