@@ -1,4 +1,4 @@
-"""A reference of ALGORITHM.md written for the tests, sharing no code with the library.
+"""A reference of docs/algorithm.md written for the tests, sharing no code with the library.
 
 Deliberately plain: per-layer Python lists, the formulas in the order the spec states them, and
 every worker of a data-parallel run simulated in one process (including the 1-bit all-reduce),

@@ -1,9 +1,9 @@
-"""The error-compensated 1-bit all-reduce on real gloo ranks, against ALGORITHM.md.
+"""The error-compensated 1-bit all-reduce on real gloo ranks, against docs/algorithm.md.
 
 Spawning ranks costs seconds on a 2-core machine, so each world size is spawned once: the
 module-level ``_all_checks`` runs every multi-rank scenario on each rank and returns what it
 saw; the tests below examine those results (cached per world size). The oracle is written here
-from ALGORITHM.md in plain torch, with its own sign and its own norm, and is run in the test
+from docs/algorithm.md in plain torch, with its own sign and its own norm, and is run in the test
 process on the inputs the ranks gathered.
 """
 import functools
@@ -21,7 +21,7 @@ ORACLE_CALLS = 24            # successive calls, so both error buffers evolve
 FEEDBACK_CALLS = 64
 
 
-# --- the oracle: ALGORITHM.md, "The error-compensated 1-bit all-reduce", steps 1-5 -----------
+# --- the oracle: docs/algorithm.md, "The error-compensated 1-bit all-reduce", steps 1-5 -----------
 
 
 def _sign(x):

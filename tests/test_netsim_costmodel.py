@@ -56,7 +56,7 @@ def test_end_to_end_speedup_and_volume():
     assert costmodel.end_to_end_speedup(1.0, 1.0, 0.1, 1.0) == pytest.approx(1.0)
     with pytest.raises(ValueError):
         costmodel.end_to_end_speedup(1.0, 1.0, 0.1, 1.5)
-    # ALGORITHM.md: 1 / (w + (1-w)/32); w = 0.2 -> 1 / 0.225 = 4.444
+    # docs/algorithm.md: 1 / (w + (1-w)/32); w = 0.2 -> 1 / 0.225 = 4.444
     assert costmodel.volume_reduction(0.2) == pytest.approx(1 / 0.225)
     assert costmodel.comm_fraction(1.0, 0.1) == pytest.approx(0.9)
     assert costmodel.comm_fraction(1.0, 1.2) == 0.0

@@ -1,6 +1,6 @@
 """1-bit LAMB's fused stage-2 loop (optim/_native.c) against the torch path it replaces, and its
 instruction-set versions against each other. The optimizer itself is checked against the
-reference of ALGORITHM.md with and without the loop in test_optimizers.py."""
+reference of docs/algorithm.md with and without the loop in test_optimizers.py."""
 import functools
 from unittest import mock
 
@@ -62,7 +62,7 @@ def _available_isas():
 
 
 def _float64_truth(seed: int = 0, bc1: float = 0.3, bc2: float = 0.02):
-    """The same statistics in float64, written from ALGORITHM.md, and the size of the float32
+    """The same statistics in float64, written from docs/algorithm.md, and the size of the float32
     rounding that the reconstructed gradient ``m - beta1 m_prev`` can amplify by cancellation."""
     v, m, m_prev, den, offsets = (t.double() if torch.is_tensor(t) else t for t in _buffers(seed))
     g = (m - BETA1 * m_prev) / (1 - BETA1)

@@ -1,4 +1,4 @@
-"""The optimizers against the reference of ALGORITHM.md (tests/reference.py), on one process and
+"""The optimizers against the reference of docs/algorithm.md (tests/reference.py), on one process and
 on 2 and 4 real gloo ranks; edge cases, checkpoints, hyper-parameter errors, convergence."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The library's collectives: a plain averaging all-reduce and the error-compensated 1-bit
-all-reduce of ALGORITHM.md, on any ``torch.distributed`` backend that has all-to-all and
+all-reduce of docs/algorithm.md, on any ``torch.distributed`` backend that has all-to-all and
 all-gather (gloo on CPU, NCCL on GPU).
 
 The 1-bit all-reduce, for ``n`` ranks each holding a buffer ``b_i`` of ``D`` elements (``D`` a
@@ -256,7 +256,7 @@ def compressed_allreduce(
 
     Issues two collectives: one ``all_to_all_single`` that gives rank ``j`` chunk ``j`` of every
     rank's packed signs, each message carrying its sender's scale in 4 trailing bytes, then one
-    ``all_gather`` of the server's ``D/(8n)`` sign bytes with its scale. ALGORITHM.md sends the
+    ``all_gather`` of the server's ``D/(8n)`` sign bytes with its scale. The paper sends the
     scales in two all-gathers of their own; carrying them in the sign messages sends the same
     bytes and the same numbers in half the collectives, which is what a fast network (where a
     collective's fixed latency rivals its transfer) pays for. With one rank (or no initialised

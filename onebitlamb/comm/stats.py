@@ -2,7 +2,7 @@
 
 The figures are what the standard algorithms put on the wire per rank (ring all-reduce, ring
 all-gather, pairwise all-to-all), excluding protocol headers, so they can be compared with the
-formulas of ALGORITHM.md and with kernel interface counters.
+formulas of docs/algorithm.md and with kernel interface counters.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Sign bits packed 8 per byte, and their expansion back to ``scale * ±1``.
 
-Conventions (ALGORITHM.md): bit 1 means negative, bit 0 non-negative, so ``sign(0) = +1`` and
+Conventions (docs/algorithm.md): bit 1 means negative, bit 0 non-negative, so ``sign(0) = +1`` and
 ``sign(-0.0) = +1`` (``-0.0 < 0`` is false). NaN compares false too, so a NaN packs as +1; the
 all-reduce does not hide it, since a NaN makes the buffer's scale NaN (see ``comm``). Bits are
 packed most significant first (numpy's ``bitorder="big"``), the same on CPU and CUDA.
