@@ -443,6 +443,25 @@ def test_same_runs_bit_for_bit_as_before_the_freeze_policy_api():
     assert out[0] == pinned
 
 
+def test_a_state_saved_with_another_freeze_policy_is_a_clear_error():
+    p = torch.nn.Parameter(torch.randn(8))
+    fixed = onebitlamb.OneBitLamb([p], freeze_step=50)
+    p.grad = torch.randn(8)
+    fixed.step()
+    for policy, found in ((_auto(100), "none"), (_auto(100, window=5), "a window of 20 steps")):
+        saved = fixed if found == "none" else onebitlamb.OneBitLamb([p], freeze_step=_auto(100))
+        if saved is not fixed:
+            saved.step()
+        resumed = _through_a_checkpoint(saved, lambda: onebitlamb.OneBitLamb([p], freeze_step=policy))
+        with pytest.raises(ValueError, match=f"has {found} for freeze_history"):
+            resumed.step()
+    automatic = onebitlamb.OneBitLamb([p], freeze_step=_auto(100))
+    automatic.step()
+    as_fixed = _through_a_checkpoint(automatic, lambda: onebitlamb.OneBitLamb([p], freeze_step=50))
+    as_fixed.step()  # a fixed step needs no history: the automatic one's is carried along unread
+    assert as_fixed.state["flat"]["step"] == 2
+
+
 def test_auto_freeze_same_step_on_all_ranks_and_exact_resume():
     """AutoFreeze on 2 ranks: the ranks agree bit for bit (so they froze at the same step), the
     freeze falls between the floor and the cap, and resume is exact in either stage."""

@@ -108,6 +108,9 @@ class FixedSchedule:
     def init_state(self, flat: Dict[str, Any], layers: int, device: torch.device) -> None:
         pass
 
+    def check_state(self, flat: Dict[str, Any]) -> None:
+        pass
+
     def record(self, flat: Dict[str, Any], variance_levels: torch.Tensor,
                trust_levels: Optional[torch.Tensor]) -> None:
         pass
@@ -143,6 +146,16 @@ class AutomaticSchedule:
             flat["trust_history_count"] = 0
             flat["freeze_ready_at"] = None  # the step at whose end the variance criterion first held
             flat["trust_peak_at"] = None  # the step at whose end the trust ratios had then stopped rising
+
+    def check_state(self, flat: Dict[str, Any]) -> None:
+        """A loaded state must carry this policy's history, over a window of the same length."""
+        for history in ("freeze_history", "trust_history") if self.waits else ("freeze_history",):
+            rows = flat.get(history)
+            if rows is None or rows.shape[0] != self.config.window + 1:
+                found = "none" if rows is None else f"a window of {rows.shape[0] - 1} steps"
+                raise ValueError(f"the loaded optimizer state has {found} for {history}, this optimizer's "
+                                 f"AutoFreeze watches {self.config.window} steps: load it with the freeze_step "
+                                 f"it was saved with")
 
     def record(self, flat: Dict[str, Any], variance_levels: torch.Tensor,
                trust_levels: Optional[torch.Tensor]) -> None:

@@ -88,6 +88,8 @@ class StagedOptimizer(Optimizer):
         world = world_size_of(self.process_group)
         if "flat" in self.state:
             check_loaded_state(self._flat, self._layout, world)
+            if self._schedule is not None:
+                self._schedule.check_state(self._flat)
             return
         self.state["flat"] = new_flat_state(self._layout, world)
         if self._schedule is not None:
