@@ -1,17 +1,17 @@
 """Convergence: 1-bit LAMB against LAMB, each with the main job's defaults.
 
-    python -m benchmarks.convergence                           # demo, seed 1234 (about a quarter of an hour on 2 cores)
+    python -m benchmarks.convergence                 # demo, seed 1234: a quarter of an hour on 2 cores
     python -m benchmarks.convergence --presets demo b1024 --seeds 3
-    python -m benchmarks.convergence --list                    # each run's state; runs nothing
+    python -m benchmarks.convergence --list          # each run's state; runs nothing
 
 Run from the repository root. For every preset and seed, four runs of ``onebitlamb pretrain``
 (the rows of ROWS): LAMB, 1-bit LAMB with the automatic freeze, 1-bit LAMB frozen at a fixed 35%
 of the steps, and 1-bit Adam with the automatic freeze. Seeds count up from 1234, the main job's.
 
-Each run has its own folder, OUT/PRESET/SEED/ROW. A folder that holds metrics.json is a finished
-run and is reused as it is (move it away to run it again); one that holds a checkpoint is an
-interrupted run, continued with ``--resume``. The table goes to the "convergence" section of
-BENCHMARKS.md (or of ``--results``).
+Each run has its own folder, OUT/PRESET/SEED/ROW (the tokenized corpus, shared: OUT/cache). A
+folder that holds metrics.json is a finished run and is reused as it is (move it away to run it
+again); one that holds a checkpoint is an interrupted run, continued with ``--resume``. The table
+goes to the "convergence" section of BENCHMARKS.md (or of ``--results``).
 """
 from __future__ import annotations
 
@@ -72,11 +72,13 @@ def launch(command: List[str]) -> None:
     subprocess.run(command, check=True)
 
 
-def run_one(folder: str, args: List[str]) -> dict:
-    """The metrics of one run: read when it finished before, else trained (resumed when interrupted)."""
+def run_one(folder: str, args: List[str], cache_dir: str) -> dict:
+    """The metrics of one run: read when it finished before, else trained (resumed when interrupted).
+    ``cache_dir``: the tokenized corpus, shared by the runs (it does not change their numbers)."""
     state = run_state(folder)
     if state != "finished":
-        command = [sys.executable, "-m", "onebitlamb", *args, "--out", folder, "--no-progress"]
+        command = [sys.executable, "-m", "onebitlamb", *args, "--out", folder, "--cache-dir", cache_dir,
+                   "--no-progress"]
         if state != "to run":
             command.append("--resume")
         print(f"\n$ onebitlamb {shlex.join(command[3:])}", flush=True)
@@ -129,9 +131,9 @@ def render(presets: Sequence[str], seeds: Sequence[int], results: Results, comma
         "",
         "Held-out loss: the masked-language-model loss on the held-out samples at the end of the run, the mean "
         "over the seeds (± their standard deviation when there are several). Gap to LAMB: the row's loss over "
-        "LAMB's at the same seed, minus 1, averaged over the seeds (lower is better). Freeze step: the step "
-        "1-bit compression began (one per seed when they differ). MB sent per worker: the whole run's bytes, "
-        "warm-up included, mean over the seeds.",
+        "LAMB's at the same seed, minus 1, averaged over the seeds (lower is better). Freeze step: the last "
+        "step before 1-bit compression, the variance frozen at its end (one per seed when they differ). MB sent "
+        "per worker: the whole run's bytes, warm-up included, mean over the seeds.",
     ]
     for preset in presets:
         lines += ["", *preset_table(preset, seeds, results)]
@@ -161,7 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results: Results = {}
     for preset, seed, row in runs:
         results[preset, seed, row.name] = run_one(run_folder(args.out, preset, seed, row),
-                                                  pretrain_args(preset, seed, row))
+                                                  pretrain_args(preset, seed, row), os.path.join(args.out, "cache"))
     if argv is None:  # from the command line
         command = command_line()
     else:             # called from Python

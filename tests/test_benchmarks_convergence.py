@@ -115,17 +115,18 @@ def test_a_missing_run_is_trained_and_an_interrupted_one_resumed(tmp_path, monke
     (tmp_path / "interrupted").mkdir()
     (tmp_path / "interrupted" / "checkpoint.json").write_text(json.dumps({"step": 4}))
 
-    assert run_one("fresh", args)["final_eval_loss"] == 4.5
-    assert run_one("interrupted", args)["freeze_step"] == 7
+    assert run_one("fresh", args, "cache")["final_eval_loss"] == 4.5
+    assert run_one("interrupted", args, "cache")["freeze_step"] == 7
     assert started == [
-        [sys.executable, "-m", "onebitlamb", *args, "--out", "fresh", "--no-progress"],
-        [sys.executable, "-m", "onebitlamb", *args, "--out", "interrupted", "--no-progress", "--resume"],
+        [sys.executable, "-m", "onebitlamb", *args, "--out", "fresh", "--cache-dir", "cache", "--no-progress"],
+        [sys.executable, "-m", "onebitlamb", *args, "--out", "interrupted", "--cache-dir", "cache", "--no-progress",
+         "--resume"],
     ]
-    assert run_one("fresh", args)["final_eval_loss"] == 4.5 and len(started) == 2  # finished: reused
+    assert run_one("fresh", args, "cache")["final_eval_loss"] == 4.5 and len(started) == 2  # finished: reused
 
 
 def test_a_run_that_ends_without_metrics_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(convergence, "launch", lambda command: None)
     with pytest.raises(RuntimeError, match="without metrics.json"):
-        run_one(str(tmp_path / "run"), pretrain_args("tiny", 1234, ROWS[0]))
+        run_one(str(tmp_path / "run"), pretrain_args("tiny", 1234, ROWS[0]), str(tmp_path / "cache"))
     assert run_state(str(tmp_path / "run")) == "to run"
