@@ -3,8 +3,9 @@
     onebitlamb compare --preset demo --out runs/demo        # what `make demo` runs
 
 Each optimizer runs ``onebitlamb pretrain`` into ``OUT/<optimizer>`` with the same seed, data
-order, model, schedule, clipping and number of samples (only the learning rate differs between
-the LAMB family and Adam, as in the paper). Then this prints the table, writes ``OUT/metrics.json``,
+order, model, schedule, clipping and number of samples (only the default learning rate differs
+between the LAMB family and Adam, as in the paper; ``--lr`` sets one for all). Then this prints the
+table, writes ``OUT/metrics.json``,
 ``OUT/table.md``, ``OUT/compare.png`` and ``OUT/diagnostics.png``. ``--resume`` skips finished
 runs and continues an interrupted one from its checkpoint.
 """
@@ -22,7 +23,8 @@ from onebitlamb.train.plots import LABELS, plot_compare, plot_diagnostics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pretrain.add_arguments(parser, optimizer_choice=False)
+    """pretrain's flags, with --optimizers instead of --optimizer."""
+    pretrain.add_arguments(parser, skip=("optimizer",))
     parser.add_argument("--optimizers", nargs="+", choices=pretrain.OPTIMIZERS, default=list(pretrain.OPTIMIZERS),
                         help="which to run (default: all three; LAMB is the reference of the table)")
 
@@ -95,7 +97,8 @@ def comparison(runs: Dict[str, dict]) -> dict:
             row["volume_reduction_vs_lamb"] = ref["bytes_sent_per_rank"] / max(m["bytes_sent_per_rank"], 1)
         if m.get("freeze_step"):
             w = m["freeze_step"] / m["steps"]
-            row["ideal_volume_reduction_fp32"] = 1.0 / (w + (1 - w) / 32)  # ALGORITHM.md
+            # fp32 until the freeze, then 1 bit per value: the bound the measured reduction approaches
+            row["ideal_volume_reduction_fp32"] = 1.0 / (w + (1 - w) / 32)
         out[name] = row
     return out
 

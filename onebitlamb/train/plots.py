@@ -122,22 +122,25 @@ def plot_diagnostics(runs: Dict[str, dict], path: str) -> None:
 
 
 def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
-    """How an automatic freeze decided (one run with ``--auto-freeze``). Top: every layer's
-    ``log ||v_hat||`` over the warm-up, the layers that rose most in colour (on a plateau a layer
-    sits low and flat; its exit is the rise). Bottom: the spread the criterion watches (the least
-    settled layer's rise over the window), with the thresholds and the freeze step; with
-    ``--unfreeze-rise``, the largest rise of a layer's local variance within the window while
-    frozen, its threshold and every undone freeze; with the wait for the trust peak (1-bit LAMB), on
-    its own scale, the median layer's trust-ratio rise over the window (the freeze waits, from the
-    step the criterion held, for it to reach 0). Returns False (and draws nothing) for a run without the record."""
-    levels = metrics.get("freeze_levels")
-    if not levels or not any(row is not None for row in levels["per_step"]):
+    """How an automatic freeze decided, from the run's per-step ``freeze`` records. Top: every
+    layer's ``log ||v_hat||`` over the warm-up, the layers that rose most in colour (on a plateau a
+    layer sits low and flat; its exit is the rise). Bottom: the spread the criterion watches (the
+    least settled layer's movement over the window) against AutoFreeze's thresholds; for 1-bit LAMB,
+    on its own scale, the median layer's trust-ratio rise, which the freeze waits to reach 0 from the
+    step the criterion held. Returns False (and draws nothing) for a run without the automatic freeze."""
+    records = metrics.get("freeze") or []
+    if metrics.get("config", {}).get("freeze") != "auto":
         return False
-    cfg = metrics.get("config", {})
-    rows = [(i + 1, row) for i, row in enumerate(levels["per_step"]) if row is not None]
-    steps = [s for s, _ in rows]
-    names = levels["layers"]
+    rows = [(i + 1, r["levels"]) for i, r in enumerate(records)
+            if r and r.get("levels") is not None and metrics["stage"][i] == "warmup"]
+    if not rows:
+        return False
+    import onebitlamb
 
+    policy = onebitlamb.AutoFreeze(total_steps=metrics["steps"])  # the main job runs it with its defaults
+    last = records[-1]
+    names = metrics.get("layers") or [f"layer {j}" for j in range(len(rows[0][1]))]
+    steps = [s for s, _ in rows]
     series = [[row[j] if row[j] is not None else float("nan") for _, row in rows] for j in range(len(names))]
 
     def rise(j: int) -> float:
@@ -152,40 +155,27 @@ def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
             ax_levels.plot(steps, series[j], color="0.75", lw=0.8)
     for j in top:
         ax_levels.plot(steps, series[j], lw=1.8, label=names[j].replace("bert.", ""))
-    spread = [(i + 1, v) for i, v in enumerate(metrics.get("freeze_spread", [])) if v is not None]
+    spread = [(s, records[s - 1]["spread"]) for s in steps if records[s - 1].get("spread") is not None]
     if spread:
-        ax_spread.plot(*zip(*spread), color="black", label="spread over the window")
-    for value, text, style in ((cfg.get("freeze_transient"), "transient", "--"),
-                               (cfg.get("freeze_transient_end"), "transient end", "-."),
-                               (cfg.get("freeze_tolerance"), "tolerance", ":")):
-        if value:
-            ax_spread.axhline(value, color="tab:red", ls=style, lw=1, label=f"{text} ({value:g})")
-    frozen_rises = metrics.get("variance_rise")
-    if frozen_rises:
-        largest = [(i + 1, max(v for v in row if v is not None)) for i, row in enumerate(frozen_rises["per_step"])
-                   if row is not None and any(v is not None for v in row)]
-        if largest:
-            ax_spread.plot(*zip(*largest), color="tab:purple", label="frozen: largest rise within the window")
-        if cfg.get("unfreeze_rise"):
-            ax_spread.axhline(cfg["unfreeze_rise"], color="tab:purple", ls="--", lw=1,
-                              label=f"unfreeze rise ({cfg['unfreeze_rise']:g})")
-    for k, step in enumerate(metrics.get("unfrozen_at") or []):
-        for ax in (ax_levels, ax_spread):
-            ax.axvline(step, color="tab:purple", ls=":", lw=1.5, label=None if k or ax is ax_levels else "freeze undone")
-    trust = metrics.get("trust_rise") or []
+        ax_spread.plot(*zip(*spread), color="black", label=f"spread over the window ({policy.window} steps)")
+    for value, text, style in ((policy.transient, "transient", "--"), (policy.transient_end, "transient end", "-."),
+                               (policy.tolerance, "tolerance", ":")):
+        ax_spread.axhline(value, color="tab:red", ls=style, lw=1, label=f"{text} ({value:g})")
+    # NaN where no window was in: a gap, not a line across it
+    trust = [records[s - 1].get("trust_rise") for s in steps]
     if any(v is not None for v in trust):
         ax_trust = ax_spread.twinx()
-        # NaN where no window was in (also from the step the criterion held): a gap, not a line across it
-        ax_trust.plot(range(1, len(trust) + 1), [float("nan") if v is None else v for v in trust], color="tab:green",
-                      lw=1.2, label="median trust-ratio rise (right scale)")
+        ax_trust.plot(steps, [float("nan") if v is None else v for v in trust], color="tab:green", lw=1.2,
+                      label="median trust-ratio rise (right scale)")
         ax_trust.axhline(0.0, color="tab:green", ls=":", lw=1)
         ax_trust.set_ylabel("trust-ratio rise over the window (log)", color="tab:green")
         ax_trust.legend(fontsize=8, loc="lower right")
-    ready = metrics.get("freeze_ready_step")
-    if ready:
+    for step, text, style in ((last.get("floor_step"), "floor", "--"), (last.get("cap_step"), "cap", "-.")):
+        if step:
+            ax_spread.axvline(step, color="0.5", ls=style, lw=1, label=f"{text} (step {step})")
+    ready, waited, freeze = last.get("ready_step"), last.get("trust_peak_step"), metrics.get("freeze_step")
+    if ready and ready != freeze:
         ax_spread.axvline(ready, color="tab:green", ls="--", lw=1.2, label=f"criterion held (step {ready})")
-    freeze = metrics.get("freeze_step")
-    waited = metrics.get("trust_peak_step")
     if waited and waited != freeze:  # the freeze came later, at the floor
         ax_spread.axvline(waited, color="tab:green", ls="-.", lw=1.2, label=f"the wait ended (step {waited})")
     if freeze:

@@ -3,8 +3,8 @@
     onebitlamb pretrain --optimizer onebitlamb --preset demo --out runs/onebitlamb
     torchrun --nnodes 2 --nproc-per-node 8 ... -m onebitlamb pretrain --optimizer onebitlamb ...
 
-Read top to bottom: configuration, launching, then one rank's run (data, model, optimizer,
-schedule, the loop with gradient accumulation, evaluation, diagnostics, checkpoints).
+Read top to bottom: configuration, launching, then one rank's run (data, model, optimizer, the
+loop, evaluation, checkpoint), then the helpers it calls.
 
 Launching: without torchrun this process prepares the corpus, then starts ``--workers`` local
 processes joined by a gloo group on loopback. Under torchrun (``RANK``/``WORLD_SIZE`` set) every
@@ -12,10 +12,9 @@ process is one rank and the group comes from the environment (nccl with CUDA, el
 
 The model is not wrapped in DDP: gradients of the micro-batches accumulate locally, with no
 communication, and ``optimizer.step()`` does all of it (averages the gradients in LAMB and in the
-warm-up stage, sends the 1-bit compressed momentum after the freeze). Gradient clipping, when on,
-therefore acts on each worker's *local* accumulated gradient right before ``step()``, identically
-for the three optimizers: in the warm-up stage before the gradients are averaged, in the
-compression stage before they enter the local momentum that is compressed.
+warm-up stage, sends the 1-bit compressed momentum after the freeze). Gradient clipping therefore
+acts on each worker's *local* accumulated gradient right before ``step()``, identically for the
+three optimizers.
 """
 from __future__ import annotations
 
@@ -30,109 +29,126 @@ import random
 import signal
 import sys
 import time
+import typing
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from onebitlamb.optim.optimizers import TRUST_PEAK_LAYERS, TRUST_PEAK_MEASURES
+import onebitlamb
 from onebitlamb.train import data
 from onebitlamb.train.data import atomic_save
 from onebitlamb.train.model import ModelConfig, build_model, mlm_loss
 
-OPTIMIZERS = ("lamb", "onebitlamb", "onebitadam")
-
 # ----------------------------------------------------------------------------------------------
-# Configuration
+# Configuration: defaults (TrainConfig), then the preset's values, then the flags given
 
-# Values every preset shares; a preset overrides some, command-line flags override both.
-DEFAULTS = dict(
-    optimizer="onebitlamb", seed=1234, corpus=None, stdlib_tests=False, heldout_fraction=0.05,
-    vocab_size=4096, seq_len=64, hidden=128, layers=2, heads=2, intermediate=512, dropout=0.0,
-    workers=4, micro_batch=16, global_batch=256, steps=512,
-    # 1-bit Adam's rate from the convergence study's sweeps on this model: best at 2e-3 on global
-    # batches of 256, 512 and 4096, half and twice it worse on each (docs/convergence.md)
-    lr=None, lr_lamb=2e-2, lr_adam=2e-3, warmup_frac=0.1, freeze_frac=0.35,
-    weight_decay=0.01, clip=1.0, beta1=0.9, beta2=0.999, eps=1e-6, mask_prob=0.15,
-    eval_every=32, eval_samples=512, ckpt_every=64,
-    # 1-bit optimizers: freeze_frac is the freeze, or with auto_freeze the latest it may happen
-    # min_freeze_frac None: 0.3 under 1-bit LAMB's wait for the trust peak (docs/convergence.md, "A
-    # floor under the wait"), 0.05 elsewhere, the floor the criterion alone and 1-bit Adam were measured with
-    auto_freeze=False, min_freeze_frac=None, freeze_window=20, freeze_tolerance=0.3, freeze_transient=5.0,
-    # half the transient threshold, not half the spread's peak (docs/convergence.md, "A spike on the plateau")
-    freeze_transient_end=2.5, unfreeze_rise=0.0,
-    # with auto_freeze, 1-bit LAMB waits for its trust ratios' peak (docs/convergence.md, "Freezing
-    # after the trust ratios' peak"); without it there is no automatic freeze to delay
-    freeze_after_trust_peak=True, trust_peak_layers="all", trust_peak_measure="median_rise",
-    compression_space="momentum", update_guard=0.0,
-)
+OPTIMIZERS = ("lamb", "onebitlamb", "onebitadam")
+# the learning rate of each optimizer unless --lr is given
+DEFAULT_LR = {"lamb": 2e-2, "onebitlamb": 2e-2, "onebitadam": 2e-3}
+
 PRESETS = {
     # for the tests: a few seconds on 2 workers
-    "tiny": dict(vocab_size=512, seq_len=32, hidden=32, layers=1, heads=2, intermediate=64,
-                 workers=2, micro_batch=4, global_batch=16, steps=8, eval_every=4, eval_samples=32,
-                 ckpt_every=2),
-    # `make demo`: ~10 minutes for the three optimizers on 2 CPU cores
+    "tiny": dict(vocab_size=512, seq_len=32, hidden=32, layers=1, heads=2, intermediate=64, workers=2,
+                 micro_batch=4, global_batch=16, steps=8, eval_every=4, eval_samples=32, ckpt_every=2),
+    # `make demo`: the TrainConfig defaults
     "demo": dict(),
-    # the same comparison at a larger scale: a day on CPUs, meant for GPUs under torchrun (see docs);
-    # the stdlib's test suites triple the default corpus, so 2M samples are ~20 epochs, not ~70
+    # demo at larger global batches (the convergence benchmark's)
+    "b512": dict(global_batch=512, steps=128, eval_every=16),
+    "b1024": dict(global_batch=1024, steps=400, eval_every=50),
+    "b4096": dict(global_batch=4096, steps=100, eval_every=20),
+    # a larger model and corpus, meant for GPUs under torchrun
     "large": dict(stdlib_tests=True, vocab_size=8192, seq_len=128, hidden=256, layers=4, heads=4,
-                  intermediate=1024, workers=8, micro_batch=32, global_batch=2048, steps=1000, lr_lamb=1e-2,
-                  lr_adam=5e-4, eval_every=50, eval_samples=2048, ckpt_every=50),
+                  intermediate=1024, workers=8, micro_batch=32, global_batch=2048, steps=1000, eval_every=50,
+                  eval_samples=2048, ckpt_every=50),
 }
-# Fields that may change between a run and its resumption (they do not affect the numbers).
+
+# Settings that may change between a run and its resumption: they do not change the numbers.
 RESUMABLE_CHANGES = {"out", "cache_dir", "resume", "stop_after_steps", "progress", "threads"}
+
+
+def parse_freeze(value: Union[str, float]) -> Union[str, float]:
+    """``"auto"``, or the fraction of the steps after which the 1-bit optimizers freeze, in (0, 1]."""
+    if value == "auto":
+        return value
+    try:
+        fraction = float(value)
+    except (TypeError, ValueError):
+        fraction = math.nan
+    if not 0 < fraction <= 1:  # NaN fails too
+        raise ValueError(f"expected 'auto' or a fraction in (0, 1], got {value!r}")
+    return fraction
 
 
 @dataclass
 class TrainConfig:
-    optimizer: str
-    out: str
-    seed: int
-    corpus: Optional[List[str]]
-    stdlib_tests: bool
-    heldout_fraction: float
-    vocab_size: int
-    seq_len: int
-    hidden: int
-    layers: int
-    heads: int
-    intermediate: int
-    dropout: float
-    workers: int
-    micro_batch: int
-    global_batch: int
-    steps: int
-    lr: float
-    warmup_frac: float
-    freeze_frac: float
-    weight_decay: float
-    clip: float
-    beta1: float
-    beta2: float
-    eps: float
-    mask_prob: float
-    eval_every: int
-    eval_samples: int
-    ckpt_every: int
-    auto_freeze: bool
-    min_freeze_frac: float
-    freeze_window: int
-    freeze_tolerance: float
-    freeze_transient: float
-    freeze_transient_end: float
-    unfreeze_rise: float
-    freeze_after_trust_peak: bool
-    trust_peak_layers: str
-    trust_peak_measure: str
-    compression_space: str
-    update_guard: float
-    cache_dir: str = ""
-    resume: bool = False
-    stop_after_steps: int = 0
-    progress: bool = True
-    threads: int = 1
-    preset: str = "demo"
+    """One run of the main job. The fields with a help are the command line's flags (the parser is
+    built from them, in this order); the others are set by the presets alone."""
+
+    preset: str = field(default="demo", metadata={
+        "help": "base settings; the defaults below are demo's. tiny: the tests' few seconds, b512/b1024/b4096: "
+                "demo at larger global batches, large: a larger model and corpus for GPUs",
+        "choices": list(PRESETS)})
+    optimizer: str = field(default="onebitlamb", metadata={"help": "what trains the model", "choices": OPTIMIZERS})
+    out: str = field(default="", metadata={"help": "output folder: metrics, checkpoints, plots", "required": True})
+    resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in OUT"})
+    seed: int = field(default=1234, metadata={"help": "seed of the initial model, the data order and the masks"})
+    steps: int = field(default=512, metadata={"help": "optimizer steps"})
+    global_batch: int = field(default=256, metadata={"help": "samples per step over all workers"})
+    micro_batch: int = field(default=16, metadata={
+        "help": "samples per forward pass; each worker accumulates global/(workers x micro) of them"})
+    workers: int = field(default=4, metadata={"help": "local worker processes; torchrun sets its own"})
+    lr: Optional[float] = field(default=None, metadata={
+        "help": "peak learning rate (default: 2e-2 for LAMB and 1-bit LAMB, 2e-3 for 1-bit Adam)"})
+    warmup_frac: float = field(default=0.1, metadata={
+        "help": "fraction of the steps with a linear learning-rate warm-up, then a linear decay to 0",
+        "metavar": "FRACTION"})
+    weight_decay: float = field(default=0.01, metadata={"help": "on weight matrices; none on biases and LayerNorm"})
+    clip: float = field(default=1.0, metadata={"help": "max norm of each worker's local gradient, 0 = off"})
+    freeze: Union[str, float] = field(default="auto", metadata={
+        "help": "1-bit optimizers: when to freeze the variance and start compressing. auto: onebitlamb.AutoFreeze "
+                "with its defaults; a fraction in (0, 1]: after that fraction of the steps", "type": parse_freeze,
+        "metavar": "auto|FRACTION"})
+    eval_every: int = field(default=32, metadata={"help": "steps between held-out evaluations and diagnostics"})
+    eval_samples: int = field(default=512, metadata={"help": "held-out samples per evaluation"})
+    ckpt_every: int = field(default=64, metadata={"help": "steps between checkpoints"})
+    corpus: Optional[List[str]] = field(default=None, metadata={
+        "help": "text files or folders (default: this Python's standard library)", "metavar": "PATH"})
+    stdlib_tests: bool = field(default=False, metadata={
+        "help": "default corpus: include the standard library's test suites (3x the text)"})
+    cache_dir: str = field(default="", metadata={
+        "help": "where the tokenized corpus is cached (default: OUT/cache)", "metavar": "DIR"})
+    threads: int = field(default=1, metadata={"help": "torch threads per local worker"})
+    progress: bool = field(default=True, metadata={"help": "no progress bar"})
+    stop_after_steps: int = field(default=0, metadata={
+        "help": "checkpoint and stop once N steps are done (0: run to the end)", "metavar": "N"})
+
+    # preset-only
+    heldout_fraction: float = 0.05
+    vocab_size: int = 4096
+    seq_len: int = 64
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 2
+    intermediate: int = 512
+    dropout: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-6
+    mask_prob: float = 0.15
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        try:
+            self.freeze = parse_freeze(self.freeze)
+        except ValueError as exc:
+            raise ValueError(f"freeze: {exc}") from None
+        if self.lr is None:
+            self.lr = DEFAULT_LR[self.optimizer]
+        if not self.cache_dir and self.out:
+            self.cache_dir = os.path.join(self.out, "cache")
 
     @property
     def model(self) -> ModelConfig:
@@ -143,112 +159,87 @@ class TrainConfig:
     def warmup_steps(self) -> int:
         return max(1, round(self.warmup_frac * self.steps))
 
-    @property
-    def freeze_step(self) -> int:
-        return max(1, round(self.freeze_frac * self.steps))
+    def freeze_step(self) -> Union[int, onebitlamb.AutoFreeze]:
+        """The 1-bit optimizers' ``freeze_step``: the automatic policy, or a fixed step."""
+        if self.freeze == "auto":
+            return onebitlamb.AutoFreeze(total_steps=self.steps)
+        return max(1, round(self.freeze * self.steps))
 
     def check(self, world_size: int) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if not self.out:
+            raise ValueError("--out is required")
         if self.global_batch % (world_size * self.micro_batch):
             raise ValueError(f"--global-batch {self.global_batch} must be a multiple of workers x micro-batch "
                              f"= {world_size} x {self.micro_batch}")
         if self.steps < 1 or self.eval_every < 1 or self.ckpt_every < 1:
             raise ValueError("--steps, --eval-every and --ckpt-every must be >= 1")
-        if self.freeze_after_trust_peak and not self.auto_freeze:
-            raise ValueError("--freeze-after-trust-peak delays the automatic freeze: it needs --auto-freeze")
 
 
-def add_arguments(parser: argparse.ArgumentParser, optimizer_choice: bool = True) -> None:
-    """Flags of ``onebitlamb pretrain`` (``compare`` reuses them without ``--optimizer``)."""
-    p = parser
-    p.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="base settings (default: demo)")
-    if optimizer_choice:
-        p.add_argument("--optimizer", choices=OPTIMIZERS, help="default: onebitlamb")
-    p.add_argument("--out", required=True, help="output folder: metrics, checkpoints, plots")
-    p.add_argument("--corpus", nargs="+", metavar="PATH",
-                   help="text files or folders (default: this Python's standard library)")
-    p.add_argument("--stdlib-tests", action="store_true", default=None,
-                   help="default corpus: include the standard library's test suites (3x the text)")
-    p.add_argument("--cache-dir", help="where the tokenized corpus is cached (default: OUT/cache)")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT")
-    p.add_argument("--stop-after-steps", type=int, default=0, metavar="N",
-                   help="checkpoint and stop once N steps are done (to test --resume)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per local worker (default 1)")
-    g = p.add_argument_group("overrides of the preset")
-    typed = dict(seed=int, heldout_fraction=float, vocab_size=int, seq_len=int, hidden=int, layers=int,
-                 heads=int, intermediate=int, dropout=float, workers=int, micro_batch=int, global_batch=int,
-                 steps=int, lr=float, lr_lamb=float, lr_adam=float, warmup_frac=float, freeze_frac=float,
-                 weight_decay=float, clip=float, beta1=float, beta2=float, eps=float, mask_prob=float,
-                 eval_every=int, eval_samples=int, ckpt_every=int, min_freeze_frac=float, freeze_window=int,
-                 freeze_tolerance=float, freeze_transient=float, freeze_transient_end=float, unfreeze_rise=float,
-                 compression_space=str, update_guard=float)
-    helps = dict(workers="local worker processes (ignored under torchrun)",
-                 lr="learning rate (default: --lr-lamb for (1-bit) LAMB, --lr-adam for 1-bit Adam)",
-                 clip="max norm of each worker's local gradient, 0 = off",
-                 freeze_frac="1-bit optimizers: fraction of the steps in the warm-up stage (with "
-                             "--auto-freeze: the latest the freeze may happen)",
-                 min_freeze_frac="with --auto-freeze: the earliest the freeze may happen (default 0.3 for "
-                                 "1-bit LAMB with --freeze-after-trust-peak, 0.05 otherwise; at most --freeze-frac)",
-                 freeze_window="with --auto-freeze: steps over which the warm-up must have settled",
-                 freeze_tolerance="with --auto-freeze: how far (log scale) every layer's variance may move "
-                                  "over the window to count as settled",
-                 freeze_transient="with --auto-freeze: a spread this large marks the plateau exit; the freeze "
-                                  "comes once the spread is back to --freeze-transient-end (0 = off)",
-                 freeze_transient_end="with --auto-freeze: the freeze after a transient comes once the spread "
-                                      "is back to this (default 2.5; 0 = half its peak, the rule before)",
-                 unfreeze_rise="with --auto-freeze: undo the freeze (back to full communication until the "
-                               "criterion fires again) when a layer's local gradient variance rises this far "
-                               "(log scale) within --freeze-window frozen steps, before --freeze-frac; e.g. 5, "
-                               "as --freeze-transient (0 = off)",
-                 compression_space="1-bit optimizers: 'momentum' (the paper's) or 'update' (preconditioned)",
-                 update_guard="1-bit optimizers: bound stage-2 relative steps to this multiple of the "
-                              "warm-up's (0 = off)",
-                 warmup_frac="fraction of the steps with linear LR warm-up (then linear decay to 0)")
-    for name, typ in typed.items():
-        g.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=helps.get(name))
-    g.add_argument("--auto-freeze", action="store_true", default=None,
-                   help="1-bit optimizers: freeze_step='auto', between --min-freeze-frac and --freeze-frac")
-    g.add_argument("--freeze-after-trust-peak", action=argparse.BooleanOptionalAction, default=None,
-                   help="1-bit LAMB with --auto-freeze (on by default there): once the variance criterion "
-                        "holds, wait (up to --freeze-frac) until the median layer's trust ratio has stopped "
-                        "rising; --no-freeze-after-trust-peak freezes when the criterion holds (1-bit Adam "
-                        "has no trust ratio: it ignores this)")
-    g.add_argument("--trust-peak-layers", choices=TRUST_PEAK_LAYERS, default=None,
-                   help="with --freeze-after-trust-peak: the layers whose median trust ratio it reads (default "
-                        "all; unclipped: leave out a layer whose ratio LAMB clipped at a step of the window)")
-    g.add_argument("--trust-peak-measure", choices=TRUST_PEAK_MEASURES, default=None,
-                   help="with --freeze-after-trust-peak: when the trust ratios have stopped rising (default "
-                        "median_rise: the median of the layers' rises over the window is at most 0; "
-                        "median_level: the median of the layers' ratios is no higher than a window before)")
+def _flag_type(hint):
+    """``Optional[X]`` -> (X, None); ``List[X]`` -> (X, "+"); ``X`` -> (X, None)."""
+    if typing.get_origin(hint) is list:
+        return typing.get_args(hint)[0], "+"
+    inner = [a for a in typing.get_args(hint) if a is not type(None)]
+    return _flag_type(inner[0]) if inner else (hint, None)
 
 
-def config_from_args(args: argparse.Namespace, optimizer: Optional[str] = None, out: Optional[str] = None) -> TrainConfig:
-    values = dict(DEFAULTS)
-    values.update(PRESETS[args.preset])
-    for key in list(values) + ["optimizer"]:
-        if getattr(args, key, None) is not None:
-            values[key] = getattr(args, key)
+def add_arguments(parser: argparse.ArgumentParser, skip: tuple = ()) -> None:
+    """The flags of ``onebitlamb pretrain``, one per TrainConfig field with a help. Every flag
+    defaults to None here, so that ``config_from_args`` can tell a flag given from the preset's value."""
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        meta = dict(f.metadata)
+        if "help" not in meta or f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if hints[f.name] is bool:  # a switch that turns the default around
+            if f.default:
+                flag = "--no-" + flag[2:]
+            parser.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true",
+                                default=None, help=meta["help"])
+            continue
+        typ, nargs = _flag_type(hints[f.name])
+        if typ is int:
+            meta.setdefault("metavar", "N")
+        shown = f.default not in (None, "", 0) and not meta.get("required") and "(default" not in meta["help"]
+        parser.add_argument(flag, dest=f.name, type=_with_message(meta.pop("type", typ)), nargs=nargs, default=None,
+                            help=meta.pop("help") + (f" (default: {f.default})" if shown else ""), **meta)
+
+
+def _with_message(parse):
+    """argparse drops a type's ValueError message; this keeps it."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def config_from_args(args: argparse.Namespace, optimizer: Optional[str] = None,
+                     out: Optional[str] = None) -> TrainConfig:
+    """The run the command line asks for: TrainConfig's defaults, the preset's values, the flags given."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    values = {**PRESETS[given.get("preset", TrainConfig.preset)], **given}
     if optimizer is not None:
         values["optimizer"] = optimizer
-    if not values["auto_freeze"] and getattr(args, "freeze_after_trust_peak", None) is None:
-        values["freeze_after_trust_peak"] = False  # on by default only where there is a freeze to delay
-    if values["min_freeze_frac"] is None:
-        waits = values["optimizer"] == "onebitlamb" and values["auto_freeze"] and values["freeze_after_trust_peak"]
-        values["min_freeze_frac"] = 0.3 if waits else 0.05
-    lr_lamb, lr_adam = values.pop("lr_lamb"), values.pop("lr_adam")
-    if values["lr"] is None:
-        values["lr"] = lr_adam if values["optimizer"] == "onebitadam" else lr_lamb
-    out = out or args.out
-    return TrainConfig(**values, out=out, cache_dir=args.cache_dir or os.path.join(out, "cache"),
-                       resume=args.resume, stop_after_steps=args.stop_after_steps, progress=args.progress,
-                       threads=args.threads, preset=args.preset)
+    if out is not None:
+        values["out"] = out
+    return TrainConfig(**values)
+
+
+def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
+    """The settings (name: (saved, now)) in which ``cfg`` differs from a saved run's config, other
+    than those that cannot change its numbers (RESUMABLE_CHANGES; LAMB never reads --freeze)."""
+    ignored = RESUMABLE_CHANGES | ({"freeze"} if cfg.optimizer == "lamb" else set())
+    return {k: (saved.get(k), v) for k, v in dataclasses.asdict(cfg).items()
+            if k not in ignored and saved.get(k) != v}
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    result = train(cfg)
+    result = train(config_from_args(args))
     return 0 if result["completed"] or not result["interrupted"] else 130
 
 
@@ -258,16 +249,6 @@ def run(args: argparse.Namespace) -> int:
 
 def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-
-
-def _leave_together() -> None:
-    """At exit under torchrun: wait for every rank, then tear the group down. Rank 0 writes the
-    results after the last step while the others are done. (The command line leaves before this
-    runs and skips the interpreter's teardown too: ``onebitlamb.cli``; this is for a script of the
-    user's own that calls ``train`` under torchrun.)"""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -305,6 +286,15 @@ def train(cfg: TrainConfig) -> dict:
 
 def _local_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     return train_rank(rank, world_size, cfg)
+
+
+def _leave_together() -> None:
+    """At exit under torchrun: wait for every rank, then tear the group down (rank 0 writes the
+    results while the others are done). For a user's own script that calls ``train``; the command
+    line leaves earlier, ``onebitlamb.cli``."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 class _forward_interrupts:
@@ -354,26 +344,22 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
     eval_inputs, eval_labels = data.eval_batch(corpus, cfg.eval_samples, cfg.seed, cfg.mask_prob)
     eval_inputs, eval_labels = eval_inputs[rank::world].to(device), eval_labels[rank::world].to(device)
 
-    # model (same seed on every rank, so the same initial weights) and optimizer
+    # model: the same seed on every rank, so the same initial weights
     model = build_model(cfg.model, cfg.seed).to(device)
     model.train()
+
+    # optimizer, and the schedule: linear warm-up, then linear decay to 0
     groups, names = param_groups(model, cfg.weight_decay)
     optimizer = make_optimizer(cfg, groups)
     warm, total = cfg.warmup_steps, cfg.steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
 
-    # state of the run: what the metrics file reports, saved in every checkpoint
-    history = {"eval": [], "train_loss": [], "bytes": [], "stage": [], "lr": [], "diagnostics": [],
-               "freeze_spread": [], "freeze_levels": [], "variance_rise": [], "trust_rise": [],
-               "freeze_ready_step": None, "trust_peak_step": None, "train_time_s": 0.0, "wall_time_s": 0.0}
+    # the run's record (saved in every checkpoint): one entry per step, the evaluations, the diagnostics
+    history = {"steps": [], "eval": [], "diagnostics": [], "train_time_s": 0.0, "wall_time_s": 0.0}
     start_step = 0
     if cfg.resume:
-        start_step, history = load_checkpoint(cfg, rank, world, model, optimizer, scheduler, history, device)
-        for key in ("freeze_levels", "variance_rise", "trust_rise"):  # a checkpoint from before they were recorded
-            history.setdefault(key, [None] * start_step)
-        history.setdefault("freeze_ready_step", None)
-        history.setdefault("trust_peak_step", None)
+        start_step, history = load_checkpoint(cfg, rank, model, optimizer, scheduler, history, device)
     elif master:
         _fresh_out_dir(cfg)
     if master:
@@ -381,11 +367,12 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
             json.dump(dataclasses.asdict(cfg), f, indent=1)
         print(f"[{cfg.optimizer}] {world} workers, {cfg.steps} steps of {cfg.global_batch} samples "
               f"({accum} micro-batches of {cfg.micro_batch} per worker), lr {cfg.lr:g}, warm-up {warm} steps"
-              + ("" if cfg.optimizer == "lamb" else f", freeze automatically by step {cfg.freeze_step}"
-                 if cfg.auto_freeze else f", freeze at step {cfg.freeze_step}")
-              + (f", resuming at step {start_step}" if start_step else ""), file=sys.stderr, flush=True)
+              f"{_freeze_banner(optimizer)}" + (f", resuming at step {start_step}" if start_step else ""),
+              file=sys.stderr, flush=True)
 
-    def evaluate(step: int) -> float:
+    bar = _progress_bar(cfg, start_step) if master and cfg.progress else None
+
+    def evaluate(step: int) -> None:
         loss = evaluate_mlm(model, eval_inputs, eval_labels, 2 * cfg.micro_batch, device)
         history["eval"].append([step * cfg.global_batch, loss])
         if master:
@@ -394,18 +381,16 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
                 bar.write(line, file=sys.stderr)  # above the bar
             else:
                 print(line, file=sys.stderr, flush=True)
-        return loss
 
-    bar = _progress_bar(cfg, start_step) if master and cfg.progress else None
     if start_step == 0:
         evaluate(0)
 
-    done, t_wall0, stopped_by = start_step, time.perf_counter(), None
-    wall_before, train_time = history["wall_time_s"], history["train_time_s"]
-    train_time_before = train_time
+    # the loop
+    done, stopped_by, t_wall0 = start_step, None, time.perf_counter()
+    wall_before, train_before = history["wall_time_s"], history["train_time_s"]
     for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
-        # ---- one global batch: this rank's shard, in micro-batches, gradients accumulated locally
+        # one global batch: this rank's shard, in micro-batches, gradients accumulated locally
         inputs, labels = data.rank_batch(corpus, step, rank, world, cfg.global_batch, cfg.seed, cfg.mask_prob)
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
@@ -417,42 +402,31 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
         if cfg.clip > 0:  # this worker's local gradient, before step() communicates anything
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
 
-        # ---- the optimizer step (all communication happens in here)
+        # the optimizer step: all communication happens in here
         diagnose = master and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
         before = [p.detach().clone() for p in names.values()] if diagnose else None
-        stage = optimizer.stage
+        stage = optimizer.stage  # the stage this step runs in (a freeze happens at the end of a step)
         optimizer.step()
         scheduler.step()
-        train_time += time.perf_counter() - t0
+        history["train_time_s"] += time.perf_counter() - t0
 
-        history["train_loss"].append(loss_sum)
-        history["bytes"].append(optimizer.comm_stats.bytes_sent)
-        history["stage"].append(stage)
-        history["freeze_spread"].append(optimizer.freeze_spread)  # --auto-freeze: how settled, per step
-        history["freeze_levels"].append(_finite_or_none(optimizer.freeze_levels))
-        history["variance_rise"].append(_finite_or_none(optimizer.variance_rise))
-        history["trust_rise"].append(getattr(optimizer, "trust_rise", None))  # the wait for the trust peak (1-bit LAMB)
-        if getattr(optimizer, "freeze_ready_step", None) is not None:
-            history["freeze_ready_step"] = optimizer.freeze_ready_step
-        if getattr(optimizer, "trust_peak_step", None) is not None:
-            history["trust_peak_step"] = optimizer.trust_peak_step
-        history["lr"].append(scheduler.get_last_lr()[0])
+        history["steps"].append({"loss": loss_sum, "bytes": optimizer.comm_stats.bytes_sent, "stage": stage,
+                                 "lr": scheduler.get_last_lr()[0], "freeze": _freeze_stats(optimizer)})
         if diagnose:
             history["diagnostics"].append(layer_report(step + 1, stage, names, before, optimizer))
         if bar is not None:
             bar.update(1)
-            sps = (step + 1 - start_step) * cfg.global_batch / max(train_time - train_time_before, 1e-9)
+            sps = (step + 1 - start_step) * cfg.global_batch / max(history["train_time_s"] - train_before, 1e-9)
             bar.set_postfix(loss=f"{loss_sum:.3f}", sps=f"{sps:.0f}", stage=stage,
                             MB=f"{optimizer.comm_stats.bytes_sent / 1e6:.1f}", refresh=False)
 
-        # ---- evaluation, checkpoint, stop
+        # evaluation, checkpoint, stop
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
             evaluate(done)
-        history["train_time_s"] = train_time
         history["wall_time_s"] = wall_before + time.perf_counter() - t_wall0
         stop = _agree_to_stop(stop_requested(), device)
-        if cfg.stop_after_steps and done >= cfg.stop_after_steps and done < cfg.steps:
+        if cfg.stop_after_steps and cfg.stop_after_steps <= done < cfg.steps:
             stop, stopped_by = True, stopped_by or "stop-after-steps"
         elif stop:
             stopped_by = "interrupt"
@@ -467,16 +441,11 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
     summary = {"completed": completed, "interrupted": stopped_by == "interrupt", "step": done}
     ranks_bytes = _gather_bytes(optimizer.comm_stats.bytes_sent, world, device)
     if completed and master:
-        summary.update(write_metrics(cfg, world, history, ranks_bytes, names, model))
+        summary.update(write_metrics(cfg, world, history, ranks_bytes, list(names), model))
     elif master:
         print(f"[{cfg.optimizer}] stopped ({stopped_by}) after step {done}; continue with --resume",
               file=sys.stderr, flush=True)
     return summary
-
-
-def _last_freeze(stages: List[str]) -> int:
-    """The step at whose end the last freeze happened: the last warm-up step."""
-    return max((i + 1 for i, stage in enumerate(stages) if stage == "warmup"), default=0)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float):
@@ -492,26 +461,26 @@ def param_groups(model: torch.nn.Module, weight_decay: float):
 
 
 def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
-    import onebitlamb
-
     common = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "lamb":
         return onebitlamb.Lamb(groups, **common)
-    onebit = dict(compression_space=cfg.compression_space, update_guard=cfg.update_guard or None)
-    if cfg.auto_freeze:
-        onebit.update(freeze_step="auto", max_freeze_step=cfg.freeze_step,
-                      min_freeze_step=min(cfg.freeze_step, max(1, round(cfg.min_freeze_frac * cfg.steps))),
-                      freeze_window=cfg.freeze_window, freeze_tolerance=cfg.freeze_tolerance,
-                      freeze_transient=cfg.freeze_transient or None,
-                      freeze_transient_end=cfg.freeze_transient_end or None,
-                      unfreeze_rise=cfg.unfreeze_rise or None)
-    else:
-        onebit.update(freeze_step=cfg.freeze_step)
-    if cfg.optimizer == "onebitlamb":
-        return onebitlamb.OneBitLamb(groups, **common, **onebit, freeze_after_trust_peak=cfg.freeze_after_trust_peak,
-                                     trust_peak_layers=cfg.trust_peak_layers,
-                                     trust_peak_measure=cfg.trust_peak_measure)
-    return onebitlamb.OneBitAdam(groups, **common, **onebit)
+    cls = onebitlamb.OneBitLamb if cfg.optimizer == "onebitlamb" else onebitlamb.OneBitAdam
+    return cls(groups, **common, freeze_step=cfg.freeze_step())
+
+
+def _freeze_stats(optimizer) -> Optional[dict]:
+    """The 1-bit optimizers' freeze record of this step; LAMB has none."""
+    stats = getattr(optimizer, "freeze_stats", None)
+    return stats() if stats is not None else None
+
+
+def _freeze_banner(optimizer) -> str:
+    stats = _freeze_stats(optimizer)
+    if stats is None:
+        return ""
+    if stats["floor_step"] == stats["cap_step"]:
+        return f", freeze at step {stats['cap_step']}"
+    return f", freeze automatically between steps {stats['floor_step']} and {stats['cap_step']}"
 
 
 @torch.no_grad()
@@ -533,8 +502,7 @@ def evaluate_mlm(model, inputs, labels, batch: int, device) -> float:
 def layer_report(step: int, stage: str, names: dict, before: List[torch.Tensor], optimizer) -> dict:
     """Per layer at this step: the coefficient the optimizer applied (LAMB's live trust ratio; in
     1-bit LAMB's compression stage, frozen coefficient x factor) and the relative step size
-    ``|x_after - x_before| / |x_before|`` measured on the parameters themselves. ``stage`` is the
-    stage the step ran in: at a freeze's own step the optimizer is already frozen after it."""
+    ``|x_after - x_before| / |x_before|`` measured on the parameters themselves."""
     diag = optimizer.layer_diagnostics()
     layers = []
     for i, ((name, p), x0) in enumerate(zip(names.items(), before)):
@@ -567,11 +535,6 @@ def _agree_to_stop(local: bool, device) -> bool:
     t = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
-
-
-def _finite_or_none(values: Optional[List[float]]) -> Optional[List[Optional[float]]]:
-    """JSON has no infinities: a layer with no gradient yet (log 0) is written as null."""
-    return None if values is None else [v if math.isfinite(v) else None for v in values]
 
 
 def _gather_bytes(nbytes: int, world: int, device) -> List[int]:
@@ -641,7 +604,7 @@ def save_checkpoint(cfg, rank, step, model, optimizer, scheduler, history) -> No
     _barrier()
 
 
-def load_checkpoint(cfg, rank, world, model, optimizer, scheduler, history, device):
+def load_checkpoint(cfg, rank, model, optimizer, scheduler, history, device):
     folder = _read_pointer(cfg.out)
     if folder is None:
         if rank == 0:
@@ -661,8 +624,7 @@ def load_checkpoint(cfg, rank, world, model, optimizer, scheduler, history, devi
 
 
 def check_resumable(cfg: TrainConfig, saved: Optional[dict] = None) -> None:
-    """Refuse to resume a checkpoint with settings that change the numbers (only output folders,
-    progress display and the stop request may differ)."""
+    """Refuse to resume a checkpoint whose settings change the numbers (changed_settings)."""
     if saved is None:
         folder = _read_pointer(cfg.out)
         if folder is None:
@@ -671,34 +633,6 @@ def check_resumable(cfg: TrainConfig, saved: Optional[dict] = None) -> None:
     changed = changed_settings(cfg, saved)
     if changed:
         raise ValueError(f"--resume with different settings than the checkpoint in {cfg.out} (saved, now): {changed}")
-
-
-# Settings only the 1-bit optimizers read, and of those, the ones only the automatic freeze reads
-ONEBIT_SETTINGS = {"freeze_frac", "compression_space", "update_guard"}
-AUTO_FREEZE_SETTINGS = {"min_freeze_frac", "freeze_window", "freeze_tolerance", "freeze_transient",
-                        "freeze_transient_end", "unfreeze_rise", "freeze_after_trust_peak", "trust_peak_layers",
-                        "trust_peak_measure"}
-# Settings added after runs were saved, and the value those runs had in effect
-ADDED_SETTINGS = {"freeze_transient_end": 0.0, "unfreeze_rise": 0.0, "freeze_after_trust_peak": False,
-                  "trust_peak_layers": "all", "trust_peak_measure": "median_rise"}
-
-
-def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
-    """The settings (name: (saved, now)) in which ``cfg`` differs from a saved run's config, other
-    than those that cannot change its numbers: RESUMABLE_CHANGES, and the settings its optimizer
-    or freeze mode does not read (so a LAMB run stays valid when a 1-bit default moves)."""
-    ignored = set(RESUMABLE_CHANGES)
-    if cfg.optimizer == "lamb":
-        ignored |= ONEBIT_SETTINGS | AUTO_FREEZE_SETTINGS | {"auto_freeze"}
-    elif not cfg.auto_freeze:
-        ignored |= AUTO_FREEZE_SETTINGS
-    elif cfg.optimizer == "onebitadam":
-        ignored |= {"freeze_after_trust_peak", "trust_peak_layers", "trust_peak_measure"}  # no trust ratio
-    elif not cfg.freeze_after_trust_peak:
-        ignored |= {"trust_peak_layers", "trust_peak_measure"}  # read only by the wait
-    now = dataclasses.asdict(cfg)
-    saved = {**ADDED_SETTINGS, **saved}
-    return {k: (saved.get(k), v) for k, v in now.items() if k not in ignored and saved.get(k) != v}
 
 
 def _read_pointer(out: str) -> Optional[str]:
@@ -729,55 +663,43 @@ def _set_rng_state(state: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The run's results: OUT/metrics.json, OUT/model_final.pt, OUT/diagnostics.png
+# The run's results: OUT/metrics.json, OUT/model_final.pt, OUT/freeze.png
 
 
-def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List[int], names, model) -> dict:
+def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List[int], layers: List[str],
+                  model) -> dict:
+    steps = history["steps"]
     samples = cfg.steps * cfg.global_batch
+    freeze = None if cfg.optimizer == "lamb" else [_json_safe(r["freeze"]) for r in steps]
     metrics = {
         "optimizer": cfg.optimizer,
         "world_size": world,
         "final_eval_loss": history["eval"][-1][1],
         "samples": samples,
         "steps": cfg.steps,
-        # the step the (last) freeze happened at (with --auto-freeze, the optimizer decided it)
-        "freeze_step": _last_freeze(history["stage"]) if cfg.optimizer != "lamb" else None,
-        # --unfreeze-rise: the steps at whose end a freeze was undone, and all full-communication steps
-        "unfrozen_at": [i + 1 for i in range(1, len(history["stage"]))
-                        if history["stage"][i - 1] == "compression" and history["stage"][i] == "warmup"],
-        "warmup_steps": history["stage"].count("warmup"),
+        "freeze_step": None if freeze is None else freeze[-1]["frozen_at"],
+        "warmup_steps": sum(r["stage"] == "warmup" for r in steps),
         "bytes_sent_per_rank": sum(ranks_bytes) / len(ranks_bytes),
         "bytes_sent_by_rank": ranks_bytes,
         "wall_time_s": history["wall_time_s"],
         "train_time_s": history["train_time_s"],
         "samples_per_s": samples / max(history["train_time_s"], 1e-9),
         "eval_curve": history["eval"],
-        "bytes_curve": [[i + 1, b] for i, b in enumerate(history["bytes"])],
-        "train_loss": history["train_loss"],
-        "freeze_spread": history["freeze_spread"],
-        # --auto-freeze, per warm-up step: each layer's log ||v_hat|| (None: no gradient yet)
-        "freeze_levels": ({"layers": list(names), "per_step": history["freeze_levels"]}
-                          if any(row is not None for row in history["freeze_levels"]) else None),
-        # --unfreeze-rise, per stage-2 step: each layer's rise of its local gradient variance since the freeze
-        "variance_rise": ({"layers": list(names), "per_step": history["variance_rise"]}
-                           if any(row is not None for row in history["variance_rise"]) else None),
-        # the wait for the trust peak: per warm-up step, the median layer's trust-ratio rise over the
-        # window; the step the variance criterion first held, from which the freeze waited; and the
-        # step the wait ended (the freeze came there, or at the floor when that was later)
-        "trust_rise": history["trust_rise"] if any(v is not None for v in history["trust_rise"]) else None,
-        "freeze_ready_step": history["freeze_ready_step"],
-        "trust_peak_step": history["trust_peak_step"],
-        "stage": history["stage"],
-        "lr": history["lr"],
+        "bytes_curve": [[i + 1, r["bytes"]] for i, r in enumerate(steps)],
+        "train_loss": [r["loss"] for r in steps],
+        "stage": [r["stage"] for r in steps],
+        "lr": [r["lr"] for r in steps],
         "diagnostics": history["diagnostics"],
         "config": dataclasses.asdict(cfg),
+        "freeze": freeze,
+        "layers": layers,
     }
     atomic_save(model.state_dict(), os.path.join(cfg.out, "model_final.pt"))
     tmp = os.path.join(cfg.out, "metrics.json.tmp")
     with open(tmp, "w") as f:
         json.dump(metrics, f)
     os.replace(tmp, os.path.join(cfg.out, "metrics.json"))
-    try:  # after the metrics are safe, and a figure that fails to draw must not fail the run
+    try:  # after the metrics are safe: a figure that fails to draw must not fail the run
         from onebitlamb.train.plots import plot_freeze
 
         if plot_freeze(metrics, os.path.join(cfg.out, "freeze.png")):
@@ -788,3 +710,14 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
           f"{metrics['bytes_sent_per_rank'] / 1e6:.1f} MB sent per worker, {metrics['wall_time_s']:.0f} s "
           f"({metrics['samples_per_s']:.0f} samples/s)", file=sys.stderr, flush=True)
     return {k: metrics[k] for k in ("final_eval_loss", "samples", "bytes_sent_per_rank", "wall_time_s")}
+
+
+def _json_safe(value):
+    """JSON has no infinities: a layer without gradient yet (log 0) is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
