@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-# The main job: LAMB, 1-bit LAMB and 1-bit Adam pretraining a small BERT side by side.
+# The main job: LAMB, 1-bit LAMB and 1-bit Adam pretraining a small BERT side by side, the 1-bit
+# optimizers with the automatic freeze (the default, `--freeze auto`).
 demo: $(STAMP)
 	$(BIN)/onebitlamb compare --preset demo --out runs/demo
 
