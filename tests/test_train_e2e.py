@@ -1,5 +1,7 @@
 """End to end: `onebitlamb compare --preset tiny` on 2 local workers (the three optimizers, crossing
-the freeze), its files, and an exact `--resume` of an interrupted 1-bit LAMB run."""
+the freeze), its files, an exact `--resume` of an interrupted 1-bit LAMB run, and the two main-job
+runs pinned before the API change (issue 37), bit for bit."""
+import hashlib
 import json
 import os
 import subprocess
@@ -30,8 +32,8 @@ def corpus_dir():
 def compared(tmp_path_factory, corpus_dir):
     out = tmp_path_factory.mktemp("compare")
     cache = tmp_path_factory.mktemp("cache")
-    proc = _cli("compare", "--preset", "tiny", "--out", str(out), "--corpus", corpus_dir, "--cache-dir", str(cache),
-                "--no-progress")
+    proc = _cli("compare", "--preset", "tiny", "--freeze", "0.35", "--out", str(out), "--corpus", corpus_dir,
+                "--cache-dir", str(cache), "--no-progress")
     return out, cache, proc
 
 
@@ -62,6 +64,18 @@ def test_compare_writes_table_metrics_and_plots(compared):
     layer = diag[-1]["layers"][0]
     assert layer["frozen_coeff"] is not None and layer["factor"] is not None and layer["rel_step"] > 0
     assert runs["lamb"]["diagnostics"][-1]["layers"][0]["frozen_coeff"] is None
+    # one run's own metrics: the freeze's per-step record (none for LAMB) and the layers' names
+    for name in runs:
+        with open(out / name / "metrics.json") as f:
+            m = json.load(f)
+        assert len(m["stage"]) == len(m["lr"]) == len(m["train_loss"]) == 8
+        assert m["layers"] == [layer["name"] for layer in diag[-1]["layers"]]
+        if name == "lamb":
+            assert m["freeze"] is None and m["freeze_step"] is None
+        else:
+            assert m["freeze_step"] == 3 and m["warmup_steps"] == 3 and m["stage"][2:4] == ["warmup", "compression"]
+            assert [r["frozen_at"] for r in m["freeze"]] == [None, None] + [3] * 6
+            assert {(r["floor_step"], r["cap_step"]) for r in m["freeze"]} == {(3, 3)}
     for png in ("compare.png", "diagnostics.png"):
         with open(out / png, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -69,8 +83,8 @@ def test_compare_writes_table_metrics_and_plots(compared):
 
 def test_resume_is_bit_identical(compared, tmp_path, corpus_dir):
     out, cache, _ = compared
-    common = ["--preset", "tiny", "--optimizer", "onebitlamb", "--out", str(tmp_path), "--corpus", corpus_dir,
-              "--cache-dir", str(cache), "--no-progress"]
+    common = ["--preset", "tiny", "--optimizer", "onebitlamb", "--freeze", "0.35", "--out", str(tmp_path),
+              "--corpus", corpus_dir, "--cache-dir", str(cache), "--no-progress"]
     _cli("pretrain", *common, "--stop-after-steps", "5")  # after the freeze at step 3
     assert not (tmp_path / "metrics.json").exists()
     with open(tmp_path / "checkpoint.json") as f:
@@ -94,128 +108,88 @@ def test_resume_is_bit_identical(compared, tmp_path, corpus_dir):
     assert a["bytes_curve"] == b["bytes_curve"] and a["train_loss"] == b["train_loss"]
 
 
-def test_auto_freeze_run_records_the_levels_and_plots_them(compared, tmp_path, corpus_dir):
+def _model_sha256(path):
+    sd = torch.load(path, weights_only=True)
+    h = hashlib.sha256()
+    for k in sorted(sd):
+        h.update(k.encode())
+        h.update(sd[k].float().numpy().tobytes())
+    return h.hexdigest()
+
+
+with open(os.path.join(ROOT, "tests", "data", "pinned_runs.json")) as _f:
+    PINS = json.load(_f)
+# the flags of the runs pinned before the API change, and what they are now
+NEW_FLAGS = {"--freeze-frac 0.35": ["--freeze", "0.35"], "--auto-freeze --freeze-frac 0.75": ["--freeze", "auto"]}
+
+
+@pytest.fixture(scope="module")
+def main_job_runs(tmp_path_factory, corpus_dir, compared):
+    """The two pinned main-job runs (60 tiny steps), a fixed 35% freeze and the automatic one."""
     _, cache, _ = compared
-    _cli("pretrain", "--preset", "tiny", "--optimizer", "onebitlamb", "--auto-freeze", "--freeze-window", "2",
-         "--freeze-frac", "0.75", "--unfreeze-rise", "50", "--eval-every", "1", "--out", str(tmp_path), "--corpus",
-         corpus_dir, "--cache-dir", str(cache), "--no-progress")
-    with open(tmp_path / "metrics.json") as f:
+    common = PINS["main_job_common_flags"].split(" --corpus ")[0].split()
+    outs = {}
+    for name, pin in PINS["main_job_runs"].items():
+        outs[name] = tmp_path_factory.mktemp(name)
+        _cli(*common, *NEW_FLAGS[pin["old_flags"]], "--corpus", corpus_dir, "--out", str(outs[name]),
+             "--cache-dir", str(cache), "--no-progress")
+    return outs
+
+
+def test_main_job_same_as_before_the_api_change(main_job_runs):
+    for name, pin in PINS["main_job_runs"].items():
+        out = main_job_runs[name]
+        with open(out / "metrics.json") as f:
+            m = json.load(f)
+        got = (m["freeze_step"], m["final_eval_loss"], _model_sha256(out / "model_final.pt"))
+        assert got == (pin["freeze_step"], pin["final_eval_loss"], pin["model_sha256"]), name
+
+
+def test_the_automatic_freeze_records_every_step_and_plots_its_decision(main_job_runs):
+    with open(main_job_runs["auto"] / "metrics.json") as f:
         m = json.load(f)
-    # a diagnostic at every step says the stage that step ran in, the freeze's own step (warm-up) included
-    assert [d["step"] for d in m["diagnostics"]] == list(range(1, 9))
-    assert [d["stage"] for d in m["diagnostics"]] == m["stage"] and m["stage"][m["freeze_step"] - 1] == "warmup"
-    levels, freeze = m["freeze_levels"], m["freeze_step"]
-    assert levels["layers"] == [layer["name"] for layer in m["diagnostics"][0]["layers"]]
-    recorded = [i + 1 for i, row in enumerate(levels["per_step"]) if row is not None]
-    assert 1 <= freeze <= 6 and recorded == list(range(1, freeze + 1))  # every warm-up step, the freeze's own too
-    assert all(len(levels["per_step"][i - 1]) == len(levels["layers"]) for i in recorded)
-    # --unfreeze-rise: the rise of every layer on every step after the freeze, up to the cap (6 of 8
-    # steps: from there the freeze is final and nothing is watched); none undid it
-    rises = m["variance_rise"] or {"layers": levels["layers"], "per_step": []}
-    assert rises["layers"] == levels["layers"]
-    assert [i + 1 for i, row in enumerate(rises["per_step"]) if row is not None] == list(range(freeze + 1, 6))
-    assert m["unfrozen_at"] == [] and m["warmup_steps"] == freeze
-    with open(tmp_path / "freeze.png", "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert m["config"]["freeze"] == "auto"
+    records, freeze = m["freeze"], m["freeze_step"]
+    assert len(records) == len(m["stage"]) == len(m["train_loss"]) == len(m["lr"]) == m["steps"] == 60
+    last = records[-1]
+    # AutoFreeze(total_steps=60) with every default: the floor at 30% of the steps, the cap at 75%
+    assert (last["floor_step"], last["cap_step"]) == (18, 45) and 18 <= freeze <= 45
+    assert m["warmup_steps"] == freeze and m["stage"][freeze - 1] == "warmup" and m["stage"][freeze] == "compression"
+    assert all(r["frozen_at"] is None for r in records[:freeze - 1])
+    assert all(r["frozen_at"] == freeze for r in records[freeze - 1:])
+    # every warm-up step has each layer's level, the freeze's own too
+    assert all(r["levels"] is not None and len(r["levels"]) == len(m["layers"]) for r in records[:freeze])
+    assert m["layers"] == [layer["name"] for layer in m["diagnostics"][0]["layers"]]
+    # the wait for the trust peak (1-bit LAMB): the freeze came at its end or at the floor, or at the cap
+    # when it never ended
+    ready, waited = last["ready_step"], last["trust_peak_step"]
+    if waited is None:
+        assert freeze == 45
+    else:
+        assert ready is not None and ready < waited and freeze == max(waited, 18), (ready, waited, freeze)
+        assert records[waited - 1]["trust_rise"] <= 0
+    for gone in ("freeze_spread", "freeze_levels", "variance_rise", "trust_rise", "freeze_ready_step",
+                 "trust_peak_step", "unfrozen_at"):
+        assert gone not in m
+    assert (main_job_runs["auto"] / "freeze.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (main_job_runs["fixed"] / "freeze.png").exists()  # nothing to explain for a fixed freeze
 
 
-def test_the_automatic_freeze_waits_for_the_trust_peak_by_default_and_records_the_wait(compared, tmp_path, corpus_dir):
+def test_resume_of_the_automatic_freeze_is_bit_identical(main_job_runs, tmp_path, corpus_dir, compared):
+    """The automatic freeze's history lives in the optimizer's state: a run stopped in the middle
+    of the warm-up's window ends as the pinned uninterrupted run."""
     _, cache, _ = compared
-    _cli("pretrain", "--preset", "tiny", "--optimizer", "onebitlamb", "--auto-freeze",
-         "--freeze-window", "2", "--steps", "16", "--freeze-frac", "0.75", "--out", str(tmp_path), "--corpus",
-         corpus_dir, "--cache-dir", str(cache), "--no-progress")
+    common = PINS["main_job_common_flags"].split(" --corpus ")[0].split()
+    flags = [*common, "--freeze", "auto", "--corpus", corpus_dir, "--out", str(tmp_path), "--cache-dir", str(cache),
+             "--no-progress"]
+    _cli(*flags, "--stop-after-steps", "25")
+    _cli(*flags, "--resume")
+    assert _model_sha256(tmp_path / "model_final.pt") == PINS["main_job_runs"]["auto"]["model_sha256"]
     with open(tmp_path / "metrics.json") as f:
-        m = json.load(f)
-    freeze, ready, rise = m["freeze_step"], m["freeze_ready_step"], m["trust_rise"]
-    assert ready is not None and ready + 2 <= freeze <= 12, (ready, freeze)
-    # recorded on every warm-up step with a window (3 levels) in, the freeze's own included; the
-    # window restarts at the step the criterion held
-    recorded = [i + 1 for i, r in enumerate(rise) if r is not None]
-    assert recorded == [s for s in range(3, freeze + 1) if not ready <= s < ready + 2], (recorded, ready)
-    waited = m["trust_peak_step"]  # the step the wait ended; None when the cap came first
-    assert all(r > 0 for r in rise[ready + 1:(waited or freeze) - 1])  # it waited only while the trust ratios rose
-    assert freeze == 12 if waited is None else rise[waited - 1] <= 0  # the cap, or the wait's own step decided
-    # never before the floor under the wait, 30% of the steps by default: at the wait's end or at the floor
-    assert waited is None or freeze == max(waited, round(0.3 * 16)), (waited, freeze)
-    assert (tmp_path / "freeze.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # with the rise on its own scale
-
-
-def test_freeze_after_trust_peak_needs_the_automatic_freeze(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "onebitlamb", "pretrain", "--preset", "tiny", "--optimizer",
-                           "onebitlamb", "--freeze-after-trust-peak", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "--freeze-after-trust-peak delays the automatic freeze" in proc.stderr
-
-
-def test_changed_settings_ignores_only_what_the_run_does_not_read():
-    import dataclasses
-
-    from onebitlamb.train import pretrain
-
-    def cfg(*flags):
-        import argparse
-
-        parser = argparse.ArgumentParser()
-        pretrain.add_arguments(parser)
-        return pretrain.config_from_args(parser.parse_args(["--preset", "tiny", "--out", "a", *flags]))
-
-    def changed(saved_flags, now_flags):
-        return set(pretrain.changed_settings(cfg(*now_flags), dataclasses.asdict(cfg(*saved_flags))))
-
-    auto = ["--optimizer", "onebitlamb", "--auto-freeze"]
-    assert changed(auto + ["--freeze-tolerance", "0.25"], auto) == {"freeze_tolerance"}
-    assert changed(auto + ["--lr", "1e-2"], auto + ["--out", "b", "--no-progress"]) == {"lr"}
-    # a run saved before a setting existed ran with the value that stands for the old behaviour (the
-    # transient's end at half the peak), not with the new default
-    early = auto + ["--min-freeze-frac", "0.05"]  # the floor before the one under the wait
-    older = dataclasses.asdict(cfg(*early))
-    del older["freeze_transient_end"]
-    assert set(pretrain.changed_settings(cfg(*early), older)) == {"freeze_transient_end"}
-    assert pretrain.changed_settings(cfg(*early, "--freeze-transient-end", "0"), older) == {}
-    del older["unfreeze_rise"]  # a run from before the undone freeze: it had none
-    assert pretrain.changed_settings(cfg(*early, "--freeze-transient-end", "0"), older) == {}
-    assert set(pretrain.changed_settings(cfg(*early, "--freeze-transient-end", "0", "--unfreeze-rise", "4"),
-                                         older)) == {"unfreeze_rise"}
-    del older["freeze_after_trust_peak"]  # a run from before the option waited for no trust peak
-    assert pretrain.changed_settings(cfg(*early, "--freeze-transient-end", "0", "--no-freeze-after-trust-peak"),
-                                     older) == {}
-    assert set(pretrain.changed_settings(cfg(*early, "--freeze-transient-end", "0"), older)) == {
-        "freeze_after_trust_peak"}  # now the default: that run is not this one
-    fixed = ["--optimizer", "onebitlamb"]
-    assert changed(fixed + ["--freeze-tolerance", "0.25"], fixed) == set()  # a fixed freeze never reads it
-    # on by default only where there is an automatic freeze to delay; 1-bit Adam has no trust ratio
-    assert cfg(*auto).freeze_after_trust_peak is True and cfg(*fixed).freeze_after_trust_peak is False
-    adam = ["--optimizer", "onebitadam", "--auto-freeze"]
-    assert changed(adam + ["--no-freeze-after-trust-peak"], adam) == set()
-    # which layers the wait reads changes a run only where it waits; a run from before the option read all
-    unclipped = ["--trust-peak-layers", "unclipped"]
-    assert changed(auto, auto + unclipped) == {"trust_peak_layers"}
-    assert changed(auto + ["--no-freeze-after-trust-peak"], auto + ["--no-freeze-after-trust-peak"] + unclipped) == set()
-    assert changed(adam, adam + unclipped) == set()
-    before = dataclasses.asdict(cfg(*auto))
-    del before["trust_peak_layers"]
-    assert pretrain.changed_settings(cfg(*auto), before) == {}
-    assert set(pretrain.changed_settings(cfg(*auto, *unclipped), before)) == {"trust_peak_layers"}
-    # so does how it judges the peak; a run from before the option judged by the median of the rises
-    level = ["--trust-peak-measure", "median_level"]
-    assert changed(auto, auto + level) == {"trust_peak_measure"}
-    assert changed(auto + ["--no-freeze-after-trust-peak"], auto + ["--no-freeze-after-trust-peak"] + level) == set()
-    assert changed(adam, adam + level) == set()
-    del before["trust_peak_measure"]
-    assert pretrain.changed_settings(cfg(*auto), before) == {}
-    assert set(pretrain.changed_settings(cfg(*auto, *level), before)) == {"trust_peak_measure"}
-    assert changed(fixed + ["--freeze-frac", "0.2"], fixed) == {"freeze_frac"}
-    lamb = ["--optimizer", "lamb"]
-    assert changed(lamb + ["--freeze-frac", "0.2", "--update-guard", "4"], lamb) == set()  # LAMB never freezes
-    assert changed(lamb + ["--seed", "7"], lamb) == {"seed"}
-    # the floor: 30% of the steps under 1-bit LAMB's wait, the early 5% where no wait reads it, so a
-    # run with the wait from before the floor moved is not this one, and 1-bit Adam's runs stay valid
-    no_wait = auto + ["--no-freeze-after-trust-peak"]
-    assert (cfg(*auto).min_freeze_frac, cfg(*no_wait).min_freeze_frac, cfg(*adam).min_freeze_frac) == (0.3, 0.05, 0.05)
-    assert changed(auto + ["--min-freeze-frac", "0.05"], auto) == {"min_freeze_frac"}
-    assert changed(no_wait + ["--min-freeze-frac", "0.05"], no_wait) == set()
-    assert changed(adam + ["--min-freeze-frac", "0.05"], adam) == set()
-    assert cfg(*auto, "--min-freeze-frac", "0.1").min_freeze_frac == 0.1
+        resumed = json.load(f)
+    with open(main_job_runs["auto"] / "metrics.json") as f:
+        uninterrupted = json.load(f)
+    assert resumed["freeze"] == uninterrupted["freeze"] and resumed["eval_curve"] == uninterrupted["eval_curve"]
 
 
 def test_torchrun_launch_matches_local_launch(compared, tmp_path, corpus_dir):
@@ -226,8 +200,8 @@ def test_torchrun_launch_matches_local_launch(compared, tmp_path, corpus_dir):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(free_port()), "-m", "onebitlamb", "pretrain", "--preset", "tiny",
-                           "--optimizer", "onebitlamb", "--out", str(tmp_path), "--corpus", corpus_dir,
-                           "--cache-dir", str(cache), "--no-progress"],
+                           "--optimizer", "onebitlamb", "--freeze", "0.35", "--out", str(tmp_path), "--corpus",
+                           corpus_dir, "--cache-dir", str(cache), "--no-progress"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     local = torch.load(out / "onebitlamb" / "model_final.pt")

@@ -1,0 +1,111 @@
+"""The main job's configuration: the flags built from TrainConfig, presets, the learning rate and
+freeze each optimizer gets, and what --resume accepts. No training here."""
+import argparse
+import dataclasses
+
+import pytest
+
+import onebitlamb
+from onebitlamb.train import compare, pretrain
+
+PRETRAIN_FLAGS = {"--preset", "--optimizer", "--out", "--resume", "--seed", "--steps", "--global-batch",
+                  "--micro-batch", "--workers", "--lr", "--warmup-frac", "--weight-decay", "--clip", "--freeze",
+                  "--eval-every", "--eval-samples", "--ckpt-every", "--corpus", "--stdlib-tests", "--cache-dir",
+                  "--threads", "--no-progress", "--stop-after-steps"}
+
+
+def _parser(module):
+    parser = argparse.ArgumentParser(prog=f"onebitlamb {module.__name__.rsplit('.', 1)[1]}")
+    module.add_arguments(parser)
+    return parser
+
+
+def _flags(parser):
+    return {opt for action in parser._actions if "-h" not in action.option_strings
+            for opt in action.option_strings}
+
+
+def cfg(*flags, optimizer=None):
+    args = _parser(pretrain).parse_args(["--preset", "tiny", "--out", "a", *flags])
+    return pretrain.config_from_args(args, optimizer=optimizer)
+
+
+def test_pretrain_and_compare_have_at_most_25_flags():
+    pretrain_flags, compare_flags = _flags(_parser(pretrain)), _flags(_parser(compare))
+    assert pretrain_flags == PRETRAIN_FLAGS and len(pretrain_flags) == 23 <= 25
+    assert compare_flags == PRETRAIN_FLAGS - {"--optimizer"} | {"--optimizers"} and len(compare_flags) == 23 <= 25
+
+
+def test_every_flag_is_a_field_with_a_help_and_the_rest_are_preset_only():
+    fields = {f.name: f for f in dataclasses.fields(pretrain.TrainConfig)}
+    dests = {a.dest for a in _parser(pretrain)._actions if a.option_strings and a.dest != "help"}
+    assert dests == {name for name, f in fields.items() if "help" in f.metadata}
+    for name in ("hidden", "layers", "beta1", "eps", "mask_prob", "heldout_fraction", "dropout"):
+        assert "help" not in fields[name].metadata
+    for removed in ("--lr-lamb", "--lr-adam", "--auto-freeze", "--freeze-frac", "--freeze-window", "--unfreeze-rise",
+                    "--compression-space", "--update-guard", "--hidden", "--beta2"):
+        with pytest.raises(SystemExit):
+            _parser(pretrain).parse_args(["--out", "a", removed, "1"])
+
+
+def test_flags_override_the_preset_which_overrides_the_defaults():
+    demo = pretrain.config_from_args(_parser(pretrain).parse_args(["--out", "a"]))
+    assert demo == pretrain.TrainConfig(out="a") and demo.preset == "demo" and demo.steps == 512
+    tiny = cfg()
+    assert (tiny.steps, tiny.hidden, tiny.workers, tiny.seed) == (8, 32, 2, 1234)
+    assert cfg("--steps", "20", "--seed", "7").steps == 20 and cfg("--seed", "7").seed == 7
+    assert cfg().cache_dir == "a/cache" and cfg("--cache-dir", "c").cache_dir == "c"
+    assert cfg().progress and not cfg("--no-progress").progress and cfg("--stdlib-tests").stdlib_tests
+    assert cfg("--corpus", "x", "y").corpus == ["x", "y"]
+
+
+def test_presets():
+    assert {"tiny", "demo", "b512", "b1024", "b4096", "large"} <= set(pretrain.PRESETS)
+    for name, (batch, steps, every) in {"b512": (512, 128, 16), "b1024": (1024, 400, 50),
+                                        "b4096": (4096, 100, 20)}.items():
+        c = pretrain.config_from_args(_parser(pretrain).parse_args(["--preset", name, "--out", "a"]))
+        assert (c.global_batch, c.steps, c.eval_every) == (batch, steps, every)
+        assert dataclasses.replace(c, global_batch=256, steps=512, eval_every=32, preset="demo") == \
+            pretrain.TrainConfig(out="a")  # demo plus those three
+
+
+def test_learning_rate_defaults_per_optimizer():
+    assert cfg(optimizer="lamb").lr == cfg(optimizer="onebitlamb").lr == 2e-2
+    assert cfg(optimizer="onebitadam").lr == 2e-3
+    assert cfg("--lr", "1e-3", optimizer="onebitadam").lr == 1e-3
+    large = pretrain.config_from_args(_parser(pretrain).parse_args(["--preset", "large", "--out", "a"]),
+                                      optimizer="onebitadam")
+    assert large.lr == 2e-3  # no rates of its own
+
+
+def test_freeze_auto_or_a_fraction():
+    assert cfg().freeze == "auto" and cfg().freeze_step() == onebitlamb.AutoFreeze(total_steps=8)
+    assert cfg("--steps", "60", "--freeze", "auto").freeze_step() == onebitlamb.AutoFreeze(total_steps=60)
+    assert cfg("--steps", "60", "--freeze", "0.35").freeze_step() == 21
+    assert cfg("--freeze", "1").freeze_step() == 8 and cfg("--freeze", "0.01").freeze_step() == 1
+
+
+@pytest.mark.parametrize("bad", ["0", "1.5", "-0.2", "nan", "inf", "soon"])
+def test_a_bad_freeze_is_refused_by_name(bad, capsys):
+    with pytest.raises(SystemExit):
+        cfg("--freeze", bad)
+    err = capsys.readouterr().err
+    assert "--freeze" in err and repr(bad) in err
+    with pytest.raises(ValueError, match="freeze.*" + repr(bad)):
+        pretrain.TrainConfig(out="a", freeze=bad)
+
+
+def test_resume_refuses_every_changed_setting_but_the_output_and_display():
+    def changed(saved_flags, now_flags, optimizer="onebitlamb"):
+        saved = dataclasses.asdict(cfg(*saved_flags, optimizer=optimizer))
+        return set(pretrain.changed_settings(cfg(*now_flags, optimizer=optimizer), saved))
+
+    assert changed([], ["--out", "b", "--cache-dir", "c", "--resume", "--stop-after-steps", "3", "--no-progress",
+                        "--threads", "2"]) == set()
+    assert changed(["--lr", "1e-2"], []) == {"lr"}
+    assert changed(["--seed", "7"], ["--steps", "9"]) == {"seed", "steps"}
+    assert changed(["--freeze", "0.35"], []) == {"freeze"}
+    assert changed(["--freeze", "0.35"], [], optimizer="onebitadam") == {"freeze"}
+    assert changed(["--freeze", "0.35"], [], optimizer="lamb") == set()  # LAMB never freezes
+    assert changed([], [], optimizer="lamb") == set()
+    assert set(pretrain.changed_settings(cfg(), dataclasses.asdict(cfg(optimizer="lamb")))) == {"optimizer"}
