@@ -43,11 +43,9 @@ def _leave_process_group(code: int) -> None:
     """A worker started by torchrun: wait for every rank, tear the group down, and exit at once.
 
     The results are written by then. What is skipped is the interpreter's own teardown, where a
-    gloo worker has twice aborted ("terminate called without an active exception", exit -6) after
-    a finished run, in fresh-clone test runs, and so failed the launch although nothing was lost;
-    an orderly barrier and destroy before it did not stop that, and the same abort at gloo's
-    interpreter exit is reported upstream (pytorch/pytorch#190489). Returns when no group is up
-    (the local launcher's workers leave the same way on their own, ``comm/launch.py``)."""
+    gloo worker can abort ("terminate called without an active exception") after a finished run
+    and so fail the launch although nothing was lost (pytorch/pytorch#190489). Returns when no
+    group is up (the local launcher's workers leave the same way on their own, ``comm/launch.py``)."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return

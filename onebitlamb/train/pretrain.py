@@ -202,12 +202,13 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple = ()) -> None:
         if typ is int:
             meta.setdefault("metavar", "N")
         shown = f.default not in (None, "", 0) and not meta.get("required") and "(default" not in meta["help"]
-        parser.add_argument(flag, dest=f.name, type=_with_message(meta.pop("type", typ)), nargs=nargs, default=None,
+        parse = _with_message(meta.pop("type")) if "type" in meta else typ
+        parser.add_argument(flag, dest=f.name, type=parse, nargs=nargs, default=None,
                             help=meta.pop("help") + (f" (default: {f.default})" if shown else ""), **meta)
 
 
 def _with_message(parse):
-    """argparse drops a type's ValueError message; this keeps it."""
+    """argparse drops the message of a type's ValueError; this keeps it."""
     def convert(text: str):
         try:
             return parse(text)
