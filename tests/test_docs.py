@@ -1,0 +1,50 @@
+"""The documentation stays a user guide: its sizes, one section per benchmark, commands that exist,
+and no lab results in the package's code (they belong to the docs)."""
+import os
+import re
+
+from onebitlamb.cli import COMMANDS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _read(path: str) -> str:
+    with open(os.path.join(ROOT, path)) as f:
+        return f.read()
+
+
+def test_readme_and_the_freeze_page_stay_short():
+    assert len(_read("README.md").splitlines()) <= 150
+    assert len(_read("docs/convergence.md").splitlines()) <= 250
+
+
+def test_benchmarks_md_has_one_section_per_benchmark():
+    headings = re.findall(r"^## (.+)$", _read("BENCHMARKS.md"), flags=re.MULTILINE)
+    assert headings and len(headings) == len(set(headings)), headings
+
+
+def test_every_command_the_readme_names_exists():
+    readme = _read("README.md")
+    modules = set(re.findall(r"python -m ([\w.]+)", readme))
+    assert modules, "the README names no command"
+    for module in modules:
+        if module == "onebitlamb":
+            continue
+        path = os.path.join(ROOT, *module.split(".")) + ".py"
+        assert os.path.exists(path), module
+    for command in set(re.findall(r"onebitlamb (\w+) +--", readme)):
+        assert command in COMMANDS, command
+
+
+def test_the_package_code_carries_no_lab_results():
+    """Seed-by-seed findings (``demo seed 1238``, ``b1024 ...``) go to docs/, not to comments."""
+    offenders = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "onebitlamb")):
+        for name in files:
+            if name.endswith((".py", ".c")):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    for number, line in enumerate(f, start=1):
+                        if re.search(r"seeds? 1\d{3}|\bb(512|1024|4096) seed", line):
+                            offenders.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
