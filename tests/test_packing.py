@@ -275,10 +275,44 @@ def test_compiled_loops_match_the_numpy_path(monkeypatch):
     assert torch.allclose(e1, e2, rtol=0, atol=1e-6 * s1)
     assert torch.allclose(out1, out2, rtol=1e-6, atol=0)
     assert torch.allclose(t1, t2, rtol=1e-6, atol=1e-6)
-    assert sq2 is None and sq1 == pytest.approx(float((t1.double() ** 2).sum()), rel=1e-9)
+    # the clean loop is off by 1.2e-14 here (at most 1.5e-14 over 20 seeds); squares rounded to
+    # float before widening were off by 5.7e-11 (issue 39: rel=1e-9 here let that through)
+    assert sq2 is None and sq1 == pytest.approx(math.fsum((t1.double() ** 2).tolist()), rel=1e-12)
     # the error update subtracted exactly the scale that was packed, sign by sign
     signs = 1 - 2 * torch.from_numpy(np.unpackbits(p1.numpy()).astype(np.float32))
     assert torch.equal(e1, (error + addend) - torch.tensor(s1, dtype=torch.float32) * signs)
+
+
+def test_compiled_sums_of_squares_are_taken_in_double():
+    """The worker's and the server's sums of squares (the compressor's scale) against float64 sums
+    of the same float32 values. Every value is +-0.1f, whose square float32 rounds off by 4.1e-8:
+    a square taken in float before widening is off by that on every term alike (a float sum is off
+    by 1e-5), where the clean loops, double from the product on, are off by about 3e-15."""
+    from onebitlamb.compression import native
+
+    lib = native.load()
+    if lib is None:
+        pytest.skip(f"compiled loops unavailable: {native.LIBRARY.unavailable_reason}")
+    v = np.float32(0.1)
+    square_in_float = float(v * v)               # the square rounded to float32
+    square = float(v) ** 2                       # exact in double (24-bit times 24-bit mantissas)
+    assert abs(square_in_float - square) / square > 4e-8   # so these inputs tell the two apart
+    m = 8192
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, 256, (2, m // 8), dtype=torch.uint8, generator=gen)
+    expected = m * square
+    # the server's loop: target (zeros) += 0.1 * signs of the first row, the second row with scale 0
+    target = torch.zeros(m)
+    sum_sq = native.add_signs_sumsq(lib, target.numpy(), rows.numpy(), np.array([0.1, 0.0], dtype=np.float32))
+    signs = 1 - 2 * torch.from_numpy(np.unpackbits(rows[0].numpy()).astype(np.float32))
+    assert torch.equal(target, torch.tensor(float(v)) * signs)
+    assert math.fsum((target.double() ** 2).tolist()) == pytest.approx(expected, rel=1e-15)
+    assert sum_sq == pytest.approx(expected, rel=1e-12)
+    # the worker's loop: error (zeros) += addend, with and without the addend
+    error = torch.zeros(m)
+    assert native.add_sumsq(lib, error.numpy(), target.numpy()) == pytest.approx(expected, rel=1e-12)
+    assert torch.equal(error, target)
+    assert native.add_sumsq(lib, error.numpy(), None) == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("module", ["onebitlamb.compression.native", "onebitlamb.optim.native"])
