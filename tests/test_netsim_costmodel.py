@@ -19,6 +19,9 @@ def test_collective_bytes_two_and_four_ranks():
     # n = 4: D = 1024; messages of 32 + 4 = 36 bytes, to 3 peers in each collective
     assert costmodel.onebit_collectives(1000, 4) == [108, 108]
     assert costmodel.lamb_collectives(1000, 1) == [] and costmodel.onebit_collectives(1000, 1) == []
+    # the finite flag: one float32 in a ring all-reduce, 2 (n-1)/n * 4 bytes
+    assert costmodel.finite_flag_collectives(2) == [4] and costmodel.finite_flag_collectives(4) == [6]
+    assert costmodel.finite_flag_collectives(1) == []
 
 
 def test_predict_step_hand_computed():

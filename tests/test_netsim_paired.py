@@ -25,9 +25,10 @@ def test_every_round_times_each_optimizer_in_its_stage(paired):
             assert len(rank["step_times"][name]) == 4
             assert all(0 < o < t for o, t in zip(rank["opt_step_times"][name], rank["step_times"][name]))
         # LAMB sends its fp32 gradients (ring all-reduce: 2 (n-1)/n * 4d); the 1-bit optimizers
-        # were timed in the compression stage: D/8 sign bytes and two scales
+        # were timed in the compression stage: D/8 sign bytes and two scales, and the 4-byte
+        # all-reduce that agrees the gradients are finite
         assert rank["step_bytes"]["lamb"] == 4 * d
-        assert rank["step_bytes"]["onebitlamb"] == rank["step_bytes"]["onebitadam"] == D // 8 + 8
+        assert rank["step_bytes"]["onebitlamb"] == rank["step_bytes"]["onebitadam"] == D // 8 + 8 + 4
 
 
 def test_summary_is_the_median_of_per_round_ratios_of_the_slowest_rank(paired):

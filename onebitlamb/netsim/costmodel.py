@@ -47,6 +47,12 @@ def onebit_collectives(d: int, n: int) -> List[int]:
     return [all_to_all_bytes(n * message, n), all_gather_bytes(message, n)]
 
 
+def finite_flag_collectives(n: int) -> List[int]:
+    """The 1-bit optimizers' compression step also agrees that every rank's gradient is finite:
+    one float32 all-reduce."""
+    return [allreduce_bytes(4, n)] if n > 1 else []
+
+
 @dataclass
 class Link:
     """``rate_bps`` None: unshaped (only ``host_Bps`` limits)."""

@@ -177,7 +177,8 @@ def summarise(raw: dict) -> dict:
                 measured = _mean(p["median_s"] for p in per)
                 comp = synchronous_compute_s([r["compute_only"][name][stage]["step_times"] for r in ranks])
                 if stage == "compression":
-                    predicted = costmodel.predict_step(comp, onebit_bytes, link, codec_s)
+                    predicted = costmodel.predict_step(comp, onebit_bytes + costmodel.finite_flag_collectives(n),
+                                                       link, codec_s)
                 else:
                     predicted = costmodel.predict_step(comp, lamb_bytes, link)
                 rows.append({

@@ -105,6 +105,9 @@ class FixedSchedule:
         self.step = step
         self.floor_step = self.cap_step = step
 
+    def __repr__(self) -> str:
+        return f"freeze_step={self.step}"
+
     def init_state(self, flat: Dict[str, Any], layers: int, device: torch.device) -> None:
         pass
 
@@ -135,6 +138,9 @@ class AutomaticSchedule:
         self.waits = waits_for_trust_peak
         self.floor_step = config.floor_step(waits_for_trust_peak)
         self.cap_step = config.cap_step()
+
+    def __repr__(self) -> str:
+        return f"freeze_step={self.config!r}"
 
     def init_state(self, flat: Dict[str, Any], layers: int, device: torch.device) -> None:
         rows = dict(dtype=torch.float32, device=device)

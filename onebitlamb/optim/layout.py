@@ -106,13 +106,16 @@ class FlatLayout:
                 p.copy_(p.float().add_(u, alpha=-step_size))
 
 
-def new_flat_state(layout: FlatLayout, world_size: int) -> Dict[str, Any]:
+def new_flat_state(layout: FlatLayout, owner: str, world_size: int, rank: int) -> Dict[str, Any]:
     """The state every optimizer starts from: the moments and the trust ratio's running average."""
     f32 = dict(dtype=torch.float32, device=layout.device)
     d, layers = layout.numel, len(layout.params)
     return {
+        "optimizer": owner,
         "step": 0,
+        "skipped_steps": 0,
         "world_size": world_size,
+        "rank": rank,
         "layer_numels": list(layout.numels),
         "exp_avg": torch.zeros(d, **f32),
         "exp_avg_sq": torch.zeros(d, **f32),  # v; after the freeze, v_frozen (= v_hat then)
@@ -122,16 +125,25 @@ def new_flat_state(layout: FlatLayout, world_size: int) -> Dict[str, Any]:
     }
 
 
-def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, world_size: int) -> None:
-    """A loaded state must fit the model and the world size; its tensors move to the model's device."""
+def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, owner: str, world_size: int, rank: int) -> None:
+    """A loaded state must be this optimizer's, fit the model and, where it holds this rank's
+    compression errors, this rank and world size; its tensors move to the model's device."""
+    saved_by = flat.get("optimizer", owner)  # states from before it was recorded: trusted
+    if saved_by != owner:
+        raise ValueError(f"the optimizer state was saved by {saved_by} and is loaded into {owner}")
     if list(flat["layer_numels"]) != list(layout.numels):
         raise ValueError(f"the optimizer state holds {len(flat['layer_numels'])} parameters of sizes "
                          f"{flat['layer_numels'][:8]}..., the model has {len(layout.numels)} of sizes "
                          f"{layout.numels[:8]}...: not the same model or param groups")
-    if flat["world_size"] != world_size:
+    per_rank = "worker_error" in flat or "server_error" in flat
+    if per_rank and flat["world_size"] != world_size:
         raise ValueError(f"the optimizer state was saved with world size {flat['world_size']} and is "
                          f"loaded with world size {world_size}; its compression errors are per rank, so "
                          f"resume on {flat['world_size']} ranks")
+    if per_rank and flat.get("rank", rank) != rank:
+        raise ValueError(f"the optimizer state holds rank {flat['rank']}'s compression errors and is loaded "
+                         f"on rank {rank}: each rank must load the state it saved")
+    flat["world_size"], flat["rank"] = world_size, rank  # the rest of the state is the same on every rank
     for key, value in flat.items():
         if isinstance(value, torch.Tensor) and value.device != layout.device:
             flat[key] = value.to(layout.device)

@@ -8,6 +8,7 @@ all-reduce (stage 2). ``docs/algorithm.md`` gives the maths step by step.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
@@ -16,18 +17,16 @@ from torch.optim import Optimizer
 
 from onebitlamb.comm import CommStats, allreduce_mean_, compressed_allreduce, padded_size, world_size_of
 from onebitlamb.optim import functional as F
+from onebitlamb.optim.checks import (agree_on_setup, agreed_finite, check_finite_nonneg, check_layout_unchanged,
+                                     check_param_groups)
 from onebitlamb.optim.freeze import AutomaticSchedule, FixedSchedule
 from onebitlamb.optim.layout import FlatLayout, Scratch, check_loaded_state, new_flat_state
 
 WARMUP, COMPRESSION = "warmup", "compression"
 
-# Hyper-parameters that may differ between param groups; the others are the optimizer's own.
-PER_GROUP = ("lr", "weight_decay")
-
-
-def check_finite_nonneg(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number >= 0)")
+# A step whose gradient is not finite on some rank is skipped on every rank; this many in a row
+# means the run has diverged rather than met a rare overflow.
+MAX_CONSECUTIVE_SKIPS = 10
 
 
 def validate_common(lr: float, betas, eps: float, weight_decay: float) -> None:
@@ -58,15 +57,7 @@ class StagedOptimizer(Optimizer):
                  schedule: "FixedSchedule | AutomaticSchedule | None",
                  process_group: Optional[dist.ProcessGroup]) -> None:
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            for key, value in group.items():
-                if key == "params":
-                    continue
-                if key in PER_GROUP:
-                    check_finite_nonneg(f"{key} in a param group", value)
-                elif key in defaults and value != defaults[key]:
-                    raise ValueError(f"{key}={value!r} in a param group: only {', '.join(PER_GROUP)} may "
-                                     f"differ between groups")
+        check_param_groups(type(self).__name__, self.param_groups, defaults)
         self._schedule = schedule
         self.process_group = process_group
         self.comm_stats = CommStats()
@@ -74,6 +65,13 @@ class StagedOptimizer(Optimizer):
         self._layout: Optional[FlatLayout] = None
         self._scratch: Optional[Scratch] = None
         self._last_coeff: Optional[torch.Tensor] = None
+        self.last_step_skipped = False
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if getattr(self, "_layout", None) is not None:
+            raise ValueError(f"add_param_group after {type(self).__name__}'s first step: its flat state follows "
+                             f"the first step's parameters on every rank; build a new optimizer instead")
+        super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ state
     @property
@@ -83,17 +81,33 @@ class StagedOptimizer(Optimizer):
     def _prepare(self) -> None:
         """The layout is built at the first step (or the first after a load), when the param groups
         are final; a loaded state is checked against it."""
-        self._layout = FlatLayout.of(self.param_groups)
-        self._scratch = Scratch(self._layout.device)
-        world = world_size_of(self.process_group)
+        layout = FlatLayout.of(self.param_groups)
+        world, owner = world_size_of(self.process_group), type(self).__name__
+        rank = dist.get_rank(self.process_group) if world > 1 else 0
         if "flat" in self.state:
-            check_loaded_state(self._flat, self._layout, world)
+            check_loaded_state(self._flat, layout, owner, world, rank)
             if self._schedule is not None:
                 self._schedule.check_state(self._flat)
-            return
-        self.state["flat"] = new_flat_state(self._layout, world)
-        if self._schedule is not None:
-            self._schedule.init_state(self._flat, len(self._layout.params), self._layout.device)
+        else:
+            self.state["flat"] = new_flat_state(layout, owner, world, rank)
+            if self._schedule is not None:
+                self._schedule.init_state(self._flat, len(layout.params), layout.device)
+        agree_on_setup(self._setup(layout), self.process_group, layout.device)
+        self._layout, self._scratch = layout, Scratch(layout.device)
+
+    def _setup(self, layout: FlatLayout) -> Dict[str, Any]:
+        """What every rank must have alike (``checks.agree_on_setup``)."""
+        return {"optimizer": type(self).__name__, "parameter sizes": layout.numels,
+                "param groups (lr, weight_decay)": [(g["lr"], g["weight_decay"]) for g in self.param_groups],
+                "parameters per group": [layout.groups.count(i) for i in range(len(self.param_groups))],
+                "hyper-parameters": sorted((k, v) for k, v in self.defaults.items() if k not in ("lr", "weight_decay")),
+                "freeze_step": repr(self._schedule),
+                "state (step, frozen_at)": (self._flat["step"], self._flat["frozen_at"])}
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far because some rank's gradient was not finite (``step()``)."""
+        return self.state["flat"].get("skipped_steps", 0) if "flat" in self.state else 0
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -132,22 +146,49 @@ class StagedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        owner = type(self).__name__
+        check_param_groups(owner, self.param_groups, self.defaults)
         if self._layout is None:
             self._prepare()
+        else:
+            check_layout_unchanged(owner, self._layout.params, self.param_groups)
         if self._layout.numel == 0:
             return loss
         bytes_before = self.comm_stats.bytes_sent
-        grads = self._layout.gather_grads(self._scratch.buffer("grad", self._layout.numel), type(self).__name__)
+        grads = self._layout.gather_grads(self._scratch.buffer("grad", self._layout.numel), owner)
         compressing = self.stage == COMPRESSION  # decided by the steps completed so far
-        self._flat["step"] += 1
-        if compressing:
+        if not compressing:
+            allreduce_mean_(grads, self.process_group, self.comm_stats)
+        # in the warm-up the average shows any rank's NaN; in stage 2 one flag is agreed on first
+        self.last_step_skipped = not agreed_finite(grads, self.process_group, self.comm_stats,
+                                                   averaged=not compressing)
+        if self.last_step_skipped:
+            self._skip()
+        elif compressing:
+            self._flat["step"] += 1
             self._compression_step(grads)
         else:
+            self._flat["step"] += 1
             self._warmup_step(grads)
             if self._schedule is not None and self._schedule.due(self._flat):
                 self._freeze()
+        if not self.last_step_skipped:
+            self._flat["consecutive_skips"] = 0
         self.last_step_bytes = self.comm_stats.bytes_sent - bytes_before
         return loss
+
+    def _skip(self) -> None:
+        """A non-finite gradient on some rank: every rank leaves parameters, moments, step count and
+        error buffers as they were, so the run goes on as if the step had not been taken."""
+        flat = self._flat
+        flat["skipped_steps"] = flat.get("skipped_steps", 0) + 1
+        flat["consecutive_skips"] = flat.get("consecutive_skips", 0) + 1
+        if flat["consecutive_skips"] >= MAX_CONSECUTIVE_SKIPS:
+            raise FloatingPointError(f"{type(self).__name__}: the gradient was not finite on some rank at "
+                                     f"{flat['consecutive_skips']} steps in a row (after step {flat['step']}): the "
+                                     f"run has diverged; lower the learning rate or resume from an earlier checkpoint")
+        warnings.warn(f"{type(self).__name__}: step skipped on every rank, some rank's gradient was not finite "
+                      f"({flat['skipped_steps']} skipped so far, after step {flat['step']})", RuntimeWarning)
 
     def _bias_corrections(self) -> tuple[float, float]:
         if not self.defaults["bias_correction"]:
@@ -161,9 +202,8 @@ class StagedOptimizer(Optimizer):
         self._layout.apply_(update, coeff, self.param_groups)
 
     def _warmup_step(self, grads: torch.Tensor) -> None:
-        """Stage 1 (all of LAMB): average the gradients, Adam moments, layer-wise trust ratio."""
+        """Stage 1 (all of LAMB) on the averaged gradients: Adam moments, layer-wise trust ratio."""
         flat, lay = self._flat, self._layout
-        allreduce_mean_(grads, self.process_group, self.comm_stats)
         beta1, beta2 = self.defaults["betas"]
         F.update_moments_(flat["exp_avg"], flat["exp_avg_sq"], grads, beta1, beta2)
         bc1, bc2 = self._bias_corrections()

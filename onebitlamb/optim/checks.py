@@ -1,0 +1,115 @@
+"""What the optimizers refuse, and what the ranks must agree on, before anything moves.
+
+Each check names what is wrong. The cheap ones run at every step (param groups are edited by
+schedulers and by users between steps); the one that needs the other ranks runs once, at the first
+step, as one small all-gather, so that ranks built differently fail there with a message instead
+of pairing mismatched collectives, or drifting apart silently.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from onebitlamb.comm import CommStats, world_size_of
+from onebitlamb.comm.stats import allreduce_bytes
+
+# Hyper-parameters that may differ between param groups; the others are the optimizer's own.
+PER_GROUP = ("lr", "weight_decay")
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_finite_nonneg(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number >= 0)")
+
+
+def check_param_groups(owner: str, param_groups: Sequence[Dict[str, Any]], defaults: Dict[str, Any]) -> None:
+    """Each group's ``lr`` and ``weight_decay`` finite and >= 0, every other hyper-parameter the
+    optimizer's own (the update reads those from ``defaults``: an edit in a group, such as a
+    scheduler cycling ``betas``, would otherwise be ignored), no parameter twice, supported dtypes."""
+    seen = set()
+    for index, group in enumerate(param_groups):
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if key in PER_GROUP:
+                check_finite_nonneg(f"{key} in param group {index}", value)
+            elif key in defaults and value != defaults[key]:
+                raise ValueError(f"{key}={value!r} in param group {index}, the optimizer's is {defaults[key]!r}: "
+                                 f"{owner} reads it once for all groups (only {', '.join(PER_GROUP)} may differ "
+                                 f"between groups or change during training)")
+        for p in group["params"]:
+            if id(p) in seen:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is given to {owner} twice (param group "
+                                 f"{index}): it would move twice per step")
+            seen.add(id(p))
+            if p.dtype not in SUPPORTED_DTYPES:
+                raise ValueError(f"{owner} supports float32, bfloat16 and float16 parameters, got {p.dtype} "
+                                 f"(shape {tuple(p.shape)}); its state is float32")
+
+
+def trainable(param_groups: Sequence[Dict[str, Any]]) -> List[torch.Tensor]:
+    """The parameters the flat layout holds, in its order."""
+    return [p for g in param_groups for p in g["params"] if p.requires_grad and p.numel() > 0]
+
+
+def check_layout_unchanged(owner: str, held: Sequence[torch.Tensor], param_groups: Sequence[Dict[str, Any]]) -> None:
+    """The flat layout is fixed at the first step: every rank's buffers and the compression errors
+    follow it. A parameter added, removed, resized or (un)frozen later is an error."""
+    now = trainable(param_groups)
+    if len(now) == len(held) and all(a is b and a.shape == b.shape for a, b in zip(now, held)):
+        return
+    raise ValueError(f"the trainable parameters changed after {owner}'s first step (now {len(now)} tensors, "
+                     f"{sum(p.numel() for p in now)} elements; at the first step {len(held)}, "
+                     f"{sum(p.numel() for p in held)}): parameters added with add_param_group, resized, or "
+                     f"switched with requires_grad. Its flat state follows the first step's layout on every "
+                     f"rank; build a new optimizer for the new set of parameters")
+
+
+def _crc(value: Any) -> int:
+    return zlib.crc32(repr(value).encode())
+
+
+def agree_on_setup(setup: Dict[str, Any], group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+    """Every rank must have built the same optimizer: compare a fingerprint of ``setup`` (name:
+    value) across the group with one all-gather of one int64 per entry; if any differs, gather the
+    values themselves and raise on every rank, naming each entry that differs and each rank's value."""
+    n = world_size_of(group)
+    if n == 1:
+        return
+    names = sorted(setup)
+    mine = torch.tensor([_crc(setup[k]) for k in names], dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(rows, mine, group=group)
+    differing = [k for i, k in enumerate(names) if len({int(r[i]) for r in rows}) > 1]
+    if not differing:
+        return
+    values: List[Any] = [None] * n
+    dist.all_gather_object(values, {k: setup[k] for k in differing}, group=group)
+    details = "; ".join(f"{k}: " + ", ".join(f"rank {r} {_short(v[k])}" for r, v in enumerate(values))
+                        for k in differing)
+    raise ValueError(f"the ranks built different optimizers: {details}. Every rank must pass the same "
+                     f"parameters (in the same order and shapes), hyper-parameters and freeze_step")
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def agreed_finite(values: torch.Tensor, group: Optional[dist.ProcessGroup], stats: CommStats,
+                  averaged: bool) -> bool:
+    """Whether ``values`` is finite on every rank (a sum that overflows float32 counts as not).
+    ``averaged``: the values are already the same on every rank (an averaged gradient, where a
+    NaN of any rank shows), so no communication is needed; otherwise one 1-element all-reduce."""
+    finite = bool(torch.isfinite(values.sum()))
+    if averaged or world_size_of(group) == 1:
+        return finite
+    flag = torch.tensor([0.0 if finite else 1.0], dtype=torch.float32, device=values.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    stats.record("all_reduce", allreduce_bytes(flag.numel() * flag.element_size(), world_size_of(group)))
+    return float(flag) == 0.0

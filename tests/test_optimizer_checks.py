@@ -1,0 +1,174 @@
+"""What the optimizers refuse before anything moves (misuse, ranks that disagree) and how a
+non-finite gradient is contained: skipped on every rank alike, state untouched. Issue 39."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import onebitlamb
+from onebitlamb.comm.launch import spawn_local
+from onebitlamb.optim.staged import MAX_CONSECUTIVE_SKIPS
+
+CLASSES = {"lamb": onebitlamb.Lamb, "onebitlamb": onebitlamb.OneBitLamb, "onebitadam": onebitlamb.OneBitAdam}
+
+
+def _make(kind, params, **kw):
+    if kind != "lamb":
+        kw.setdefault("freeze_step", 3)
+    return CLASSES[kind](params, lr=0.01, **kw)
+
+
+def _snapshot(opt, params):
+    return [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+
+
+def _assert_untouched(opt, params, snapshot):
+    before_params, before_state = snapshot
+    for a, b in zip(params, before_params):
+        assert torch.equal(a.detach(), b)
+    now = opt.state_dict()["state"]["flat"]
+    for key, value in before_state["state"]["flat"].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(now[key], value), key
+        else:
+            assert now[key] == value, key
+
+
+@pytest.mark.parametrize("kind", list(CLASSES))
+def test_misuse_at_construction_is_a_clear_error(kind):
+    p = torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(ValueError, match="given to .* twice"):
+        _make(kind, [p, p])
+    for dtype in (torch.float64, torch.complex64):
+        with pytest.raises(ValueError, match=f"got {dtype}"):
+            _make(kind, [torch.nn.Parameter(torch.zeros(3, dtype=dtype))])
+
+
+@pytest.mark.parametrize("kind", list(CLASSES))
+def test_misuse_after_the_first_step_is_a_clear_error_before_anything_moves(kind):
+    a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3))
+    opt = _make(kind, [a, b])
+    a.grad, b.grad = torch.randn(4), torch.randn(3)
+    opt.step()
+    with pytest.raises(ValueError, match="add_param_group after"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    edits = [("lr", float("nan"), "Invalid lr in param group 0: nan"),
+             ("lr", -1.0, "Invalid lr in param group 0: -1.0"),
+             ("weight_decay", float("inf"), "Invalid weight_decay"),
+             ("betas", (0.95, 0.999), "betas=\\(0.95, 0.999\\) in param group 0")]
+    for key, value, match in edits:
+        snapshot = _snapshot(opt, [a, b])
+        saved = opt.param_groups[0][key]
+        opt.param_groups[0][key] = value
+        with pytest.raises(ValueError, match=match):
+            opt.step()
+        _assert_untouched(opt, [a, b], snapshot)
+        opt.param_groups[0][key] = saved
+    snapshot = _snapshot(opt, [a, b])
+    b.requires_grad_(False)
+    with pytest.raises(ValueError, match="trainable parameters changed"):
+        opt.step()
+    _assert_untouched(opt, [a, b], snapshot)
+    b.requires_grad_(True)
+    opt.step()  # back as it was: fine
+
+
+def _disagreeing_run(rank, n, what):
+    """Each rank builds its optimizer; ``what`` makes rank 1's differ. Returns the error each rank saw."""
+    shapes = [(6, 4), (4,)]
+    if what == "split" and rank == 1:
+        shapes = [(4, 4), (12,)]  # the same 28 elements, split into layers differently
+    if what == "count" and rank == 1:
+        shapes = shapes + [(5,)]
+    params = [torch.nn.Parameter(torch.ones(s)) for s in shapes]
+    kw = {"lr": 0.02 if what == "lr" and rank == 1 else 0.01}
+    kw["freeze_step"] = 7 if what == "freeze" and rank == 1 else 5
+    opt = onebitlamb.OneBitLamb(params, **kw)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    try:
+        opt.step()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("what,named", [("lr", "param groups \\(lr, weight_decay\\): rank 0 \\[\\(0.01, 0.0\\)\\], "
+                                               "rank 1 \\[\\(0.02, 0.0\\)\\]"),
+                                        ("freeze", "freeze_step: rank 0 'freeze_step=5', rank 1 'freeze_step=7'"),
+                                        ("split", "parameter sizes: rank 0 \\[24, 4\\], rank 1 \\[16, 12\\]"),
+                                        ("count", "parameter sizes: rank 0 \\[24, 4\\], rank 1 \\[24, 4, 5\\]")])
+def test_ranks_that_built_different_optimizers_fail_at_the_first_step(what, named):
+    """Before: a different lr or layer split drifted apart silently, a different freeze_step hung
+    until the process group's timeout, a different parameter count aborted inside gloo."""
+    errors = spawn_local(_disagreeing_run, 2, (what,), timeout_s=120, collective_timeout_s=60)
+    assert errors[0] == errors[1] and errors[0] is not None
+    assert "the ranks built different optimizers" in errors[0]
+    import re
+    assert re.search(named, errors[0]), errors[0]
+
+
+def _grads(rank, call):
+    g = torch.Generator().manual_seed(100 * call + rank)
+    return [torch.randn(6, 4, generator=g), torch.randn(4, generator=g)]
+
+
+def _nan_run(rank, n, kind, poisoned_calls, omitted_calls):
+    """Steps 1..12 of a 2-rank run (freeze at 5); at the ``poisoned_calls`` rank 1's gradient holds
+    a NaN (or an inf), the ``omitted_calls`` are not made at all. Returns the final parameters,
+    the skip count, and what each call reported."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(4))]
+    opt = _make(kind, params, freeze_step=5) if kind != "lamb" else _make(kind, params)
+    skipped = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for call in range(1, 13):
+            if call in omitted_calls:
+                continue
+            grads = _grads(rank, call)
+            if call in poisoned_calls and rank == 1:
+                grads[call % 2].view(-1)[3] = float("nan") if call % 3 else float("inf")
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+            skipped.append(opt.last_step_skipped)
+    return {"params": [p.detach().clone() for p in params], "skipped_steps": opt.skipped_steps,
+            "skipped": skipped, "warnings": [str(w.message) for w in caught], "stage": opt.stage}
+
+
+@pytest.mark.parametrize("kind", list(CLASSES))
+def test_a_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(kind):
+    """NaN or inf on rank 1 at a warm-up step (3) and at compression steps (8, 9): both ranks skip
+    those steps and end bit for bit where a run that never made them ends."""
+    poisoned = (3, 8, 9)
+    out = spawn_local(_nan_run, 2, (kind, poisoned, ()), timeout_s=120, collective_timeout_s=60)
+    clean = spawn_local(_nan_run, 2, (kind, (), poisoned), timeout_s=120, collective_timeout_s=60)
+    for r in range(2):
+        assert out[r]["skipped_steps"] == 3
+        assert [i + 1 for i, s in enumerate(out[r]["skipped"]) if s] == list(poisoned)
+        assert len(out[r]["warnings"]) == 3 and "step skipped on every rank" in out[r]["warnings"][0]
+        for a, b in zip(out[r]["params"], clean[r]["params"]):
+            assert torch.isfinite(a).all() and torch.equal(a, b)
+        assert out[r]["stage"] == ("warmup" if kind == "lamb" else "compression")
+
+
+def test_a_run_that_keeps_diverging_ends_with_a_clear_error():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = onebitlamb.OneBitLamb([p], freeze_step=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(MAX_CONSECUTIVE_SKIPS - 1):
+            p.grad = torch.full((4,), float("nan"))
+            opt.step()
+        p.grad = torch.ones(4)
+        opt.step()  # a good step resets the count
+        for _ in range(MAX_CONSECUTIVE_SKIPS - 1):
+            p.grad = torch.full((4,), float("nan"))
+            opt.step()
+        with pytest.raises(FloatingPointError, match=f"{MAX_CONSECUTIVE_SKIPS} steps in a row"):
+            opt.step()
+    assert torch.isfinite(p).all() and opt.state["flat"]["step"] == 1
