@@ -2,12 +2,12 @@
 
 Public API: the optimizers ``Lamb``, ``OneBitLamb`` and ``OneBitAdam``; the freeze policy
 ``AutoFreeze``; the collective ``compressed_allreduce`` with ``padded_size``; ``CommStats`` for
-the bytes sent.
+the bytes sent; ``reshard_state_dicts`` to resume a checkpoint on another number of ranks.
 """
 from onebitlamb.comm import CommStats, compressed_allreduce, padded_size
-from onebitlamb.optim import AutoFreeze, Lamb, OneBitAdam, OneBitLamb
+from onebitlamb.optim import AutoFreeze, Lamb, OneBitAdam, OneBitLamb, reshard_state_dicts
 
 __version__ = "0.1.0"
 
 __all__ = ["AutoFreeze", "CommStats", "Lamb", "OneBitAdam", "OneBitLamb", "compressed_allreduce", "padded_size",
-           "__version__"]
+           "reshard_state_dicts", "__version__"]

@@ -88,6 +88,8 @@ class StagedOptimizer(Optimizer):
             check_loaded_state(self._flat, layout, owner, world, rank)
             if self._schedule is not None:
                 self._schedule.check_state(self._flat)
+            if self._flat["frozen_at"] is not None and "worker_error" not in self._flat:
+                self._new_error_buffers(layout, world)  # frozen on one process, resumed on several
         else:
             self.state["flat"] = new_flat_state(layout, owner, world, rank)
             if self._schedule is not None:
@@ -252,11 +254,14 @@ class StagedOptimizer(Optimizer):
                                 if self._layerwise else lay.ones())
         flat["prev_factor"] = lay.ones()
         flat["momentum_scale"] = F.momentum_scales(lay.norms(flat["exp_avg"]), lay.per_layer(lay.numels))
-        n = world_size_of(self.process_group)
-        if n > 1:
-            D = padded_size(lay.numel, n)
-            flat["worker_error"] = torch.zeros(D, dtype=torch.float32, device=lay.device)
-            flat["server_error"] = torch.zeros(D // n, dtype=torch.float32, device=lay.device)
+        self._new_error_buffers(lay, world_size_of(self.process_group))
+
+    def _new_error_buffers(self, layout: FlatLayout, world: int) -> None:
+        """Zero worker and server errors; one process compresses nothing and keeps none."""
+        if world > 1:
+            D = padded_size(layout.numel, world)
+            self._flat["worker_error"] = torch.zeros(D, dtype=torch.float32, device=layout.device)
+            self._flat["server_error"] = torch.zeros(D // world, dtype=torch.float32, device=layout.device)
 
     def _frozen_denominators(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``sqrt(v_frozen) + eps`` and its inverse, derived from the state once after a freeze or load."""

@@ -1,0 +1,112 @@
+"""A checkpoint written on n ranks resumes on m (reshard_state_dicts): the averaged error correction
+is kept, the ranks agree after, and training continues as well as an uninterrupted run. Issue 39."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import onebitlamb
+from onebitlamb.comm.launch import spawn_local
+
+STEPS, FREEZE, SAVED_AT = 60, 15, 30
+
+
+def _problem():
+    torch.manual_seed(0)
+    teacher = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 3))
+    return teacher, model
+
+
+def _train(rank, model, teacher, opt, first, last):
+    for t in range(first, last + 1):
+        x = torch.randn(32, 12, generator=torch.Generator().manual_seed(1000 * t + rank))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), teacher(x).detach()).backward()
+        opt.step()
+
+
+def _held_out_loss(model, teacher):
+    x = torch.randn(512, 12, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(model(x), teacher(x)).item()
+
+
+def _make(model):
+    return onebitlamb.OneBitLamb(model.parameters(), lr=0.02, weight_decay=0.01, freeze_step=FREEZE)
+
+
+def _first_part(rank, n):
+    """Steps 1..SAVED_AT on n ranks; returns this rank's checkpoint as bytes."""
+    teacher, model = _problem()
+    opt = _make(model)
+    _train(rank, model, teacher, opt, 1, SAVED_AT)
+    blob = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, blob)
+    return blob.getvalue()
+
+
+def _second_part(rank, m, blobs):
+    """Load the n ranks' checkpoint resharded for m ranks, train to STEPS."""
+    saved = [torch.load(io.BytesIO(b), weights_only=True) for b in blobs]
+    teacher, model = _problem()
+    model.load_state_dict(saved[0]["model"])
+    opt = _make(model)
+    opt.load_state_dict(onebitlamb.reshard_state_dicts([s["optimizer"] for s in saved], m)[rank])
+    _train(rank, model, teacher, opt, SAVED_AT + 1, STEPS)
+    return [p.detach().clone() for p in model.parameters()], _held_out_loss(model, teacher), opt.stage
+
+
+def _uninterrupted(rank, n):
+    teacher, model = _problem()
+    opt = _make(model)
+    _train(rank, model, teacher, opt, 1, STEPS)
+    return _held_out_loss(model, teacher)
+
+
+def test_reshard_keeps_the_mean_worker_error_and_the_server_vector():
+    blobs = spawn_local(_first_part, 4, (), timeout_s=120, collective_timeout_s=60)
+    states = [torch.load(io.BytesIO(b), weights_only=True)["optimizer"] for b in blobs]
+    flats = [s["state"]["flat"] for s in states]
+    d = sum(flats[0]["layer_numels"])
+    old_mean = torch.stack([f["worker_error"][:d] for f in flats]).double().mean(dim=0)
+    old_server = torch.cat([f["server_error"] for f in flats])[:d]
+    assert old_mean.abs().max() > 0 and old_server.abs().max() > 0  # there is something to keep
+    for m in (2, 3, 4):
+        new = [s["state"]["flat"] for s in onebitlamb.reshard_state_dicts(states, m)]
+        D = onebitlamb.padded_size(d, m)
+        assert [(f["rank"], f["world_size"]) for f in new] == [(r, m) for r in range(m)]
+        for f in new:
+            assert f["worker_error"].shape == (D,) and f["server_error"].shape == (D // m,)
+            assert torch.allclose(f["worker_error"][:d].double(), old_mean, atol=1e-7)
+            assert not f["worker_error"][d:].any()
+            assert torch.equal(f["exp_avg"], flats[0]["exp_avg"]) and f["step"] == flats[0]["step"]
+        assert torch.equal(torch.cat([f["server_error"] for f in new])[:d], old_server)
+    single = onebitlamb.reshard_state_dicts(states, 1)[0]["state"]["flat"]
+    assert "worker_error" not in single and single["world_size"] == 1
+    with pytest.raises(ValueError, match="rank order"):
+        onebitlamb.reshard_state_dicts(states[::-1], 2)
+    with pytest.raises(ValueError, match="Invalid world_size: 0"):
+        onebitlamb.reshard_state_dicts(states, 0)
+
+
+@pytest.mark.parametrize("n,m", [(4, 2), (2, 3)])
+def test_a_run_saved_on_n_ranks_continues_on_m(n, m):
+    """Saved after step 30 (frozen at 15) on n ranks, continued on m to step 60: the m ranks end
+    bit-identical, still compressing, and as close to the teacher as uninterrupted runs on n and
+    on m ranks (within the spread between those two, and a margin)."""
+    blobs = spawn_local(_first_part, n, (), timeout_s=120, collective_timeout_s=60)
+    out = spawn_local(_second_part, m, (blobs,), timeout_s=120, collective_timeout_s=60)
+    for r in range(1, m):
+        for a, b in zip(out[0][0], out[r][0]):
+            assert torch.equal(a, b)
+    assert out[0][2] == "compression"
+    resumed = out[0][1]
+    straight = [spawn_local(_uninterrupted, k, (), timeout_s=120, collective_timeout_s=60)[0] for k in (n, m)]
+    low, high = min(straight), max(straight)
+    margin = 0.1 * high
+    assert low - margin <= resumed <= high + margin, (resumed, straight)
+    initial = _held_out_loss(_problem()[1], _problem()[0])
+    assert resumed < 0.5 * initial
