@@ -172,3 +172,32 @@ def test_a_run_that_keeps_diverging_ends_with_a_clear_error():
         with pytest.raises(FloatingPointError, match=f"{MAX_CONSECUTIVE_SKIPS} steps in a row"):
             opt.step()
     assert torch.isfinite(p).all() and opt.state["flat"]["step"] == 1
+
+
+def _loss_scaled_run(rank, n):
+    """Loss scaling as docs/optimizers.md recommends, with rank 1's gradients overflowing at step 4."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = onebitlamb.OneBitLamb(model.parameters(), lr=0.01, freeze_step=3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    skipped = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(1, 9):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * t + rank))
+            opt.zero_grad()
+            scaler.scale(model(x).pow(2).mean()).backward()
+            if t == 4 and rank == 1:
+                model[0].weight.grad[0, 0] = float("inf")
+            scaler.unscale_(opt)
+            opt.step()
+            scaler.update()
+            skipped.append(opt.last_step_skipped)
+    return [p.detach().clone() for p in model.parameters()], skipped
+
+
+def test_loss_scaling_recipe_keeps_the_ranks_together():
+    out = spawn_local(_loss_scaled_run, 2, (), timeout_s=120, collective_timeout_s=60)
+    assert out[0][1] == out[1][1] == [False, False, False, True, False, False, False, False]
+    for a, b in zip(out[0][0], out[1][0]):
+        assert torch.equal(a, b) and torch.isfinite(a).all()
