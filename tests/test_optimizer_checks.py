@@ -84,6 +84,8 @@ def _disagreeing_run(rank, n, what):
     if what == "count" and rank == 1:
         shapes = shapes + [(5,)]
     params = [torch.nn.Parameter(torch.ones(s)) for s in shapes]
+    if what == "values" and rank == 1:
+        params[1].data[2] = 1.5  # a per-rank seed, or a checkpoint loaded on one rank only
     kw = {"lr": 0.02 if what == "lr" and rank == 1 else 0.01}
     kw["freeze_step"] = 7 if what == "freeze" and rank == 1 else 5
     opt = onebitlamb.OneBitLamb(params, **kw)
@@ -100,7 +102,9 @@ def _disagreeing_run(rank, n, what):
                                                "rank 1 \\[\\(0.02, 0.0\\)\\]"),
                                         ("freeze", "freeze_step: rank 0 'freeze_step=5', rank 1 'freeze_step=7'"),
                                         ("split", "parameter sizes: rank 0 \\[24, 4\\], rank 1 \\[16, 12\\]"),
-                                        ("count", "parameter sizes: rank 0 \\[24, 4\\], rank 1 \\[24, 4, 5\\]")])
+                                        ("count", "parameter sizes: rank 0 \\[24, 4\\], rank 1 \\[24, 4, 5\\]"),
+                                        ("values", "parameter values \\(crc32 of each tensor\\): rank 0 \\[\\d+, "
+                                                   "(\\d+)\\], rank 1 \\[\\d+, (?!\\1)\\d+\\]")])
 def test_ranks_that_built_different_optimizers_fail_at_the_first_step(what, named):
     """Before: a different lr or layer split drifted apart silently, a different freeze_step hung
     until the process group's timeout, a different parameter count aborted inside gloo."""

@@ -74,6 +74,12 @@ def _crc(value: Any) -> int:
     return zlib.crc32(repr(value).encode())
 
 
+def parameter_checksum(p: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes: ranks that start from different parameters (per-rank seeds, a
+    checkpoint loaded on one rank only) would train different models, silently."""
+    return zlib.crc32(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
+
+
 def agree_on_setup(setup: Dict[str, Any], group: Optional[dist.ProcessGroup], device: torch.device) -> None:
     """Every rank must have built the same optimizer: compare a fingerprint of ``setup`` (name:
     value) across the group with one all-gather of one int64 per entry; if any differs, gather the
@@ -93,7 +99,9 @@ def agree_on_setup(setup: Dict[str, Any], group: Optional[dist.ProcessGroup], de
     details = "; ".join(f"{k}: " + ", ".join(f"rank {r} {_short(v[k])}" for r, v in enumerate(values))
                         for k in differing)
     raise ValueError(f"the ranks built different optimizers: {details}. Every rank must pass the same "
-                     f"parameters (in the same order and shapes), hyper-parameters and freeze_step")
+                     f"parameters (in the same order and shapes, with the same values: seed every rank "
+                     f"alike, or broadcast them from rank 0 before the first step), hyper-parameters and "
+                     f"freeze_step")
 
 
 def _short(value: Any, limit: int = 120) -> str:

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from onebitlamb.comm import CommStats, allreduce_mean_, compressed_allreduce, padded_size, world_size_of
 from onebitlamb.optim import functional as F
 from onebitlamb.optim.checks import (agree_on_setup, agreed_finite, check_finite_nonneg, check_layout_unchanged,
-                                     check_param_groups)
+                                     check_param_groups, parameter_checksum)
 from onebitlamb.optim.freeze import AutomaticSchedule, FixedSchedule
 from onebitlamb.optim.layout import FlatLayout, Scratch, check_loaded_state, new_flat_state
 
@@ -104,7 +104,8 @@ class StagedOptimizer(Optimizer):
                 "parameters per group": [layout.groups.count(i) for i in range(len(self.param_groups))],
                 "hyper-parameters": sorted((k, v) for k, v in self.defaults.items() if k not in ("lr", "weight_decay")),
                 "freeze_step": repr(self._schedule),
-                "state (step, frozen_at)": (self._flat["step"], self._flat["frozen_at"])}
+                "state (step, frozen_at)": (self._flat["step"], self._flat["frozen_at"]),
+                "parameter values (crc32 of each tensor)": [parameter_checksum(p) for p in layout.params]}
 
     @property
     def skipped_steps(self) -> int:
