@@ -90,6 +90,33 @@ def test_prepare_corpus_blocks_and_cache(corpus):
     assert tok.encode("[CLS] def [MASK] x").ids[0] == data.CLS_ID
 
 
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):  # unpickling this creates the marker file
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def test_the_cache_is_read_as_plain_data_and_a_planted_one_runs_no_code(corpus, tmp_path):
+    import shutil
+
+    c, root, cache = corpus
+    planted = tmp_path / "cache"
+    shutil.copytree(cache, planted)
+    blocks = planted / os.listdir(cache)[0] / "blocks.pt"
+    saved = torch.load(blocks, weights_only=True)  # what the cache holds is plain data
+    assert set(saved) == {"train", "heldout", "info"}
+    marker = tmp_path / "planted-code-ran"
+    torch.save({**saved, "info": _Payload(str(marker))}, blocks)
+    with pytest.raises(ValueError, match="blocks.pt.*plain data.*delete"):
+        data.prepare_corpus([root], 512, 32, 0.1, str(planted), log=lambda *a: None)
+    assert not marker.exists()
+    blocks.write_bytes(blocks.read_bytes()[:100])  # a damaged one: the same clear error, no EOFError
+    with pytest.raises(ValueError, match="blocks.pt.*plain data"):
+        data.prepare_corpus([root], 512, 32, 0.1, str(planted), log=lambda *a: None)
+
+
 def test_builtin_module_help_leaves_out_the_values_of_the_process():
     docs = {d.name: d.text for d in data._builtin_module_docs()}
     assert "builtin/sys" in docs and "exc_info(" in docs["builtin/sys"]  # its functions are documented

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import os
 import sys
@@ -274,7 +275,7 @@ def prepare_corpus(paths: Optional[Sequence[str]], vocab_size: int, seq_len: int
     folder = os.path.join(cache_dir, f"corpus-{digest}")
     tensors = os.path.join(folder, "blocks.pt")
     if os.path.exists(tensors):
-        saved = torch.load(tensors, weights_only=False)
+        saved = load_cache(tensors)
         return Corpus(saved["train"], saved["heldout"], vocab_size, saved["info"])
 
     log(f"preparing corpus ({'--corpus ' + ' '.join(paths) if paths else 'Python standard library'}) "
@@ -299,12 +300,34 @@ def prepare_corpus(paths: Optional[Sequence[str]], vocab_size: int, seq_len: int
     return Corpus(train, heldout, vocab_size, info)
 
 
-def atomic_save(obj, path: str) -> None:
-    """``torch.save`` to a temporary file in the same folder, then rename: a crash leaves either
-    the old file or the new one, never half of one."""
+def load_cache(path: str) -> dict:
+    """The cached tensors, read as plain data (``weights_only=True``: unpickling a planted file
+    runs no code); a file that is not is refused with a clear error."""
+    try:
+        saved = torch.load(path, weights_only=True)
+        if not isinstance(saved, dict) or not {"train", "heldout", "info"} <= set(saved):
+            raise ValueError("not a corpus cache")
+    except Exception as exc:  # noqa: BLE001 (unpickling raises many types)
+        raise ValueError(f"the corpus cache {path} cannot be read as plain data "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                         f"delete {os.path.dirname(path)} to rebuild it") from None
+    return saved
+
+
+def atomic_save(obj, path: str) -> str:
+    """``torch.save`` to a temporary file in the same folder, flushed to disk, then rename: a crash
+    leaves either the old file or the new one, never half of one. Returns the sha256 of the bytes
+    written."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    blob = buffer.getbuffer()
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    return hashlib.sha256(blob).hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------
