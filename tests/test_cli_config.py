@@ -8,7 +8,7 @@ import pytest
 import onebitlamb
 from onebitlamb.train import compare, pretrain
 
-PRETRAIN_FLAGS = {"--preset", "--optimizer", "--out", "--resume", "--seed", "--steps", "--global-batch",
+PRETRAIN_FLAGS = {"--preset", "--optimizer", "--out", "--resume", "--overwrite", "--seed", "--steps", "--global-batch",
                   "--micro-batch", "--workers", "--lr", "--warmup-frac", "--weight-decay", "--clip", "--freeze",
                   "--eval-every", "--eval-samples", "--ckpt-every", "--corpus", "--stdlib-tests", "--cache-dir",
                   "--threads", "--no-progress", "--stop-after-steps"}
@@ -32,8 +32,8 @@ def cfg(*flags, optimizer=None):
 
 def test_pretrain_and_compare_have_at_most_25_flags():
     pretrain_flags, compare_flags = _flags(_parser(pretrain)), _flags(_parser(compare))
-    assert pretrain_flags == PRETRAIN_FLAGS and len(pretrain_flags) == 23 <= 25
-    assert compare_flags == PRETRAIN_FLAGS - {"--optimizer"} | {"--optimizers"} and len(compare_flags) == 23 <= 25
+    assert pretrain_flags == PRETRAIN_FLAGS and len(pretrain_flags) == 24 <= 25
+    assert compare_flags == PRETRAIN_FLAGS - {"--optimizer"} | {"--optimizers"} and len(compare_flags) == 24 <= 25
 
 
 def test_every_flag_is_a_field_with_a_help_and_the_rest_are_preset_only():
@@ -102,6 +102,7 @@ def test_resume_refuses_every_changed_setting_but_the_output_and_display():
 
     assert changed([], ["--out", "b", "--cache-dir", "c", "--resume", "--stop-after-steps", "3", "--no-progress",
                         "--threads", "2"]) == set()
+    assert changed(["--overwrite"], []) == set()
     assert changed(["--lr", "1e-2"], []) == {"lr"}
     assert changed(["--seed", "7"], ["--steps", "9"]) == {"seed", "steps"}
     assert changed(["--freeze", "0.35"], []) == {"freeze"}
@@ -109,3 +110,51 @@ def test_resume_refuses_every_changed_setting_but_the_output_and_display():
     assert changed(["--freeze", "0.35"], [], optimizer="lamb") == set()  # LAMB never freezes
     assert changed([], [], optimizer="lamb") == set()
     assert set(pretrain.changed_settings(cfg(), dataclasses.asdict(cfg(optimizer="lamb")))) == {"optimizer"}
+
+
+BAD_VALUES = [
+    ("--steps", "0", ">= 1"), ("--steps", "-3", ">= 1"), ("--global-batch", "0", ">= 1"),
+    ("--micro-batch", "0", ">= 1"), ("--micro-batch", "-4", ">= 1"), ("--workers", "0", ">= 1"),
+    ("--eval-every", "0", ">= 1"), ("--eval-samples", "0", ">= 1"), ("--ckpt-every", "-1", ">= 1"),
+    ("--threads", "0", ">= 1"), ("--stop-after-steps", "-1", ">= 0"),
+    ("--warmup-frac", "1", r"in \[0, 1\)"), ("--warmup-frac", "1.5", r"in \[0, 1\)"),
+    ("--warmup-frac", "-0.1", r"in \[0, 1\)"), ("--clip", "-1", ">= 0"), ("--weight-decay", "-0.01", ">= 0"),
+    ("--lr", "-0.02", ">= 0"),
+    ("--lr", "nan", "a finite number"), ("--lr", "inf", "a finite number"), ("--warmup-frac", "nan", "a finite number"),
+    ("--clip", "inf", "a finite number"), ("--weight-decay", "inf", "a finite number"),
+]
+
+
+@pytest.mark.parametrize("flag,value,rule", BAD_VALUES)
+def test_a_bad_value_is_refused_at_the_start_by_flag_and_value(flag, value, rule, capsys):
+    with pytest.raises(ValueError, match=f"^{flag} must be {rule}, got .*{value.lstrip('-')}"):
+        cfg(flag, value)
+    # the command line says so in one line, before anything starts
+    from onebitlamb import cli
+
+    for command in ("pretrain", "compare"):
+        assert cli.main([command, "--preset", "tiny", "--out", "never-created", flag, value]) == 2
+        err = capsys.readouterr().err
+        assert f"onebitlamb {command}: error: {flag} must be" in err and value.lstrip("-") in err
+        assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("name,value", [("mask_prob", 0.0), ("mask_prob", 1.5), ("heldout_fraction", 1.0),
+                                        ("dropout", 1.0), ("beta1", 1.0), ("beta2", -0.1), ("eps", 0.0),
+                                        ("eps", float("nan")), ("hidden", 0), ("seq_len", -1)])
+def test_a_bad_preset_setting_is_refused_by_name(name, value):
+    with pytest.raises(ValueError, match=f"the preset setting {name} must be"):
+        pretrain.TrainConfig(out="a", **{name: value})
+
+
+def test_every_preset_and_the_edges_are_accepted():
+    for preset in pretrain.PRESETS:
+        pretrain.config_from_args(_parser(pretrain).parse_args(["--preset", preset, "--out", "a"]))
+    ok = cfg("--warmup-frac", "0", "--clip", "0", "--weight-decay", "0", "--stop-after-steps", "0", "--lr", "0")
+    assert (ok.warmup_frac, ok.clip, ok.weight_decay, ok.stop_after_steps, ok.lr) == (0, 0, 0, 0, 0)
+    assert cfg("--overwrite").overwrite and not cfg().overwrite
+
+
+def test_resume_and_overwrite_together_are_refused():
+    with pytest.raises(ValueError, match="--resume.*--overwrite.*one of them"):
+        cfg("--resume", "--overwrite")

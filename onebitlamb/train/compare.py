@@ -7,7 +7,9 @@ order, model, schedule, clipping and number of samples (only the default learnin
 between the LAMB family and Adam, as in the paper; ``--lr`` sets one for all). Then this prints the
 table, writes ``OUT/metrics.json``,
 ``OUT/table.md``, ``OUT/compare.png`` and ``OUT/diagnostics.png``. ``--resume`` skips finished
-runs and continues an interrupted one from its checkpoint.
+runs (when their settings are the ones asked for) and continues an interrupted one from its
+checkpoint. An earlier comparison in OUT is refused without ``--resume`` or ``--overwrite``,
+before anything starts, as ``pretrain`` refuses an earlier run.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import json
 import os
 import sys
 import time
-from typing import Dict
+from typing import Dict, List
 
 from onebitlamb.train import pretrain
 from onebitlamb.train.plots import LABELS, plot_compare, plot_diagnostics
@@ -29,25 +31,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which to run (default: all three; LAMB is the reference of the table)")
 
 
+# the files a comparison writes into OUT itself (each optimizer's run is in OUT/<optimizer>)
+COMPARE_FILES = ("metrics.json", "metrics.json.tmp", "table.md", "compare.png", "diagnostics.png")
+
+
 def run(args: argparse.Namespace) -> int:
-    os.makedirs(args.out, exist_ok=True)
+    """As ``pretrain``: 0 done, 130 interrupted, 1 a non-finite loss, 2 refused at the start."""
     args.cache_dir = args.cache_dir or os.path.join(args.out, "cache")  # one tokenized corpus for all
-    runs: Dict[str, dict] = {}
     # under torchrun every process runs this; rank 0 alone writes the results
     master = not pretrain.under_torchrun() or int(os.environ["RANK"]) == 0
+    try:
+        configs = {name: pretrain.config_from_args(args, optimizer=name, out=os.path.join(args.out, name))
+                   for name in args.optimizers}
+        check_out_dir(args, configs, remove=master)
+    except pretrain.SetupError as exc:
+        print(f"onebitlamb compare: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    runs: Dict[str, dict] = {}
     t_start = time.perf_counter()
-    for name in args.optimizers:
-        cfg = pretrain.config_from_args(args, optimizer=name, out=os.path.join(args.out, name))
+    for name, cfg in configs.items():
         metrics_path = os.path.join(cfg.out, "metrics.json")
         if args.resume and os.path.exists(metrics_path):
             print(f"[{name}] finished before, reusing {metrics_path}", file=sys.stderr)
         else:
             t0 = time.perf_counter()
-            result = pretrain.train(cfg)
+            try:
+                result = pretrain.train(cfg)
+            except pretrain.SetupError as exc:
+                print(f"onebitlamb compare: error: {exc}", file=sys.stderr, flush=True)
+                return 2
             if not result["completed"]:
                 print(f"compare stopped during {name}; `onebitlamb compare ... --resume` continues it",
                       file=sys.stderr)
-                return 130 if result["interrupted"] else 0
+                return pretrain.exit_code(result)
             if not master:
                 continue
             with open(metrics_path) as f:
@@ -84,6 +100,37 @@ def run(args: argparse.Namespace) -> int:
     plot_diagnostics(runs, os.path.join(args.out, "diagnostics.png"))
     print(f"wrote {args.out}/metrics.json, table.md, compare.png, diagnostics.png", file=sys.stderr)
     return 0
+
+
+def check_out_dir(args: argparse.Namespace, configs: Dict[str, "pretrain.TrainConfig"], remove: bool) -> None:
+    """Before any run starts: without --resume, an earlier comparison or run in OUT is refused
+    (--overwrite removes their own files, nothing else); with it, a finished run is reused only
+    if its settings are the ones asked for."""
+    found: List[str] = []
+    for name, cfg in configs.items():
+        if args.resume:
+            metrics_path = os.path.join(cfg.out, "metrics.json")
+            if os.path.exists(metrics_path):
+                with open(metrics_path) as f:
+                    changed = pretrain.changed_settings(cfg, json.load(f).get("config", {}))
+                if changed:
+                    raise pretrain.SetupError(f"--resume: the finished run {cfg.out} has different settings "
+                                              f"(saved, now): {changed}")
+        else:
+            found += [f"{name}/{x}" for x in pretrain.existing_run(cfg.out)]
+    if not args.resume:
+        found = [f for f in COMPARE_FILES if os.path.isfile(os.path.join(args.out, f))] + found
+    if found and not args.overwrite:
+        raise pretrain.SetupError(f"{args.out} holds an earlier comparison ({', '.join(found)}): continue it with "
+                                  f"--resume, or start over with --overwrite (which removes the runs' own files "
+                                  f"only), or choose another --out")
+    if remove:
+        os.makedirs(args.out, exist_ok=True)
+        if args.overwrite:
+            for f in COMPARE_FILES:
+                if os.path.isfile(os.path.join(args.out, f)):
+                    os.remove(os.path.join(args.out, f))
+            # each run's own files go when it starts (pretrain.train)
 
 
 def comparison(runs: Dict[str, dict]) -> dict:

@@ -20,18 +20,22 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import collections
 import dataclasses
 import datetime
+import hashlib
+import io
 import json
 import math
 import os
 import random
+import re
 import signal
 import sys
 import time
 import typing
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -65,7 +69,12 @@ PRESETS = {
 }
 
 # Settings that may change between a run and its resumption: they do not change the numbers.
-RESUMABLE_CHANGES = {"out", "cache_dir", "resume", "stop_after_steps", "progress", "threads"}
+RESUMABLE_CHANGES = {"out", "cache_dir", "resume", "overwrite", "stop_after_steps", "progress", "threads"}
+
+
+class SetupError(ValueError):
+    """A run refused at its start, before any worker starts: a bad setting, an earlier run in the
+    way, a checkpoint that cannot be trusted. The command line prints the message alone."""
 
 
 def parse_freeze(value: Union[str, float]) -> Union[str, float]:
@@ -93,6 +102,8 @@ class TrainConfig:
     optimizer: str = field(default="onebitlamb", metadata={"help": "what trains the model", "choices": OPTIMIZERS})
     out: str = field(default="", metadata={"help": "output folder: metrics, checkpoints, plots", "required": True})
     resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in OUT"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "start over in an OUT that holds a run: remove that run's own files first (nothing else)"})
     seed: int = field(default=1234, metadata={"help": "seed of the initial model, the data order and the masks"})
     steps: int = field(default=512, metadata={"help": "optimizer steps"})
     global_batch: int = field(default=256, metadata={"help": "samples per step over all workers"})
@@ -140,15 +151,48 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+            raise SetupError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         try:
             self.freeze = parse_freeze(self.freeze)
         except ValueError as exc:
-            raise ValueError(f"freeze: {exc}") from None
+            raise SetupError(f"--freeze: {exc}") from None
         if self.lr is None:
             self.lr = DEFAULT_LR[self.optimizer]
+        self._check_values()
         if not self.cache_dir and self.out:
             self.cache_dir = os.path.join(self.out, "cache")
+
+    def _check_values(self) -> None:
+        """Every bad value is refused here, at the start, by its flag's name (or the preset
+        setting's) and the value given."""
+        flags = {f.name for f in dataclasses.fields(self) if "help" in f.metadata}
+
+        def refuse(name: str, rule: str) -> None:
+            what = "--" + name.replace("_", "-") if name in flags else f"the preset setting {name}"
+            raise SetupError(f"{what} must be {rule}, got {getattr(self, name)!r}")
+
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                refuse(f.name, "a finite number")
+        for name in ("steps", "global_batch", "micro_batch", "workers", "eval_every", "eval_samples", "ckpt_every",
+                     "threads", "vocab_size", "seq_len", "hidden", "layers", "heads", "intermediate"):
+            if getattr(self, name) < 1:
+                refuse(name, ">= 1")
+        for name in ("stop_after_steps", "lr", "weight_decay", "clip"):
+            if getattr(self, name) < 0:
+                refuse(name, ">= 0")
+        for name in ("warmup_frac", "dropout", "beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                refuse(name, "in [0, 1)")
+        if not 0 < self.heldout_fraction < 1:
+            refuse("heldout_fraction", "in (0, 1)")
+        if not 0 < self.mask_prob <= 1:
+            refuse("mask_prob", "in (0, 1]")
+        if not self.eps > 0:
+            refuse("eps", "> 0")
+        if self.resume and self.overwrite:
+            raise SetupError("--resume continues the run in OUT and --overwrite removes it: give one of them")
 
     @property
     def model(self) -> ModelConfig:
@@ -166,13 +210,12 @@ class TrainConfig:
         return max(1, round(self.freeze * self.steps))
 
     def check(self, world_size: int) -> None:
+        """What depends on the number of ranks (the values themselves are checked on creation)."""
         if not self.out:
-            raise ValueError("--out is required")
+            raise SetupError("--out is required")
         if self.global_batch % (world_size * self.micro_batch):
-            raise ValueError(f"--global-batch {self.global_batch} must be a multiple of workers x micro-batch "
+            raise SetupError(f"--global-batch {self.global_batch} must be a multiple of workers x micro-batch "
                              f"= {world_size} x {self.micro_batch}")
-        if self.steps < 1 or self.eval_every < 1 or self.ckpt_every < 1:
-            raise ValueError("--steps, --eval-every and --ckpt-every must be >= 1")
 
 
 def _flag_type(hint):
@@ -240,7 +283,19 @@ def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = train(config_from_args(args))
+    """0: done (or stopped by --stop-after-steps), 130: interrupted, 1: stopped by a non-finite
+    loss, 2: refused at the start (the message says why)."""
+    try:
+        result = train(config_from_args(args))
+    except SetupError as exc:
+        print(f"onebitlamb pretrain: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return exit_code(result)
+
+
+def exit_code(result: dict) -> int:
+    if result.get("error"):
+        return 1
     return 0 if result["completed"] or not result["interrupted"] else 130
 
 
@@ -253,10 +308,16 @@ def under_torchrun() -> bool:
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Run one pretraining job to its end (or to a stop); returns rank 0's summary."""
+    """Run one pretraining job to its end (or to a stop); returns rank 0's summary: ``completed``,
+    ``interrupted``, ``step`` and, when a non-finite loss stopped it, ``error`` (the message).
+    Raises SetupError before anything starts when the run is refused."""
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         cfg.check(world)
+        if cfg.resume:
+            check_resumable(cfg, world)
+        else:
+            prepare_out_dir(cfg, remove=rank == 0)  # every rank refuses alike; rank 0 alone removes
         if rank == 0:
             data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir,
                                 stdlib_tests=cfg.stdlib_tests)
@@ -267,15 +328,16 @@ def train(cfg: TrainConfig) -> dict:
             dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
             atexit.register(_leave_together)
         dist.barrier()  # rank 0 has written the corpus cache (shared folder assumed)
-        if cfg.resume:
-            check_resumable(cfg)
         return train_rank(rank, world, cfg)
 
     from onebitlamb.comm.launch import spawn_local
 
     cfg.check(cfg.workers)
+    # fail here, before starting anything
     if cfg.resume:
-        check_resumable(cfg)  # fail here, before starting anything
+        check_resumable(cfg, cfg.workers)
+    else:
+        prepare_out_dir(cfg)
     # the slow part of a first run, done once here instead of once per worker
     data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir,
                         stdlib_tests=cfg.stdlib_tests)
@@ -361,8 +423,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
     start_step = 0
     if cfg.resume:
         start_step, history = load_checkpoint(cfg, rank, model, optimizer, scheduler, history, device)
-    elif master:
-        _fresh_out_dir(cfg)
+    last_saved = start_step or None  # the step of the last checkpoint written (kept when a loss goes non-finite)
     if master:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=1)
@@ -373,8 +434,11 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
 
     bar = _progress_bar(cfg, start_step) if master and cfg.progress else None
 
-    def evaluate(step: int) -> None:
+    def evaluate(step: int) -> Optional[str]:
+        """The held-out loss (the same number on every rank); a message when it is not finite."""
         loss = evaluate_mlm(model, eval_inputs, eval_labels, 2 * cfg.micro_batch, device)
+        if not math.isfinite(loss):
+            return f"the held-out loss is {loss} after step {step}"
         history["eval"].append([step * cfg.global_batch, loss])
         if master:
             line = f"[{cfg.optimizer}] step {step}: held-out loss {loss:.4f}"
@@ -382,14 +446,14 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
                 bar.write(line, file=sys.stderr)  # above the bar
             else:
                 print(line, file=sys.stderr, flush=True)
+        return None
 
-    if start_step == 0:
-        evaluate(0)
-
-    # the loop
+    # the loop; a non-finite loss or parameter stops it on every rank alike (`error`), before
+    # anything of that step is applied or saved
+    error = evaluate(0) if start_step == 0 else None
     done, stopped_by, t_wall0 = start_step, None, time.perf_counter()
     wall_before, train_before = history["wall_time_s"], history["train_time_s"]
-    for step in range(start_step, cfg.steps):
+    for step in range(start_step, cfg.steps if error is None else start_step):
         t0 = time.perf_counter()
         # one global batch: this rank's shard, in micro-batches, gradients accumulated locally
         inputs, labels = data.rank_batch(corpus, step, rank, world, cfg.global_batch, cfg.seed, cfg.mask_prob)
@@ -400,8 +464,14 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
             loss = mlm_loss(model, inputs[sl].to(device), labels[sl].to(device)) / accum
             loss.backward()
             loss_sum += loss.item()
+        grad_norm = None
         if cfg.clip > 0:  # this worker's local gradient, before step() communicates anything
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
+        bad = _ranks_flagged(not math.isfinite(loss_sum) or not math.isfinite(grad_norm or 0.0), rank, world, device)
+        if bad:
+            error = (f"the training loss or gradient of step {step + 1} is not finite on rank(s) {bad} (rank {rank}: "
+                     f"loss {loss_sum}, gradient norm {grad_norm}); the step was not applied")
+            break
 
         # the optimizer step: all communication happens in here
         diagnose = master and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
@@ -424,20 +494,34 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
         # evaluation, checkpoint, stop
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            evaluate(done)
+            error = evaluate(done)
+            if error is not None:
+                break
         history["wall_time_s"] = wall_before + time.perf_counter() - t_wall0
-        stop = _agree_to_stop(stop_requested(), device)
+        stop, nonfinite = _agree_any([stop_requested(), not _all_finite(names.values())], device)
+        if nonfinite:  # a checkpoint never holds a non-finite parameter
+            error = f"the parameters are not finite after step {done}"
+            break
         if cfg.stop_after_steps and cfg.stop_after_steps <= done < cfg.steps:
             stop, stopped_by = True, stopped_by or "stop-after-steps"
         elif stop:
             stopped_by = "interrupt"
         if done % cfg.ckpt_every == 0 or stop or done == cfg.steps:
-            save_checkpoint(cfg, rank, done, model, optimizer, scheduler, history)
+            save_checkpoint(cfg, rank, world, done, model, optimizer, scheduler, history, device)
+            last_saved = done
         if stop:
             break
     if bar is not None:
         bar.close()
 
+    if error is not None:
+        kept = (f"the last checkpoint ({_checkpoint_folder(last_saved)}, step {last_saved}) is kept"
+                if last_saved else "no checkpoint was written")
+        error = (f"[{cfg.optimizer}] stopped: {error}. Nothing non-finite was saved and no metrics were written; "
+                 f"{kept}. A smaller --lr (or a longer --warmup-frac) usually helps; start over with --overwrite")
+        if master:
+            print(error, file=sys.stderr, flush=True)
+        return {"completed": False, "interrupted": False, "step": done, "error": error}
     completed = stopped_by is None
     summary = {"completed": completed, "interrupted": stopped_by == "interrupt", "step": done}
     ranks_bytes = _gather_bytes(optimizer.comm_stats.bytes_sent, world, device)
@@ -529,13 +613,29 @@ def _install_stop_handler():
     return lambda: flag["stop"]
 
 
-def _agree_to_stop(local: bool, device) -> bool:
-    """Every rank must stop at the same step (a rank left alone would wait in a collective)."""
+def _agree_any(flags: List[bool], device) -> List[bool]:
+    """Each flag set on any rank, the same answer on every rank (one small all-reduce). Every rank
+    must stop at the same step: a rank left alone would wait in a collective."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return local
-    t = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
+        return list(flags)
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]
+
+
+def _ranks_flagged(flag: bool, rank: int, world: int, device) -> List[int]:
+    """The ranks whose ``flag`` is set, the same list on every rank (one small all-reduce)."""
+    if world == 1 or not dist.is_initialized():
+        return [rank] if flag else []
+    t = torch.zeros(world, dtype=torch.int32, device=device)
+    t[rank] = 1 if flag else 0
+    dist.all_reduce(t)
+    return [r for r, v in enumerate(t.tolist()) if v]
+
+
+def _all_finite(tensors) -> bool:
+    tensors = list(tensors)
+    return not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def _gather_bytes(nbytes: int, world: int, device) -> List[int]:
@@ -557,66 +657,146 @@ def _progress_bar(cfg: TrainConfig, start: int):
 # ----------------------------------------------------------------------------------------------
 # Checkpoints: OUT/ckpt-<step>/{model.pt, trainer.pt, rank<r>.pt}, OUT/checkpoint.json names the last
 #
-# Every file is written to a temporary name and renamed; checkpoint.json is switched to a new folder
-# only after every rank has written its file, so a crash at any point leaves the previous complete
-# checkpoint in place. (Multi-node runs need OUT on a shared file system.)
+# Every file is written to a temporary name, flushed and renamed; checkpoint.json is switched to a
+# new folder only after every rank has written its file and rank 0 has checked each file on disk
+# against the sha256 its writer computed, and the previous folder is removed only after that switch:
+# a crash at any point leaves the previous complete checkpoint in place. checkpoint.json holds those
+# sha256 (the manifest), checked again on --resume. Every file is plain data (tensors, numbers,
+# strings, lists, dicts), loaded with ``weights_only=True``: a planted pickle runs no code.
+# (Multi-node runs need OUT on a shared file system.)
+
+POINTER = "checkpoint.json"
+CKPT_FOLDER = re.compile(r"ckpt-[0-9]{7,}")
+# what a run writes into OUT (with the temporary names it writes them under first) and into a
+# checkpoint folder: --overwrite removes these and nothing else
+RUN_FILE = re.compile(r"(checkpoint|metrics)\.json(\.tmp)?|config\.json|freeze\.png|model_final\.pt(\.tmp\.[0-9]+)?")
+CKPT_FILE = re.compile(r"(model|trainer|rank[0-9]+)\.pt(\.tmp\.[0-9]+)?")
+RANK_FILE = re.compile(r"rank([0-9]+)\.pt")
 
 
-def _fresh_out_dir(cfg: TrainConfig) -> None:
-    os.makedirs(cfg.out, exist_ok=True)
-    pointer = os.path.join(cfg.out, "checkpoint.json")
-    if os.path.exists(pointer):
-        os.remove(pointer)  # a new run: the old checkpoints must not be resumed by mistake
-    for name in ("metrics.json", "model_final.pt"):
-        if os.path.exists(os.path.join(cfg.out, name)):
-            os.remove(os.path.join(cfg.out, name))
-    for name in os.listdir(cfg.out):  # checkpoints of an earlier run
-        folder = os.path.join(cfg.out, name)
-        if name.startswith("ckpt-") and os.path.isdir(folder):
-            for fname in os.listdir(folder):
-                os.remove(os.path.join(folder, fname))
-            os.rmdir(folder)
+def _checkpoint_folder(step: int) -> str:
+    return f"ckpt-{step:07d}"
 
 
-def save_checkpoint(cfg, rank, step, model, optimizer, scheduler, history) -> None:
-    folder = os.path.join(cfg.out, f"ckpt-{step:07d}")
+def existing_run(out: str) -> List[str]:
+    """What shows an earlier run in ``out``: its pointer, its results, its checkpoint folders."""
+    if not os.path.isdir(out):
+        return []
+    return sorted(name for name in os.listdir(out)
+                  if name in (POINTER, "metrics.json", "model_final.pt")
+                  or (CKPT_FOLDER.fullmatch(name) and os.path.isdir(os.path.join(out, name))))
+
+
+def refuse_existing_run(cfg: TrainConfig, out: Optional[str] = None) -> List[str]:
+    """Without --resume or --overwrite, an earlier run in OUT is an error that says how to go on.
+    Returns what shows that run (empty when there is none)."""
+    out = cfg.out if out is None else out
+    found = [] if cfg.resume else existing_run(out)
+    if found and not cfg.overwrite:
+        raise SetupError(f"{out} holds an earlier run ({', '.join(found)}): continue it with --resume, or start "
+                         f"over with --overwrite (which removes that run's own files only), or choose another --out")
+    return found
+
+
+def prepare_out_dir(cfg: TrainConfig, remove: bool = True) -> None:
+    """A new run (no --resume): refuse an earlier run in OUT, or with --overwrite remove its files."""
+    refuse_existing_run(cfg)
+    if remove:
+        os.makedirs(cfg.out, exist_ok=True)
+        if cfg.overwrite:
+            removed, left = remove_run_files(cfg.out, keep=(cfg.cache_dir,))
+            if removed:
+                note = f"; left in place (not written by a run): {', '.join(left)}" if left else ""
+                print(f"[{cfg.optimizer}] --overwrite: removed the earlier run's {', '.join(removed)}{note}",
+                      file=sys.stderr, flush=True)
+
+
+def remove_run_files(out: str, keep=()) -> Tuple[List[str], List[str]]:
+    """Remove the files a run writes into ``out``: its pointer, results, and every checkpoint folder
+    that holds nothing else. Returns (removed, left in place); links are never followed."""
+    keep = {os.path.abspath(k) for k in keep if k}
+    removed, left = [], []
+    for name in sorted(os.listdir(out)):
+        path = os.path.join(out, name)
+        if os.path.abspath(path) in keep:
+            continue
+        if os.path.islink(path):
+            left.append(name)
+        elif os.path.isfile(path) and RUN_FILE.fullmatch(name):
+            os.remove(path)
+            removed.append(name)
+        elif os.path.isdir(path) and CKPT_FOLDER.fullmatch(name):
+            others = _remove_checkpoint_folder(path)
+            if others:
+                left.append(f"{name}/ (also holds {', '.join(others)})")
+            else:
+                removed.append(name + "/")
+        else:
+            left.append(name + ("/" if os.path.isdir(path) else ""))
+    return removed, left
+
+
+def _remove_checkpoint_folder(folder: str) -> List[str]:
+    """Remove a checkpoint folder if it holds only the files a run writes there; otherwise remove
+    nothing and return the other entries."""
+    names = os.listdir(folder)
+    others = sorted(n for n in names
+                    if not CKPT_FILE.fullmatch(n) or os.path.islink(os.path.join(folder, n))
+                    or not os.path.isfile(os.path.join(folder, n)))
+    if others:
+        return others
+    for name in names:
+        os.remove(os.path.join(folder, name))
+    os.rmdir(folder)
+    return []
+
+
+def save_checkpoint(cfg, rank, world, step, model, optimizer, scheduler, history, device) -> None:
+    name = _checkpoint_folder(step)
+    folder = os.path.join(cfg.out, name)
     if rank == 0:
         os.makedirs(folder, exist_ok=True)
     _barrier()
-    atomic_save({"optimizer": optimizer.state_dict(), "comm_stats": optimizer.comm_stats.state_dict(),
-                 "rng": _rng_state()}, os.path.join(folder, f"rank{rank}.pt"))
+    own = {"optimizer": optimizer.state_dict(), "comm_stats": optimizer.comm_stats.state_dict(),
+           "rng": _rng_state()}
+    _check_plain(own, f"rank{rank}.pt")
+    digest = atomic_save(own, os.path.join(folder, f"rank{rank}.pt"))
     if rank == 0:
-        atomic_save(model.state_dict(), os.path.join(folder, "model.pt"))
-        atomic_save({"step": step, "scheduler": scheduler.state_dict(), "history": history,
-                     "config": dataclasses.asdict(cfg)}, os.path.join(folder, "trainer.pt"))
-    _barrier()
+        trainer = {"step": step, "scheduler": scheduler.state_dict(), "history": history,
+                   "config": dataclasses.asdict(cfg)}
+        _check_plain(trainer, "trainer.pt")
+        files = {"model.pt": atomic_save(model.state_dict(), os.path.join(folder, "model.pt")),
+                 "trainer.pt": atomic_save(trainer, os.path.join(folder, "trainer.pt"))}
+    digests = _gather_digests(digest, rank, world, device)  # every rank has written its file
+    problem = None
     if rank == 0:
-        pointer = os.path.join(cfg.out, "checkpoint.json")
-        previous = _read_pointer(cfg.out)
-        tmp = pointer + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"folder": os.path.basename(folder), "step": step}, f)
-        os.replace(tmp, pointer)
-        if previous and previous != os.path.basename(folder):  # keep only the latest
-            old = os.path.join(cfg.out, previous)
-            for fname in os.listdir(old):
-                os.remove(os.path.join(old, fname))
-            os.rmdir(old)
-    _barrier()
+        files.update({f"rank{r}.pt": d for r, d in enumerate(digests)})
+        # what is on disk is what each rank wrote: only then does checkpoint.json move to it
+        problem = next((f for f, d in files.items() if _sha256(os.path.join(folder, f)) != d), None)
+        if problem is None:
+            previous = _previous_folder(cfg.out)
+            _write_json(os.path.join(cfg.out, POINTER),
+                        {"folder": name, "step": step, "world_size": world, "sha256": files})
+            if previous and previous != name:  # keep only the latest, removed after the switch
+                others = _remove_checkpoint_folder(os.path.join(cfg.out, previous))
+                if others:
+                    print(f"[{cfg.optimizer}] {previous} left in place: it also holds {', '.join(others)}",
+                          file=sys.stderr, flush=True)
+    if _agree_any([problem is not None], device)[0]:
+        raise RuntimeError(f"checkpoint of step {step}: {os.path.join(folder, problem or 'a file')} differs on disk "
+                           f"from what was written; {POINTER} still names the previous checkpoint")
 
 
 def load_checkpoint(cfg, rank, model, optimizer, scheduler, history, device):
-    folder = _read_pointer(cfg.out)
-    if folder is None:
+    pointer = read_pointer(cfg.out)
+    if pointer is None:
         if rank == 0:
             print(f"[{cfg.optimizer}] --resume: no checkpoint in {cfg.out}, starting from scratch", file=sys.stderr)
-            _fresh_out_dir(cfg)
         return 0, history
-    folder = os.path.join(cfg.out, folder)
-    trainer = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu", weights_only=False)
-    check_resumable(cfg, trainer["config"])
-    own = torch.load(os.path.join(folder, f"rank{rank}.pt"), map_location=device, weights_only=False)
-    model.load_state_dict(torch.load(os.path.join(folder, "model.pt"), map_location=device, weights_only=True))
+    trainer = _load_checkpoint_file(cfg.out, pointer, "trainer.pt", "cpu")
+    _check_settings(cfg, trainer["config"])
+    own = _load_checkpoint_file(cfg.out, pointer, f"rank{rank}.pt", device)
+    model.load_state_dict(_load_checkpoint_file(cfg.out, pointer, "model.pt", device))
     optimizer.load_state_dict(own["optimizer"])
     optimizer.comm_stats.load_state_dict(own["comm_stats"])
     scheduler.load_state_dict(trainer["scheduler"])
@@ -624,24 +804,139 @@ def load_checkpoint(cfg, rank, model, optimizer, scheduler, history, device):
     return trainer["step"], trainer["history"]
 
 
-def check_resumable(cfg: TrainConfig, saved: Optional[dict] = None) -> None:
-    """Refuse to resume a checkpoint whose settings change the numbers (changed_settings)."""
-    if saved is None:
-        folder = _read_pointer(cfg.out)
-        if folder is None:
-            return
-        saved = torch.load(os.path.join(cfg.out, folder, "trainer.pt"), map_location="cpu", weights_only=False)["config"]
+def check_resumable(cfg: TrainConfig, world: Optional[int] = None) -> None:
+    """Before any worker starts, refuse a checkpoint that cannot be resumed: checkpoint.json naming
+    anything but a ``ckpt-<digits>`` folder inside OUT, a file missing, damaged (its sha256 is not
+    the manifest's) or not plain data, another number of ranks, or settings that change the numbers
+    (changed_settings)."""
+    pointer = read_pointer(cfg.out)
+    if pointer is None:
+        return
+    folder = os.path.join(cfg.out, pointer["folder"])
+    names = list(pointer["sha256"]) if "sha256" in pointer else sorted(os.listdir(folder))
+    ranks = sorted(int(m.group(1)) for m in map(RANK_FILE.fullmatch, names) if m)
+    if world is not None and ranks != list(range(world)):
+        raise SetupError(f"the checkpoint {folder} was written by {len(ranks)} ranks and this run has {world}: "
+                         f"resume with as many (--workers {len(ranks)}); each rank's compression errors are its own")
+    for name in ("trainer.pt", "model.pt", *(f"rank{r}.pt" for r in ranks)):
+        loaded = _load_checkpoint_file(cfg.out, pointer, name, "cpu")
+        if name == "trainer.pt":
+            _check_settings(cfg, loaded["config"])
+
+
+def _check_settings(cfg: TrainConfig, saved: dict) -> None:
     changed = changed_settings(cfg, saved)
     if changed:
-        raise ValueError(f"--resume with different settings than the checkpoint in {cfg.out} (saved, now): {changed}")
+        raise SetupError(f"--resume with different settings than the checkpoint in {cfg.out} (saved, now): {changed}")
 
 
-def _read_pointer(out: str) -> Optional[str]:
+def read_pointer(out: str) -> Optional[dict]:
+    """checkpoint.json, or None when there is none. The folder it names must be a plain
+    ``ckpt-<digits>`` folder inside ``out`` (no path, no link): anything else is refused, and
+    nothing is then loaded from it or removed."""
+    path = os.path.join(out, POINTER)
     try:
-        with open(os.path.join(out, "checkpoint.json")) as f:
-            return json.load(f)["folder"]
+        with open(path) as f:
+            pointer = json.load(f)
     except FileNotFoundError:
         return None
+    except (OSError, ValueError) as exc:
+        raise SetupError(f"{path} cannot be read ({exc}); the checkpoint it named cannot be found") from None
+    folder = pointer.get("folder") if isinstance(pointer, dict) else None
+    if not isinstance(folder, str) or not CKPT_FOLDER.fullmatch(folder):
+        raise SetupError(f"{path} names the checkpoint folder {folder!r}: only a plain ckpt-<digits> folder inside "
+                         f"{out} is accepted (no path, no '..'); nothing was loaded or removed")
+    full = os.path.join(out, folder)
+    if os.path.islink(full) or not os.path.isdir(full):
+        raise SetupError(f"{path} names {folder!r}, which is not a folder inside {out} (missing, or a link); "
+                         f"nothing was loaded or removed")
+    if "sha256" in pointer and not isinstance(pointer["sha256"], dict):
+        raise SetupError(f"{path} is damaged: its manifest is not a mapping of files to sha256")
+    return pointer
+
+
+def _previous_folder(out: str) -> Optional[str]:
+    """The folder the current checkpoint.json names, or None (also when it names something that
+    must not be touched)."""
+    try:
+        pointer = read_pointer(out)
+    except SetupError:
+        return None
+    return None if pointer is None else pointer["folder"]
+
+
+def _load_checkpoint_file(out: str, pointer: dict, name: str, map_location):
+    """One file of the checkpoint ``pointer`` names: read once, checked against the manifest (a
+    checkpoint written before the manifest existed is only loaded), loaded as plain data."""
+    path = os.path.join(out, pointer["folder"], name)
+    manifest = pointer.get("sha256")
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except OSError as exc:
+        raise SetupError(f"{path} cannot be read ({exc.strerror or exc}): the checkpoint is incomplete") from None
+    if manifest is not None:
+        if name not in manifest:
+            raise SetupError(f"{path} is not in the manifest of {os.path.join(out, POINTER)}: not loading it")
+        if hashlib.sha256(blob).hexdigest() != manifest[name]:
+            raise SetupError(f"{path} is damaged: its sha256 is not the one recorded when it was written "
+                             f"({POINTER}); not resuming from it")
+    try:
+        return torch.load(io.BytesIO(blob), map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 (unpickling raises many types)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise SetupError(f"{path} cannot be loaded as plain data with weights_only=True ({type(exc).__name__}: "
+                         f"{first}); it was not written by this program as it is: not loading it") from None
+
+
+def _check_plain(obj, where: str, at: str = "") -> None:
+    """A checkpoint holds plain data only (what ``torch.load(weights_only=True)`` reads back):
+    refuse anything else when saving, not when resuming."""
+    if obj is None or type(obj) in (bool, int, float, str, torch.dtype, torch.device, torch.Size):
+        return
+    if type(obj) in (torch.Tensor, torch.nn.Parameter):
+        return
+    if type(obj) in (dict, collections.OrderedDict):
+        for k, v in obj.items():
+            _check_plain(k, where, at)
+            _check_plain(v, where, f"{at}[{k!r}]")
+        return
+    if type(obj) in (list, tuple):
+        for i, v in enumerate(obj):
+            _check_plain(v, where, f"{at}[{i}]")
+        return
+    raise TypeError(f"{where}{at} is a {type(obj).__qualname__}: a checkpoint holds plain data only "
+                    f"(tensors, numbers, strings, lists, dicts), loaded back with weights_only=True")
+
+
+def _gather_digests(digest: str, rank: int, world: int, device) -> List[str]:
+    """Every rank's sha256 (hex), on every rank."""
+    if world == 1 or not dist.is_initialized():
+        return [digest]
+    t = torch.zeros(world, 32, dtype=torch.int32, device=device)
+    t[rank] = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.int32)
+    dist.all_reduce(t)
+    return [bytes(row).hex() for row in t.cpu().tolist()]
+
+
+def _sha256(path: str) -> Optional[str]:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _barrier() -> None:
@@ -671,6 +966,9 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
                   model) -> dict:
     steps = history["steps"]
     samples = cfg.steps * cfg.global_batch
+    losses = [loss for _, loss in history["eval"]] + [r["loss"] for r in steps]
+    if not all(math.isfinite(v) for v in losses):  # the loop stops before; never report one as a result
+        raise RuntimeError(f"[{cfg.optimizer}] a non-finite loss reached the results; no metrics written")
     freeze = None if cfg.optimizer == "lamb" else [_json_safe(r["freeze"]) for r in steps]
     metrics = {
         "optimizer": cfg.optimizer,

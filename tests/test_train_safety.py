@@ -1,0 +1,394 @@
+"""The main job's safety (issue 39): an earlier run is never removed without --overwrite, and then
+only its own files; checkpoints are loaded as plain data from a folder inside --out, checked against
+their manifest; a non-finite loss stops the run with an error and leaves the last good checkpoint."""
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from onebitlamb import cli
+from onebitlamb.train import pretrain
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(out, **kw):
+    return pretrain.TrainConfig(**{**pretrain.PRESETS["tiny"], "out": str(out), **kw})
+
+
+def _write(path, text="x"):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _earlier_run(out):
+    """An OUT as a run leaves it, plus a user's own files among them."""
+    for name in ("checkpoint.json", "metrics.json", "model_final.pt", "config.json", "freeze.png",
+                 "metrics.json.tmp", "ckpt-0000002/model.pt", "ckpt-0000002/trainer.pt", "ckpt-0000002/rank0.pt",
+                 "ckpt-0000002/rank1.pt", "ckpt-0000004/rank0.pt.tmp.4242",  # an interrupted write
+                 "ckpt-0000006/model.pt", "ckpt-0000006/notes.txt",  # a user's file in a checkpoint folder
+                 "ckpt-notes/todo.txt", "notes.txt", "cache/corpus-x/blocks.pt", "plots/loss.png"):
+        _write(os.path.join(out, name))
+
+
+def _tree(out):
+    return sorted(os.path.relpath(os.path.join(d, f), out) for d, _, files in os.walk(out) for f in files)
+
+
+def test_an_earlier_run_is_refused_before_anything_starts(tmp_path, capsys):
+    _earlier_run(tmp_path)
+    before = _tree(tmp_path)
+    with pytest.raises(ValueError, match="--resume.*--overwrite"):
+        pretrain.prepare_out_dir(_config(tmp_path))
+    code = cli.main(["pretrain", "--preset", "tiny", "--out", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds an earlier run" in err and "--resume" in err and "--overwrite" in err
+    assert "Traceback" not in err and "preparing corpus" not in err  # refused before the data, before any worker
+    assert _tree(tmp_path) == before
+    for i, sign in enumerate(["metrics.json", "ckpt-0000003/model.pt", "checkpoint.json"]):
+        _write(str(tmp_path / f"only{i}" / sign))
+        with pytest.raises(ValueError, match="earlier run"):
+            pretrain.prepare_out_dir(_config(tmp_path / f"only{i}"))
+        assert _tree(tmp_path / f"only{i}") == [sign]
+    # a folder with nothing of a run in it is used as it is
+    _write(str(tmp_path / "fresh" / "ckpt-notes" / "todo.txt"))
+    pretrain.prepare_out_dir(_config(tmp_path / "fresh"))
+    assert _tree(tmp_path / "fresh") == ["ckpt-notes/todo.txt"]
+
+
+def test_overwrite_removes_the_runs_own_files_and_nothing_else(tmp_path, capsys):
+    _earlier_run(tmp_path)
+    pretrain.prepare_out_dir(_config(tmp_path, overwrite=True))
+    assert _tree(tmp_path) == ["cache/corpus-x/blocks.pt", "ckpt-0000006/model.pt", "ckpt-0000006/notes.txt",
+                               "ckpt-notes/todo.txt", "notes.txt", "plots/loss.png"]
+    err = capsys.readouterr().err
+    assert "left in place" in err and "ckpt-notes/" in err and "ckpt-0000006/ (also holds notes.txt)" in err
+    assert "cache" not in err.split("left in place")[1]  # the corpus cache is no business of the run's
+
+
+def test_a_link_is_never_followed(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    _write(str(elsewhere / "model.pt"))
+    out = tmp_path / "out"
+    _write(str(out / "metrics.json"))
+    os.symlink(elsewhere, out / "ckpt-0000002")
+    os.symlink(elsewhere / "model.pt", out / "model_final.pt")
+    pretrain.prepare_out_dir(_config(out, overwrite=True))
+    assert (elsewhere / "model.pt").exists() and os.path.islink(out / "ckpt-0000002")
+
+
+def test_compare_refuses_an_earlier_comparison_before_any_run(tmp_path, capsys):
+    _write(str(tmp_path / "lamb" / "metrics.json"), "{}")
+    code = cli.main(["compare", "--preset", "tiny", "--out", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "lamb/metrics.json" in err and "--overwrite" in err
+    _write(str(tmp_path / "x" / "table.md"))
+    assert cli.main(["compare", "--preset", "tiny", "--out", str(tmp_path / "x"), "--no-progress"]) == 2
+    assert "table.md" in capsys.readouterr().err and (tmp_path / "x" / "table.md").exists()
+
+
+def test_compare_resume_reuses_a_finished_run_only_with_the_same_settings(tmp_path, capsys):
+    saved = dataclasses.asdict(_config(tmp_path / "lamb", optimizer="lamb", lr=0.5))
+    _write(str(tmp_path / "lamb" / "metrics.json"), json.dumps({"config": saved}))
+    code = cli.main(["compare", "--preset", "tiny", "--optimizers", "lamb", "--out", str(tmp_path), "--resume",
+                     "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "different settings" in err and "'lr': (0.5, 0.02)" in err
+
+
+# ---- the checkpoint: a real one, from a tiny run stopped after 3 steps
+
+
+def _cli(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "onebitlamb", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def common(tmp_path_factory):
+    import email
+
+    cache = tmp_path_factory.mktemp("cache")
+    return ["--preset", "tiny", "--freeze", "0.35", "--corpus",
+            os.path.dirname(email.__file__), "--cache-dir", str(cache), "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory, common):
+    out = tmp_path_factory.mktemp("stopped")
+    proc = _cli("pretrain", *common, "--optimizer", "onebitlamb", "--out", str(out), "--stop-after-steps", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture
+def run_copy(stopped_run, tmp_path, common):
+    """A copy of the stopped run, the pointer, its manifest, and the config to resume it."""
+    out = tmp_path / "run"
+    shutil.copytree(stopped_run, out)
+    with open(out / "checkpoint.json") as f:
+        pointer = json.load(f)
+    args = argparse.ArgumentParser()
+    pretrain.add_arguments(args)
+    cfg = pretrain.config_from_args(args.parse_args([*common, "--optimizer", "onebitlamb", "--out", str(out),
+                                                     "--resume"]))
+    return out, pointer, cfg
+
+
+def _set_pointer(out, pointer):
+    with open(out / "checkpoint.json", "w") as f:
+        json.dump(pointer, f)
+
+
+def test_the_checkpoint_has_a_manifest_and_resumes(run_copy):
+    out, pointer, cfg = run_copy
+    folder = out / "ckpt-0000003"
+    assert pointer["folder"] == "ckpt-0000003" and pointer["step"] == 3 and pointer["world_size"] == 2
+    assert set(pointer["sha256"]) == {"model.pt", "trainer.pt", "rank0.pt", "rank1.pt"} == set(os.listdir(folder))
+    for name, digest in pointer["sha256"].items():
+        assert pretrain._sha256(str(folder / name)) == digest
+        torch.load(folder / name, weights_only=True)  # plain data
+    pretrain.check_resumable(cfg, 2)
+
+
+@pytest.mark.parametrize("damage", ["flip a byte of model.pt", "truncate rank1.pt", "remove trainer.pt"])
+def test_a_damaged_file_is_named_at_the_start(run_copy, damage, capsys):
+    out, _, cfg = run_copy
+    name = damage.split()[-1]
+    path = out / "ckpt-0000003" / name
+    blob = bytearray(path.read_bytes())
+    if damage.startswith("flip"):
+        blob[len(blob) // 2] ^= 0x01  # a low bit of a weight, which would still load
+        path.write_bytes(bytes(blob))
+    elif damage.startswith("truncate"):
+        path.write_bytes(bytes(blob[:len(blob) // 3]))
+    else:
+        path.unlink()
+    with pytest.raises(ValueError, match=name):
+        pretrain.check_resumable(cfg, 2)
+    code = cli.main(["pretrain", *_flags(cfg), "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and name in err and "Traceback" not in err and "EOFError" not in err
+
+
+def test_another_number_of_ranks_is_refused_at_the_start(run_copy):
+    _, _, cfg = run_copy
+    with pytest.raises(ValueError, match="written by 2 ranks and this run has 4"):
+        pretrain.check_resumable(cfg, 4)
+
+
+def _flags(cfg):
+    return ["--preset", "tiny", "--optimizer", cfg.optimizer, "--freeze", str(cfg.freeze), "--corpus", *cfg.corpus,
+            "--cache-dir", cfg.cache_dir, "--out", cfg.out, "--no-progress"]
+
+
+class _Payload:
+    """Unpickling this creates ``marker``: what a planted checkpoint file could do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def _plant(path, marker):
+    """Add to a checkpoint file an object whose unpickling runs code; returns the original bytes."""
+    original = path.read_bytes()
+    real = torch.load(path, weights_only=True)
+    torch.save({**real, "payload": _Payload(str(marker))}, path)
+    return original
+
+
+@pytest.mark.parametrize("manifest", ["updated", "stale", "absent"])
+def test_a_planted_trainer_pt_runs_no_code(run_copy, tmp_path, manifest, capsys):
+    out, pointer, cfg = run_copy
+    trainer = out / "ckpt-0000003" / "trainer.pt"
+    # the payload is live: an unsafe load runs it
+    original = _plant(trainer, tmp_path / "proof")
+    torch.load(trainer, weights_only=False)
+    assert (tmp_path / "proof").exists()
+    trainer.write_bytes(original)
+    marker = tmp_path / "planted-code-ran"
+    _plant(trainer, marker)
+    if manifest == "updated":  # whoever can write the file can write the pointer too
+        pointer["sha256"]["trainer.pt"] = pretrain._sha256(str(trainer))
+    elif manifest == "absent":  # a checkpoint as written before the manifest existed
+        del pointer["sha256"]
+    _set_pointer(out, pointer)
+    with pytest.raises(ValueError, match="trainer.pt"):
+        pretrain.check_resumable(cfg, 2)
+    code = cli.main(["pretrain", *_flags(cfg), "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and "trainer.pt" in err
+    assert ("weights_only" if manifest != "stale" else "damaged") in err
+    assert not marker.exists()
+
+
+def test_a_planted_rank_file_runs_no_code_in_the_workers(run_copy, tmp_path):
+    """The workers load with weights_only=True too (here past the start's check, which is skipped)."""
+    out, pointer, cfg = run_copy
+    rank1 = out / "ckpt-0000003" / "rank1.pt"
+    marker = tmp_path / "planted-code-ran"
+    _plant(rank1, marker)
+    pointer["sha256"]["rank1.pt"] = pretrain._sha256(str(rank1))
+    _set_pointer(out, pointer)
+    with pytest.raises(ValueError, match="rank1.pt.*weights_only"):
+        pretrain._load_checkpoint_file(str(out), pointer, "rank1.pt", "cpu")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("folder", ["../elsewhere", "/tmp", "ckpt-0000003/../../elsewhere", "ckpt-0000003/",
+                                    "elsewhere", "ckpt-12", "", None, 7])
+def test_checkpoint_json_must_name_a_plain_folder_inside_out(run_copy, tmp_path, folder, capsys):
+    out, pointer, cfg = run_copy
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(out / "ckpt-0000003", elsewhere)
+    pointer["folder"] = folder
+    _set_pointer(out, pointer)
+    before = _tree(tmp_path)
+    with pytest.raises(ValueError, match="checkpoint folder|not a folder inside"):
+        pretrain.check_resumable(cfg, 2)
+    assert cli.main(["pretrain", *_flags(cfg), "--resume"]) == 2
+    assert repr(folder) in capsys.readouterr().err
+    assert _tree(tmp_path) == before  # nothing removed, here or there
+
+
+def test_a_linked_checkpoint_folder_is_refused(run_copy, tmp_path):
+    out, pointer, cfg = run_copy
+    shutil.move(out / "ckpt-0000003", tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", out / "ckpt-0000003")
+    with pytest.raises(ValueError, match="link"):
+        pretrain.check_resumable(cfg, 2)
+
+
+def test_a_non_plain_object_is_refused_when_saving_not_when_resuming():
+    pretrain._check_plain({"a": [1, 2.0, (3, None)], "t": torch.zeros(2), "s": "x", "d": torch.float32}, "x.pt")
+    with pytest.raises(TypeError, match=r"trainer.pt\['history'\]\['f'\] is a Fraction"):
+        from fractions import Fraction
+
+        pretrain._check_plain({"history": {"f": Fraction(1, 3)}}, "trainer.pt")
+
+
+class _Stub:
+    def __init__(self):
+        self.comm_stats = self
+
+    def state_dict(self):
+        return {"x": torch.ones(3)}
+
+
+def test_the_previous_checkpoint_is_removed_only_after_the_switch(tmp_path, monkeypatch):
+    cfg = _config(tmp_path, workers=1)
+    model = torch.nn.Linear(2, 2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(model.parameters(), lr=1.0), lambda s: 1.0)
+    save = lambda step: pretrain.save_checkpoint(cfg, 0, 1, step, model, _Stub(), scheduler, {"steps": []}, "cpu")
+    save(2)
+    removed = []
+    real_remove = pretrain._remove_checkpoint_folder
+
+    def remove(folder):
+        with open(tmp_path / "checkpoint.json") as f:
+            assert json.load(f)["folder"] == "ckpt-0000004"  # the switch came first
+        removed.append(os.path.basename(folder))
+        return real_remove(folder)
+
+    monkeypatch.setattr(pretrain, "_remove_checkpoint_folder", remove)
+    # a crash while writing the next checkpoint: the previous one is still named and whole
+    real_save = pretrain.atomic_save
+    monkeypatch.setattr(pretrain, "atomic_save",
+                        lambda obj, path: (_ for _ in ()).throw(OSError("disk full")) if "trainer" in path
+                        else real_save(obj, path))
+    with pytest.raises(OSError):
+        save(4)
+    assert pretrain.read_pointer(str(tmp_path))["folder"] == "ckpt-0000002" and removed == []
+    for name in ("model.pt", "trainer.pt", "rank0.pt"):
+        pretrain._load_checkpoint_file(str(tmp_path), pretrain.read_pointer(str(tmp_path)), name, "cpu")
+    monkeypatch.setattr(pretrain, "atomic_save", real_save)
+    save(4)
+    assert removed == ["ckpt-0000002"] and not (tmp_path / "ckpt-0000002").exists()
+    assert pretrain.read_pointer(str(tmp_path))["step"] == 4
+
+
+# ---- a non-finite loss
+
+
+def test_a_diverging_run_stops_with_an_error_and_keeps_the_last_good_checkpoint(tmp_path, common):
+    """LAMB at lr 1e4 on the tiny preset: the loss is 6.2, 5e7, 3e11, then NaN at step 4."""
+    flags = [*common, "--optimizer", "lamb", "--lr", "1e4", "--out", str(tmp_path)]
+    proc = _cli("pretrain", *flags)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "step 4" in proc.stderr and "not finite" in proc.stderr and "done" not in proc.stderr
+    assert "ckpt-0000002, step 2) is kept" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "metrics.json").exists() and not (tmp_path / "model_final.pt").exists()
+    with open(tmp_path / "checkpoint.json") as f:
+        pointer = json.load(f)
+    assert pointer["step"] == 2 and os.listdir(tmp_path / "ckpt-0000002")
+    model = torch.load(tmp_path / "ckpt-0000002" / "model.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in model.values())
+    for name in ("rank0.pt", "rank1.pt"):
+        state = torch.load(tmp_path / "ckpt-0000002" / name, weights_only=True)["optimizer"]["state"]
+        tensors = [t for s in state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        assert tensors and all(torch.isfinite(t).all() for t in tensors)
+    # it stops the same way when resumed from there, and compare reports it as a failure too
+    proc = _cli("pretrain", *flags, "--resume")
+    assert proc.returncode == 1 and "step 4" in proc.stderr
+    assert pretrain.read_pointer(str(tmp_path))["step"] == 2
+    compared = tmp_path / "compare"
+    proc = _cli("compare", *common, "--optimizers", "lamb", "--lr", "1e4", "--out", str(compared))
+    assert proc.returncode == 1 and "step 4" in proc.stderr
+    assert not (compared / "metrics.json").exists() and not (compared / "lamb" / "metrics.json").exists()
+
+
+def test_non_finite_parameters_are_never_saved(tmp_path, common, monkeypatch):
+    """A step that leaves a parameter non-finite while the loss before it was finite: the check
+    before each checkpoint stops the run there (one rank in this process)."""
+    import signal
+
+    import torch.distributed as dist
+
+    corpus, cache = common[common.index("--corpus") + 1], common[common.index("--cache-dir") + 1]
+    cfg = _config(tmp_path / "out", optimizer="lamb", workers=1, ckpt_every=1, corpus=[corpus], cache_dir=cache,
+                  progress=False)
+    make_optimizer = pretrain.make_optimizer
+
+    def poisoned(cfg, groups):
+        optimizer = make_optimizer(cfg, groups)
+        step, calls = optimizer.step, []
+
+        def poisoning_step(self, *a, **k):
+            out = step(*a, **k)
+            calls.append(1)
+            if len(calls) == 3:
+                with torch.no_grad():
+                    self.param_groups[0]["params"][0][0, 0] = float("inf")
+            return out
+
+        optimizer.step = types.MethodType(poisoning_step, optimizer)  # a method, as the scheduler expects
+        return optimizer
+
+    monkeypatch.setattr(pretrain, "make_optimizer", poisoned)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        pretrain.prepare_out_dir(cfg)
+        result = pretrain.train_rank(0, 1, cfg)
+    finally:
+        dist.destroy_process_group()
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert result["error"] and "parameters are not finite after step 3" in result["error"]
+    assert "ckpt-0000002, step 2) is kept" in result["error"] and pretrain.exit_code(result) == 1
+    assert pretrain.read_pointer(cfg.out)["step"] == 2 and not (tmp_path / "out" / "ckpt-0000003").exists()
+    model = torch.load(tmp_path / "out" / "ckpt-0000002" / "model.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in model.values())
+    assert not (tmp_path / "out" / "metrics.json").exists()
