@@ -157,7 +157,7 @@ def test_the_checkpoint_has_a_manifest_and_resumes(run_copy):
     for name, digest in pointer["sha256"].items():
         assert pretrain._sha256(str(folder / name)) == digest
         torch.load(folder / name, weights_only=True)  # plain data
-    pretrain.check_resumable(cfg, 2)
+    pretrain.check_resumable(cfg)
 
 
 @pytest.mark.parametrize("damage", ["flip a byte of model.pt", "truncate rank1.pt", "remove trainer.pt"])
@@ -174,16 +174,20 @@ def test_a_damaged_file_is_named_at_the_start(run_copy, damage, capsys):
     else:
         path.unlink()
     with pytest.raises(ValueError, match=name):
-        pretrain.check_resumable(cfg, 2)
+        pretrain.check_resumable(cfg)
     code = cli.main(["pretrain", *_flags(cfg), "--resume"])
     err = capsys.readouterr().err
     assert code == 2 and name in err and "Traceback" not in err and "EOFError" not in err
 
 
-def test_another_number_of_ranks_is_refused_at_the_start(run_copy):
-    _, _, cfg = run_copy
-    with pytest.raises(ValueError, match="written by 2 ranks and this run has 4"):
-        pretrain.check_resumable(cfg, 4)
+def test_a_missing_rank_file_is_refused_at_the_start(run_copy):
+    out, _, cfg = run_copy
+    pointer = json.loads((out / "checkpoint.json").read_text())
+    os.remove(out / pointer["folder"] / "rank1.pt")
+    pointer["sha256"].pop("rank1.pt", None)
+    (out / "checkpoint.json").write_text(json.dumps(pointer))
+    with pytest.raises(ValueError, match="some rank's file is missing"):
+        pretrain.check_resumable(cfg)
 
 
 def _flags(cfg):
@@ -226,7 +230,7 @@ def test_a_planted_trainer_pt_runs_no_code(run_copy, tmp_path, manifest, capsys)
         del pointer["sha256"]
     _set_pointer(out, pointer)
     with pytest.raises(ValueError, match="trainer.pt"):
-        pretrain.check_resumable(cfg, 2)
+        pretrain.check_resumable(cfg)
     code = cli.main(["pretrain", *_flags(cfg), "--resume"])
     err = capsys.readouterr().err
     assert code == 2 and "trainer.pt" in err
@@ -257,7 +261,7 @@ def test_checkpoint_json_must_name_a_plain_folder_inside_out(run_copy, tmp_path,
     _set_pointer(out, pointer)
     before = _tree(tmp_path)
     with pytest.raises(ValueError, match="checkpoint folder|not a folder inside"):
-        pretrain.check_resumable(cfg, 2)
+        pretrain.check_resumable(cfg)
     assert cli.main(["pretrain", *_flags(cfg), "--resume"]) == 2
     assert repr(folder) in capsys.readouterr().err
     assert _tree(tmp_path) == before  # nothing removed, here or there
@@ -268,7 +272,7 @@ def test_a_linked_checkpoint_folder_is_refused(run_copy, tmp_path):
     shutil.move(out / "ckpt-0000003", tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", out / "ckpt-0000003")
     with pytest.raises(ValueError, match="link"):
-        pretrain.check_resumable(cfg, 2)
+        pretrain.check_resumable(cfg)
 
 
 def test_a_non_plain_object_is_refused_when_saving_not_when_resuming():

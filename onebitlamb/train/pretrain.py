@@ -68,8 +68,10 @@ PRESETS = {
                   eval_samples=2048, ckpt_every=50),
 }
 
-# Settings that may change between a run and its resumption: they do not change the numbers.
-RESUMABLE_CHANGES = {"out", "cache_dir", "resume", "overwrite", "stop_after_steps", "progress", "threads"}
+# Settings that may change between a run and its resumption: they do not change the numbers, or
+# (workers) only in the last bits: each step's global batch is the same, split over other ranks,
+# and the compression errors are re-sharded.
+RESUMABLE_CHANGES = {"out", "cache_dir", "resume", "overwrite", "stop_after_steps", "progress", "threads", "workers"}
 
 
 class SetupError(ValueError):
@@ -315,7 +317,7 @@ def train(cfg: TrainConfig) -> dict:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         cfg.check(world)
         if cfg.resume:
-            check_resumable(cfg, world)
+            check_resumable(cfg)
         else:
             prepare_out_dir(cfg, remove=rank == 0)  # every rank refuses alike; rank 0 alone removes
         if rank == 0:
@@ -335,7 +337,7 @@ def train(cfg: TrainConfig) -> dict:
     cfg.check(cfg.workers)
     # fail here, before starting anything
     if cfg.resume:
-        check_resumable(cfg, cfg.workers)
+        check_resumable(cfg)
     else:
         prepare_out_dir(cfg)
     # the slow part of a first run, done once here instead of once per worker
@@ -422,7 +424,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
     history = {"steps": [], "eval": [], "diagnostics": [], "train_time_s": 0.0, "wall_time_s": 0.0}
     start_step = 0
     if cfg.resume:
-        start_step, history = load_checkpoint(cfg, rank, model, optimizer, scheduler, history, device)
+        start_step, history = load_checkpoint(cfg, rank, world, model, optimizer, scheduler, history, device)
     last_saved = start_step or None  # the step of the last checkpoint written (kept when a loss goes non-finite)
     if master:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
@@ -787,7 +789,7 @@ def save_checkpoint(cfg, rank, world, step, model, optimizer, scheduler, history
                            f"from what was written; {POINTER} still names the previous checkpoint")
 
 
-def load_checkpoint(cfg, rank, model, optimizer, scheduler, history, device):
+def load_checkpoint(cfg, rank, world, model, optimizer, scheduler, history, device):
     pointer = read_pointer(cfg.out)
     if pointer is None:
         if rank == 0:
@@ -795,33 +797,48 @@ def load_checkpoint(cfg, rank, model, optimizer, scheduler, history, device):
         return 0, history
     trainer = _load_checkpoint_file(cfg.out, pointer, "trainer.pt", "cpu")
     _check_settings(cfg, trainer["config"])
-    own = _load_checkpoint_file(cfg.out, pointer, f"rank{rank}.pt", device)
+    saved_ranks = len(_rank_files(cfg.out, pointer))
+    if saved_ranks == world:
+        own = _load_checkpoint_file(cfg.out, pointer, f"rank{rank}.pt", device)
+        optimizer_state = own["optimizer"]
+    else:  # another number of ranks: every rank's compression errors, re-sharded
+        saved = [_load_checkpoint_file(cfg.out, pointer, f"rank{r}.pt", device) for r in range(saved_ranks)]
+        own = saved[rank % saved_ranks]  # the byte counts and RNG state of a rank that was
+        optimizer_state = onebitlamb.reshard_state_dicts([s["optimizer"] for s in saved], world)[rank]
+        if rank == 0:
+            print(f"[{cfg.optimizer}] resuming a checkpoint of {saved_ranks} ranks on {world}: the compression "
+                  f"errors are re-sharded (onebitlamb.reshard_state_dicts)", file=sys.stderr)
     model.load_state_dict(_load_checkpoint_file(cfg.out, pointer, "model.pt", device))
-    optimizer.load_state_dict(own["optimizer"])
+    optimizer.load_state_dict(optimizer_state)
     optimizer.comm_stats.load_state_dict(own["comm_stats"])
     scheduler.load_state_dict(trainer["scheduler"])
     _set_rng_state(own["rng"])
     return trainer["step"], trainer["history"]
 
 
-def check_resumable(cfg: TrainConfig, world: Optional[int] = None) -> None:
+def check_resumable(cfg: TrainConfig) -> None:
     """Before any worker starts, refuse a checkpoint that cannot be resumed: checkpoint.json naming
     anything but a ``ckpt-<digits>`` folder inside OUT, a file missing, damaged (its sha256 is not
-    the manifest's) or not plain data, another number of ranks, or settings that change the numbers
-    (changed_settings)."""
+    the manifest's) or not plain data, or settings that change the numbers (changed_settings). A
+    checkpoint of another number of ranks resumes, re-sharded (load_checkpoint)."""
     pointer = read_pointer(cfg.out)
     if pointer is None:
         return
     folder = os.path.join(cfg.out, pointer["folder"])
-    names = list(pointer["sha256"]) if "sha256" in pointer else sorted(os.listdir(folder))
-    ranks = sorted(int(m.group(1)) for m in map(RANK_FILE.fullmatch, names) if m)
-    if world is not None and ranks != list(range(world)):
-        raise SetupError(f"the checkpoint {folder} was written by {len(ranks)} ranks and this run has {world}: "
-                         f"resume with as many (--workers {len(ranks)}); each rank's compression errors are its own")
+    ranks = _rank_files(cfg.out, pointer)
+    if not ranks or ranks != list(range(pointer.get("world_size", len(ranks)))):
+        raise SetupError(f"the checkpoint {folder} of {pointer.get('world_size', '?')} ranks holds the files of "
+                         f"ranks {ranks}: some rank's file is missing")
     for name in ("trainer.pt", "model.pt", *(f"rank{r}.pt" for r in ranks)):
         loaded = _load_checkpoint_file(cfg.out, pointer, name, "cpu")
         if name == "trainer.pt":
             _check_settings(cfg, loaded["config"])
+
+
+def _rank_files(out: str, pointer: dict) -> List[int]:
+    """The ranks whose files the checkpoint holds (by its manifest, or its folder before manifests)."""
+    names = list(pointer["sha256"]) if "sha256" in pointer else sorted(os.listdir(os.path.join(out, pointer["folder"])))
+    return sorted(int(m.group(1)) for m in map(RANK_FILE.fullmatch, names) if m)
 
 
 def _check_settings(cfg: TrainConfig, saved: dict) -> None:
