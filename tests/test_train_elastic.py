@@ -4,6 +4,7 @@ each other. Issue 39."""
 import email
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -47,3 +48,41 @@ def test_a_run_resumes_on_another_number_of_workers(tmp_path, before, after):
     low, high = min(straight), max(straight)
     margin = max(high - low, 0.002 * high)  # the spread between the two, at least 0.2%
     assert low - margin <= metrics["final_eval_loss"] <= high + margin, (metrics["final_eval_loss"], straight)
+
+
+def test_a_paused_rank_ends_the_run_with_a_message_saying_where(tmp_path):
+    """A rank stopped with SIGSTOP (as a hung one): the other gives up after --timeout and the run
+    ends with an error naming where it waited, instead of waiting 30 minutes in silence."""
+    import signal
+    import time
+
+    args = ["pretrain", "--preset", "tiny", "--steps", "2000", "--eval-every", "4", "--ckpt-every", "1000",
+            "--timeout", "5", "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"),
+            "--corpus", os.path.dirname(email.__file__), "--no-progress"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "onebitlamb", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    paused = None
+    try:
+        for line in proc.stderr:  # until training runs
+            if "step 4: held-out loss" in line:
+                break
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        workers = [pid for pid in children if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
+        assert len(workers) == 2, children
+        paused = int(workers[-1])
+        os.kill(paused, signal.SIGSTOP)
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        waited = time.monotonic() - started
+    finally:
+        if paused is not None:
+            try:
+                os.kill(paused, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+    assert proc.returncode == 1
+    assert re.search(r"error: rank \d waited 5 s for the other ranks in (step|the) ", err), err[-3000:]
+    assert "another rank has died, hung or been paused" in err and "Traceback" not in err, err[-3000:]
+    assert waited < 60, waited

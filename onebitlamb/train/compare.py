@@ -36,7 +36,17 @@ COMPARE_FILES = ("metrics.json", "metrics.json.tmp", "table.md", "compare.png", 
 
 
 def run(args: argparse.Namespace) -> int:
-    """As ``pretrain``: 0 done, 130 interrupted, 1 a non-finite loss, 2 refused at the start."""
+    """As ``pretrain``: 0 done, 130 interrupted, 1 a non-finite loss or a rank that stopped
+    answering, 2 refused at the start."""
+    from onebitlamb.comm.launch import WorkerError
+
+    try:
+        return _run(args)
+    except (pretrain.RankTimeout, WorkerError) as exc:
+        return pretrain.report_timeout(exc, "onebitlamb compare")
+
+
+def _run(args: argparse.Namespace) -> int:
     args.cache_dir = args.cache_dir or os.path.join(args.out, "cache")  # one tokenized corpus for all
     # under torchrun every process runs this; rank 0 alone writes the results
     master = not pretrain.under_torchrun() or int(os.environ["RANK"]) == 0

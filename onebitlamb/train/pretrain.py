@@ -71,7 +71,8 @@ PRESETS = {
 # Settings that may change between a run and its resumption: they do not change the numbers, or
 # (workers) only in the last bits: each step's global batch is the same, split over other ranks,
 # and the compression errors are re-sharded.
-RESUMABLE_CHANGES = {"out", "cache_dir", "resume", "overwrite", "stop_after_steps", "progress", "threads", "workers"}
+RESUMABLE_CHANGES = {"out", "cache_dir", "resume", "overwrite", "stop_after_steps", "progress", "threads", "workers",
+                     "timeout"}
 
 
 class SetupError(ValueError):
@@ -136,6 +137,9 @@ class TrainConfig:
     progress: bool = field(default=True, metadata={"help": "no progress bar"})
     stop_after_steps: int = field(default=0, metadata={
         "help": "checkpoint and stop once N steps are done (0: run to the end)", "metavar": "N"})
+    timeout: float = field(default=600.0, metadata={
+        "help": "seconds a rank waits for the others in a collective before the run ends with an error that "
+                "says where it waited (a rank that died, hung or was paused)", "metavar": "SECONDS"})
 
     # preset-only
     heldout_fraction: float = 0.05
@@ -181,6 +185,8 @@ class TrainConfig:
                      "threads", "vocab_size", "seq_len", "hidden", "layers", "heads", "intermediate"):
             if getattr(self, name) < 1:
                 refuse(name, ">= 1")
+        if not self.timeout > 0:
+            refuse("timeout", "> 0")
         for name in ("stop_after_steps", "lr", "weight_decay", "clip"):
             if getattr(self, name) < 0:
                 refuse(name, ">= 0")
@@ -287,12 +293,26 @@ def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
 def run(args: argparse.Namespace) -> int:
     """0: done (or stopped by --stop-after-steps), 130: interrupted, 1: stopped by a non-finite
     loss, 2: refused at the start (the message says why)."""
+    from onebitlamb.comm.launch import WorkerError
+
     try:
         result = train(config_from_args(args))
     except SetupError as exc:
         print(f"onebitlamb pretrain: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except (RankTimeout, WorkerError) as exc:
+        return report_timeout(exc, "onebitlamb pretrain")
     return exit_code(result)
+
+
+def report_timeout(exc: Exception, prog: str) -> int:
+    """A rank that gave up waiting: its message alone, exit status 1 (anything else is raised again)."""
+    # a local worker's error carries the worker's traceback, whose last line says it
+    gave_up = [line.split("RankTimeout: ", 1)[1] for line in str(exc).splitlines() if "RankTimeout: " in line]
+    if not isinstance(exc, RankTimeout) and not gave_up:
+        raise exc
+    print(f"{prog}: error: {gave_up[0] if gave_up else exc}", file=sys.stderr, flush=True)
+    return 1
 
 
 def exit_code(result: dict) -> int:
@@ -327,7 +347,7 @@ def train(cfg: TrainConfig) -> dict:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout))
             atexit.register(_leave_together)
         dist.barrier()  # rank 0 has written the corpus cache (shared folder assumed)
         return train_rank(rank, world, cfg)
@@ -345,7 +365,7 @@ def train(cfg: TrainConfig) -> dict:
                         stdlib_tests=cfg.stdlib_tests)
     with _forward_interrupts():
         results = spawn_local(_local_worker, cfg.workers, args=(cfg,), timeout_s=7 * 24 * 3600,
-                              collective_timeout_s=1800, threads_per_worker=cfg.threads)
+                              collective_timeout_s=cfg.timeout, threads_per_worker=cfg.threads)
     return results[0]
 
 
@@ -395,7 +415,30 @@ class _forward_interrupts:
 # One rank's run
 
 
+class _Phase:
+    """Where this rank is, for the message when a collective times out."""
+    now = "the start (the checkpoint, the first evaluation)"
+
+
+class RankTimeout(RuntimeError):
+    """A collective timed out: another rank died, hung or was paused."""
+
+
 def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
+    """One rank's run. A collective that times out (another rank died, hung or was paused) ends
+    it with an error that says where this rank waited."""
+    phase = _Phase()
+    try:
+        return _train_rank(rank, world, cfg, phase)
+    except RuntimeError as exc:  # torch.distributed's DistBackendError is one
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        raise RankTimeout(f"rank {rank} waited {cfg.timeout:g} s for the other ranks in {phase.now} and gave up: "
+                           f"another rank has died, hung or been paused. The last checkpoint in {cfg.out} is "
+                           f"complete: continue with --resume (--timeout sets the wait)") from exc
+
+
+def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -456,6 +499,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
     done, stopped_by, t_wall0 = start_step, None, time.perf_counter()
     wall_before, train_before = history["wall_time_s"], history["train_time_s"]
     for step in range(start_step, cfg.steps if error is None else start_step):
+        phase.now = f"step {step + 1} (its agreement on a finite loss, or the optimizer's collectives)"
         t0 = time.perf_counter()
         # one global batch: this rank's shard, in micro-batches, gradients accumulated locally
         inputs, labels = data.rank_batch(corpus, step, rank, world, cfg.global_batch, cfg.seed, cfg.mask_prob)
@@ -496,10 +540,12 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
         # evaluation, checkpoint, stop
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
+            phase.now = f"the evaluation after step {done}"
             error = evaluate(done)
             if error is not None:
                 break
         history["wall_time_s"] = wall_before + time.perf_counter() - t_wall0
+        phase.now = f"the agreement to go on after step {done}"
         stop, nonfinite = _agree_any([stop_requested(), not _all_finite(names.values())], device)
         if nonfinite:  # a checkpoint never holds a non-finite parameter
             error = f"the parameters are not finite after step {done}"
@@ -509,12 +555,14 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
         elif stop:
             stopped_by = "interrupt"
         if done % cfg.ckpt_every == 0 or stop or done == cfg.steps:
+            phase.now = f"the checkpoint of step {done}"
             save_checkpoint(cfg, rank, world, done, model, optimizer, scheduler, history, device)
             last_saved = done
         if stop:
             break
     if bar is not None:
         bar.close()
+    phase.now = "the end of the run (byte counts, metrics)"
 
     if error is not None:
         kept = (f"the last checkpoint ({_checkpoint_folder(last_saved)}, step {last_saved}) is kept"
