@@ -69,8 +69,8 @@ PRESETS = {
 }
 
 # Settings that may change between a run and its resumption: they do not change the numbers, or
-# (workers) only in the last bits: each step's global batch is the same, split over other ranks,
-# and the compression errors are re-sharded.
+# only in the last bits: threads (the order of float sums), workers (each step's global batch is
+# the same, split over other ranks, and the compression errors are re-sharded).
 RESUMABLE_CHANGES = {"out", "cache_dir", "resume", "overwrite", "stop_after_steps", "progress", "threads", "workers",
                      "timeout"}
 
