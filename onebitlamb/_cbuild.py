@@ -19,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -89,6 +90,10 @@ class CLibrary:
             self.declare(lib)
         except (OSError, AttributeError, subprocess.SubprocessError) as exc:
             self.unavailable_reason = f"not built: {exc}"
+            # once per library and process: the fallback is correct but slower, and the reason fixable
+            warnings.warn(f"onebitlamb: the compiled loops of {self.source.parent.name}/{self.source.name} are not "
+                          f"available ({self.unavailable_reason}); the torch/numpy path computes the same values, "
+                          f"more slowly (ONEBITLAMB_NATIVE=0 chooses it without this warning)", RuntimeWarning)
             return None
         self._lib = lib
         return lib

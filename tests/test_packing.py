@@ -330,7 +330,10 @@ def test_compiled_loops_can_be_turned_off(monkeypatch, tmp_path, module):
     monkeypatch.setenv("ONEBITLAMB_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))      # neither the named compiler nor cc can be found
-    assert library.load() is None and "no C compiler" in library.unavailable_reason
+    with pytest.warns(RuntimeWarning, match="not available .*no C compiler.*same values") as caught:
+        assert library.load() is None and "no C compiler" in library.unavailable_reason
+        assert library.load() is None  # tried once: no second warning
+    assert len(caught) == 1
     library.forget()
     monkeypatch.undo()
     # the build itself, whatever the caller's environment says (ONEBITLAMB_NATIVE=0 or a CC of its own)
