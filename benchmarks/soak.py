@@ -15,8 +15,8 @@ the worker error, this rank's chunk of it for the server error); the mean traini
 last record; and the process's resident memory (VmRSS of ``/proc/self/status``).
 
 Verdicts: the errors are *bounded* when the largest norm (over ranks) in the stage's last quarter
-is at most ERROR_GROWTH_LIMIT times the largest in its first quarter; memory is *flat* when no
-rank's resident memory grew by RSS_GROWTH_LIMIT_MB or more from the first record after the freeze
+is at most ERROR_GROWTH_LIMIT times the largest in its first quarter; memory is *flat* when every
+rank's resident memory grew by less than RSS_GROWTH_LIMIT_MB from the first record after the freeze
 (the first compression step allocates the communication buffers and the compressor's workspaces,
 once) to the median of its records in the last quarter (the allocator moves RSS by a MiB or two
 now and then, both ways; a leak of 3 KiB a step would pass the limit).
