@@ -396,3 +396,27 @@ def test_non_finite_parameters_are_never_saved(tmp_path, common, monkeypatch):
     model = torch.load(tmp_path / "out" / "ckpt-0000002" / "model.pt", weights_only=True)
     assert all(torch.isfinite(t).all() for t in model.values())
     assert not (tmp_path / "out" / "metrics.json").exists()
+
+
+def _shared_out_check(rank, world, folders):
+    try:
+        pretrain.check_shared_out(folders[rank], rank, world)
+    except ValueError as exc:
+        return str(exc)
+    return sorted(os.listdir(folders[rank]))
+
+
+def test_every_rank_must_write_and_see_out(tmp_path):
+    """What torchrun's ranks on machines without a shared file system meet: each sees its own folder."""
+    from onebitlamb.comm.launch import spawn_local
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    assert spawn_local(_shared_out_check, 2, ([str(shared)] * 2,), timeout_s=60) == [[], []]  # probes removed
+    apart = [tmp_path / "node0", tmp_path / "node1"]
+    for folder in apart:
+        folder.mkdir()
+    errors = spawn_local(_shared_out_check, 2, ([str(f) for f in apart],), timeout_s=60)
+    assert errors[0] == errors[1] and "rank 1 does not see the files rank 0 writes" in errors[0]
+    errors = spawn_local(_shared_out_check, 2, ([str(shared), str(tmp_path / "missing")],), timeout_s=60)
+    assert errors[0] == errors[1] and "rank 1 cannot write" in errors[0] and "shared file system" in errors[0]

@@ -349,6 +349,7 @@ def train(cfg: TrainConfig) -> dict:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout))
             atexit.register(_leave_together)
+        check_shared_out(cfg.out, rank, world)
         dist.barrier()  # rank 0 has written the corpus cache (shared folder assumed)
         return train_rank(rank, world, cfg)
 
@@ -367,6 +368,35 @@ def train(cfg: TrainConfig) -> dict:
         results = spawn_local(_local_worker, cfg.workers, args=(cfg,), timeout_s=7 * 24 * 3600,
                               collective_timeout_s=cfg.timeout, threads_per_worker=cfg.threads)
     return results[0]
+
+
+def check_shared_out(out: str, rank: int, world: int) -> None:
+    """Under torchrun, at the start: every rank must write OUT and see what rank 0 writes there
+    (checkpoints are written by all ranks into one folder; several machines need a shared file
+    system). Without it a multi-node run crashed at its first checkpoint."""
+    if world == 1:
+        return
+    name = [f".shared-check-{os.getpid()}-{time.time_ns()}" if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    mine = os.path.join(out, f"{name[0]}.rank{rank}")
+    problem = None
+    try:
+        with open(mine, "w") as f:
+            f.write(str(rank))
+    except OSError as exc:
+        problem = f"cannot write {out} ({exc.strerror or exc})"
+    dist.barrier()
+    if problem is None and not os.path.exists(os.path.join(out, f"{name[0]}.rank0")):
+        problem = f"does not see the files rank 0 writes into {out}"
+    problems: List[Optional[str]] = [None] * world
+    dist.all_gather_object(problems, problem)
+    if os.path.exists(mine):
+        os.remove(mine)
+    dist.barrier()  # every probe is gone before any rank goes on
+    bad = [f"rank {r} {p}" for r, p in enumerate(problems) if p]
+    if bad:
+        raise SetupError(f"{'; '.join(bad)}: --out must be a folder every rank can write and see alike (on "
+                         f"several machines, a shared file system), or the first checkpoint would fail")
 
 
 def _local_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
