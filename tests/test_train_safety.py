@@ -420,3 +420,24 @@ def test_every_rank_must_write_and_see_out(tmp_path):
     assert errors[0] == errors[1] and "rank 1 does not see the files rank 0 writes" in errors[0]
     errors = spawn_local(_shared_out_check, 2, ([str(shared), str(tmp_path / "missing")],), timeout_s=60)
     assert errors[0] == errors[1] and "rank 1 cannot write" in errors[0] and "shared file system" in errors[0]
+
+
+def _ranks_agree_check(rank, world, drift):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    if drift and rank == 1:
+        with torch.no_grad():
+            model.bias[0] += 1e-6
+    try:
+        pretrain.check_ranks_agree(model, rank, world, 12, torch.device("cpu"))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_rank_whose_parameters_drifted_is_named_before_a_checkpoint():
+    from onebitlamb.comm.launch import spawn_local
+
+    assert spawn_local(_ranks_agree_check, 2, (False,), timeout_s=60) == [None, None]
+    errors = spawn_local(_ranks_agree_check, 2, (True,), timeout_s=60)
+    assert all("after step 12 the parameters of rank(s) [1] differ from rank 0's" in e for e in errors), errors

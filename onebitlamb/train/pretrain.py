@@ -34,6 +34,7 @@ import signal
 import sys
 import time
 import typing
+import zlib
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple, Union
 
@@ -831,7 +832,28 @@ def _remove_checkpoint_folder(folder: str) -> List[str]:
     return []
 
 
+def check_ranks_agree(model: torch.nn.Module, rank: int, world: int, step: int, device) -> None:
+    """Only rank 0's parameters are saved: before each checkpoint the ranks compare a CRC-32 of
+    theirs (one all-gather of one integer each), so a rank that drifted apart is named, not lost."""
+    if world == 1 or not dist.is_initialized():
+        return
+    from onebitlamb.optim.checks import parameter_checksum
+
+    crc = 0
+    for p in model.parameters():
+        crc = zlib.crc32(parameter_checksum(p).to_bytes(4, "little"), crc)
+    mine = torch.tensor([crc], dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine)
+    differ = [r for r, row in enumerate(rows) if int(row) != int(rows[0])]
+    if differ:
+        raise RuntimeError(f"rank {rank}: after step {step} the parameters of rank(s) {differ} differ from rank 0's; "
+                           f"the optimizers keep every rank bit-identical, so something outside them changed a "
+                           f"rank's model. Not saving; the last checkpoint is kept")
+
+
 def save_checkpoint(cfg, rank, world, step, model, optimizer, scheduler, history, device) -> None:
+    check_ranks_agree(model, rank, world, step, device)
     name = _checkpoint_folder(step)
     folder = os.path.join(cfg.out, name)
     if rank == 0:
