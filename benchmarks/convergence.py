@@ -25,8 +25,7 @@ import sys
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from benchmarks.report import command_line, heading, table_row, write_section
-
-PRESETS = ("tiny", "demo", "b512", "b1024", "b4096", "large")
+from onebitlamb.train.pretrain import PRESETS
 FIRST_SEED = 1234
 TITLE = "Convergence: 1-bit LAMB against LAMB with the defaults"
 
@@ -143,7 +142,7 @@ def render(presets: Sequence[str], seeds: Sequence[int], results: Results, comma
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.convergence", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", nargs="+", choices=PRESETS, default=["demo"], help="default: demo")
+    parser.add_argument("--presets", nargs="+", choices=list(PRESETS), default=["demo"], help="default: demo")
     parser.add_argument("--seeds", type=int, default=1, help=f"how many seeds, from {FIRST_SEED} up (default 1)")
     parser.add_argument("--out", default=os.path.join("runs", "convergence"),
                         help="the runs' folder (default %(default)s)")

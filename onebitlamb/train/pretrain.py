@@ -142,15 +142,15 @@ class TrainConfig:
         "help": "seconds a rank waits for the others in a collective before the run ends with an error that "
                 "says where it waited (a rank that died, hung or was paused)", "metavar": "SECONDS"})
 
-    # preset-only
+    # preset-only; the model's defaults are ModelConfig's
     heldout_fraction: float = 0.05
-    vocab_size: int = 4096
-    seq_len: int = 64
-    hidden: int = 128
-    layers: int = 2
-    heads: int = 2
-    intermediate: int = 512
-    dropout: float = 0.0
+    vocab_size: int = ModelConfig.vocab_size
+    seq_len: int = ModelConfig.seq_len
+    hidden: int = ModelConfig.hidden
+    layers: int = ModelConfig.layers
+    heads: int = ModelConfig.heads
+    intermediate: int = ModelConfig.intermediate
+    dropout: float = ModelConfig.dropout
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-6
