@@ -42,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return _run(args)
+    except pretrain.SetupError as exc:
+        print(f"onebitlamb compare: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except (pretrain.RankTimeout, WorkerError) as exc:
         return pretrain.report_timeout(exc, "onebitlamb compare")
 
@@ -50,13 +53,9 @@ def _run(args: argparse.Namespace) -> int:
     args.cache_dir = args.cache_dir or os.path.join(args.out, "cache")  # one tokenized corpus for all
     # under torchrun every process runs this; rank 0 alone writes the results
     master = not pretrain.under_torchrun() or int(os.environ["RANK"]) == 0
-    try:
-        configs = {name: pretrain.config_from_args(args, optimizer=name, out=os.path.join(args.out, name))
-                   for name in args.optimizers}
-        check_out_dir(args, configs, remove=master)
-    except pretrain.SetupError as exc:
-        print(f"onebitlamb compare: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+    configs = {name: pretrain.config_from_args(args, optimizer=name, out=os.path.join(args.out, name))
+               for name in args.optimizers}
+    check_out_dir(args, configs, remove=master)
     runs: Dict[str, dict] = {}
     t_start = time.perf_counter()
     for name, cfg in configs.items():
@@ -65,11 +64,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"[{name}] finished before, reusing {metrics_path}", file=sys.stderr)
         else:
             t0 = time.perf_counter()
-            try:
-                result = pretrain.train(cfg)
-            except pretrain.SetupError as exc:
-                print(f"onebitlamb compare: error: {exc}", file=sys.stderr, flush=True)
-                return 2
+            result = pretrain.train(cfg)
             if not result["completed"]:
                 print(f"compare stopped during {name}; `onebitlamb compare ... --resume` continues it",
                       file=sys.stderr)
