@@ -2,12 +2,15 @@
 
 Public API: the optimizers ``Lamb``, ``OneBitLamb`` and ``OneBitAdam``; the freeze policy
 ``AutoFreeze``; the collective ``compressed_allreduce`` with ``padded_size``; ``CommStats`` for
-the bytes sent; ``reshard_state_dicts`` to resume a checkpoint on another number of ranks.
+the bytes sent; ``reshard_state_dicts`` to resume a checkpoint on another number of ranks;
+``register_ddp`` for a model wrapped in ``DistributedDataParallel`` (the other frameworks'
+entries live in ``onebitlamb.integrations``).
 """
 from onebitlamb.comm import CommStats, compressed_allreduce, padded_size
+from onebitlamb.integrations.ddp import register_ddp
 from onebitlamb.optim import AutoFreeze, Lamb, OneBitAdam, OneBitLamb, reshard_state_dicts
 
 __version__ = "0.1.0"
 
 __all__ = ["AutoFreeze", "CommStats", "Lamb", "OneBitAdam", "OneBitLamb", "compressed_allreduce", "padded_size",
-           "reshard_state_dicts", "__version__"]
+           "register_ddp", "reshard_state_dicts", "__version__"]

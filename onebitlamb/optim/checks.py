@@ -104,6 +104,27 @@ def agree_on_setup(setup: Dict[str, Any], group: Optional[dist.ProcessGroup], de
                      f"freeze_step")
 
 
+def refuse_averaged_gradients(owner: str, grads: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """At the first step: gradients that are already the same on every rank were averaged before the
+    optimizer saw them, almost always by DistributedDataParallel (wrapped by hand, or by the Trainer,
+    accelerate or Lightning). The optimizer would average them again, and after the freeze DDP would
+    go on sending full gradients beside the 1-bit momentum. One all-gather of one CRC-32."""
+    n = world_size_of(group)
+    if n == 1 or not bool(grads.any()):
+        return
+    mine = torch.tensor([parameter_checksum(grads)], dtype=torch.int64, device=grads.device)
+    rows = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(rows, mine, group=group)
+    if len({int(r) for r in rows}) == 1:
+        raise ValueError(f"the gradients at {owner}'s first step are identical on all {n} ranks: they were "
+                         f"averaged before the optimizer saw them, by DistributedDataParallel (yours, or the "
+                         f"one the Trainer, accelerate or Lightning wraps the model in), and every step would "
+                         f"send them twice. Call onebitlamb.register_ddp(ddp_model, optimizer) once before the "
+                         f"first backward, or use the integration for your framework (docs/integrations.md). "
+                         f"If instead every rank was given the same batch, give each rank its own share of "
+                         f"the data")
+
+
 def _short(value: Any, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."

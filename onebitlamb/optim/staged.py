@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from onebitlamb.comm import CommStats, allreduce_mean_, compressed_allreduce, padded_size, world_size_of
 from onebitlamb.optim import functional as F
 from onebitlamb.optim.checks import (agree_on_setup, agreed_finite, check_finite_nonneg, check_layout_unchanged,
-                                     check_param_groups, parameter_checksum)
+                                     check_param_groups, parameter_checksum, refuse_averaged_gradients)
 from onebitlamb.optim.freeze import AutomaticSchedule, FixedSchedule
 from onebitlamb.optim.layout import FlatLayout, Scratch, check_loaded_state, new_flat_state
 
@@ -62,6 +62,9 @@ class StagedOptimizer(Optimizer):
         self.process_group = process_group
         self.comm_stats = CommStats()
         self.last_step_bytes = 0
+        self._bytes_after_last_step = 0
+        # set by onebitlamb.register_ddp: DDP's comm hook averages the warm-up's gradients
+        self.ddp_link = None
         self._layout: Optional[FlatLayout] = None
         self._scratch: Optional[Scratch] = None
         self._last_coeff: Optional[torch.Tensor] = None
@@ -151,17 +154,24 @@ class StagedOptimizer(Optimizer):
                 loss = closure()
         owner = type(self).__name__
         check_param_groups(owner, self.param_groups, self.defaults)
-        if self._layout is None:
+        first = self._layout is None
+        if first:
             self._prepare()
         else:
             check_layout_unchanged(owner, self._layout.params, self.param_groups)
         if self._layout.numel == 0:
             return loss
-        bytes_before = self.comm_stats.bytes_sent
         grads = self._layout.gather_grads(self._scratch.buffer("grad", self._layout.numel), owner)
         compressing = self.stage == COMPRESSION  # decided by the steps completed so far
-        if not compressing:
-            allreduce_mean_(grads, self.process_group, self.comm_stats)
+        if self.ddp_link is None:
+            if first:
+                refuse_averaged_gradients(owner, grads, self.process_group)
+            if not compressing:
+                allreduce_mean_(grads, self.process_group, self.comm_stats)
+        elif not self.ddp_link.averages_this_step() and not compressing:
+            raise RuntimeError(f"{owner} is registered with a DDP model (register_ddp) but DDP averaged no "
+                               f"gradient since the last step: the backward did not run through the registered "
+                               f"DDP model, or its last micro-batch ran under no_sync()")
         # in the warm-up the average shows any rank's NaN; in stage 2 one flag is agreed on first
         self.last_step_skipped = not agreed_finite(grads, self.process_group, self.comm_stats,
                                                    averaged=not compressing)
@@ -177,7 +187,9 @@ class StagedOptimizer(Optimizer):
                 self._freeze()
         if not self.last_step_skipped:
             self._flat["consecutive_skips"] = 0
-        self.last_step_bytes = self.comm_stats.bytes_sent - bytes_before
+        # with register_ddp the warm-up's bytes were recorded by DDP's hook during the backward
+        self.last_step_bytes = self.comm_stats.bytes_sent - self._bytes_after_last_step
+        self._bytes_after_last_step = self.comm_stats.bytes_sent
         return loss
 
     def _skip(self) -> None:

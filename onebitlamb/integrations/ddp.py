@@ -1,0 +1,95 @@
+"""1-bit optimizers under ``DistributedDataParallel``: one comm hook that follows the stage.
+
+Without it, DDP all-reduces every gradient and the optimizer then exchanges its own (the
+averaged gradient in the warm-up, the 1-bit momentum after): more bytes than DDP alone, every
+step. With :func:`register_ddp` the two split the work:
+
+- warm-up: DDP's bucketed all-reduce, overlapped with backward, averages the gradients
+  (``sum / n``, as the optimizer's own average does); the optimizer takes them as they are;
+- compression stage: DDP sends nothing (each bucket is handed back as it came, like DDP's
+  ``noop_hook``); the optimizer's 1-bit all-reduce of the momentum is the only exchange.
+
+The hook reads ``optimizer.stage`` when each bucket is ready, so the freeze, decided at the end
+of a step, takes effect at the next backward.
+"""
+# no `from __future__ import annotations`: DDP checks the hook's annotations as objects
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from onebitlamb.comm import world_size_of
+from onebitlamb.comm.stats import allreduce_bytes
+from onebitlamb.optim.staged import COMPRESSION, StagedOptimizer
+
+
+class DDPLink:
+    """The hook's state (like PowerSGD's ``PowerSGDState``): the optimizer whose stage decides,
+    the group, and how many buckets DDP handed the hook since the optimizer's last step, which
+    the optimizer reads to make sure this step's gradients did go through DDP."""
+
+    def __init__(self, optimizer: StagedOptimizer, process_group: Optional[dist.ProcessGroup]) -> None:
+        self.optimizer = optimizer
+        self.process_group = process_group
+        self.buckets_since_step = 0
+
+    def __setstate__(self, state):  # DDP pickles hook states with the model
+        self.__dict__.update(state)
+
+    def averages_this_step(self) -> bool:
+        """Called by the optimizer's warm-up step: True when DDP averaged at least one bucket
+        since the last step (it then resets the count)."""
+        seen, self.buckets_since_step = self.buckets_since_step, 0
+        return seen > 0
+
+
+def _stage_hook(link: DDPLink, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    link.buckets_since_step += 1
+    buffer = bucket.buffer()
+    if link.optimizer.stage == COMPRESSION:
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+    n = world_size_of(link.process_group)
+    link.optimizer.comm_stats.record("all_reduce", allreduce_bytes(buffer.numel() * buffer.element_size(), n))
+    work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=link.process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0].div_(n))
+
+
+def register_ddp(ddp_model: DistributedDataParallel, optimizer: StagedOptimizer) -> DDPLink:
+    """Let ``ddp_model`` average the warm-up's gradients for ``optimizer`` and send nothing once it
+    compresses. Call it once, after wrapping the model and building the optimizer, before the
+    first backward::
+
+        model = DistributedDataParallel(model)
+        opt = onebitlamb.OneBitLamb(model.parameters(), lr=..., freeze_step=AutoFreeze(steps))
+        onebitlamb.register_ddp(model, opt)
+
+    The trajectory is the plain usage's (an unwrapped model, the optimizer averaging); what
+    changes is that the warm-up's all-reduce runs bucket by bucket behind the backward pass.
+    Every optimizer step must follow a backward through ``ddp_model`` that synchronised (the last
+    micro-batch outside ``no_sync()``): a warm-up step whose gradients DDP did not average raises.
+    Returns the hook's state object.
+    """
+    if not isinstance(optimizer, StagedOptimizer):
+        raise ValueError(f"register_ddp needs a onebitlamb optimizer (Lamb, OneBitLamb, OneBitAdam), got "
+                         f"{type(optimizer).__name__}")
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise ValueError(f"register_ddp needs the DistributedDataParallel-wrapped model, got "
+                         f"{type(ddp_model).__name__}")
+    if getattr(optimizer, "ddp_link", None) is not None:
+        raise ValueError(f"{type(optimizer).__name__} is already registered with a DDP model")
+    ddp_size, opt_size = world_size_of(ddp_model.process_group), world_size_of(optimizer.process_group)
+    if ddp_size != opt_size:
+        raise ValueError(f"the DDP model's process group has {ddp_size} ranks, the optimizer's {opt_size}: they "
+                         f"must average over the same group")
+    held = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+    synced = {id(p) for p in ddp_model.parameters() if p.requires_grad}
+    if not held <= synced:
+        raise ValueError(f"{len(held - synced)} of {type(optimizer).__name__}'s trainable parameters are not "
+                         f"parameters of the DDP model: DDP would not average their gradients")
+    link = DDPLink(optimizer, optimizer.process_group)
+    ddp_model.register_comm_hook(link, _stage_hook)
+    optimizer.ddp_link = link
+    return link

@@ -1,0 +1,87 @@
+"""Every rank's optimizer state in a framework's checkpoint folder.
+
+The Trainer, accelerate and Lightning save rank 0's ``optimizer.state_dict()`` and load it on
+every rank: right for optimizers whose state is the same everywhere, wrong for a 1-bit one, whose
+compression errors are per rank (a rank resumed with another's errors drifts off the run it
+continues). So each framework entry also has every rank write its own state beside the
+framework's files, one file per rank, and read its own back after the framework's load.
+
+A folder written by ``n`` ranks and read by ``m != n`` is re-sharded with
+``reshard_state_dicts`` (every rank reads all ``n`` files: the folder must be shared, as the
+frameworks' own checkpoints already require).
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from onebitlamb.comm import world_size_of
+from onebitlamb.optim import StagedOptimizer, reshard_state_dicts
+
+_NAME = "onebitlamb-optimizer-rank{rank}-of-{world}.pt"
+_PATTERN = re.compile(r"onebitlamb-optimizer-rank(\d+)-of-(\d+)\.pt")
+
+
+def _rank_and_world(optimizer: StagedOptimizer) -> tuple[int, int]:
+    world = world_size_of(optimizer.process_group)
+    return (dist.get_rank(optimizer.process_group) if world > 1 else 0), world
+
+
+def rank_state_file(folder: str, rank: int, world: int) -> str:
+    return os.path.join(folder, _NAME.format(rank=rank, world=world))
+
+
+def save_rank_state(optimizer: StagedOptimizer, folder: str) -> str:
+    """Write this rank's ``optimizer.state_dict()`` into ``folder`` (every rank calls it); the
+    file appears whole or not at all. Returns its path."""
+    rank, world = _rank_and_world(optimizer)
+    os.makedirs(folder, exist_ok=True)
+    path = rank_state_file(folder, rank, world)
+    partial = path + ".partial"
+    torch.save(optimizer.state_dict(), partial)
+    os.replace(partial, path)
+    return path
+
+
+def saved_worlds(folder: str) -> Dict[int, List[int]]:
+    """World size -> the ranks whose files ``folder`` holds."""
+    found: Dict[int, List[int]] = {}
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        match = _PATTERN.fullmatch(name)
+        if match:
+            found.setdefault(int(match.group(2)), []).append(int(match.group(1)))
+    return {w: sorted(r) for w, r in found.items()}
+
+
+def load_rank_state(optimizer: StagedOptimizer, folder: str, map_location: Optional[str] = None) -> None:
+    """Load this rank's state from ``folder`` into ``optimizer`` (every rank calls it, after the
+    framework loaded its own files, so this rank's errors are what stays). Files of another world
+    size are re-sharded for this one. A folder without a complete set raises ``FileNotFoundError``
+    naming it: resuming from rank 0's state alone would not continue the run."""
+    rank, world = _rank_and_world(optimizer)
+    worlds = saved_worlds(folder)
+    complete = [w for w, ranks in worlds.items() if ranks == list(range(w))]
+    if not complete:
+        raise FileNotFoundError(f"{folder} holds no complete set of onebitlamb optimizer states (one "
+                                f"{_NAME.format(rank='<r>', world='<n>')} per rank; found {worlds or 'none'}): "
+                                f"it was not saved through a onebitlamb integration, or some rank's file is "
+                                f"missing")
+    saved = world if world in complete else max(complete)
+    device = map_location or _device_of(optimizer)
+
+    def read(r: int) -> dict:
+        return torch.load(rank_state_file(folder, r, saved), map_location=device, weights_only=True)
+
+    state = read(rank) if saved == world else reshard_state_dicts([read(r) for r in range(saved)], world)[rank]
+    optimizer.load_state_dict(state)
+
+
+def _device_of(optimizer: StagedOptimizer) -> str:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            return str(p.device)
+    return "cpu"
