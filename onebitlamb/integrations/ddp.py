@@ -34,9 +34,6 @@ class DDPLink:
         self.process_group = process_group
         self.buckets_since_step = 0
 
-    def __setstate__(self, state):  # DDP pickles hook states with the model
-        self.__dict__.update(state)
-
     def averages_this_step(self) -> bool:
         """Called by the optimizer's warm-up step: True when DDP averaged at least one bucket
         since the last step (it then resets the count)."""
