@@ -9,6 +9,7 @@ import torch
 
 import onebitlamb
 from onebitlamb.comm.launch import spawn_local
+from onebitlamb.optim.state_format import flat_of
 
 STEPS, FREEZE, SAVED_AT = 60, 15, 30
 
@@ -69,13 +70,13 @@ def _uninterrupted(rank, n):
 def test_reshard_keeps_the_mean_worker_error_and_the_server_vector():
     blobs = spawn_local(_first_part, 4, (), timeout_s=120, collective_timeout_s=60)
     states = [torch.load(io.BytesIO(b), weights_only=True)["optimizer"] for b in blobs]
-    flats = [s["state"]["flat"] for s in states]
+    flats = [flat_of(s) for s in states]
     d = sum(flats[0]["layer_numels"])
     old_mean = torch.stack([f["worker_error"][:d] for f in flats]).double().mean(dim=0)
     old_server = torch.cat([f["server_error"] for f in flats])[:d]
     assert old_mean.abs().max() > 0 and old_server.abs().max() > 0  # there is something to keep
     for m in (2, 3, 4):
-        new = [s["state"]["flat"] for s in onebitlamb.reshard_state_dicts(states, m)]
+        new = [flat_of(s) for s in onebitlamb.reshard_state_dicts(states, m)]
         D = onebitlamb.padded_size(d, m)
         assert [(f["rank"], f["world_size"]) for f in new] == [(r, m) for r in range(m)]
         for f in new:
@@ -84,7 +85,7 @@ def test_reshard_keeps_the_mean_worker_error_and_the_server_vector():
             assert not f["worker_error"][d:].any()
             assert torch.equal(f["exp_avg"], flats[0]["exp_avg"]) and f["step"] == flats[0]["step"]
         assert torch.equal(torch.cat([f["server_error"] for f in new])[:d], old_server)
-    single = onebitlamb.reshard_state_dicts(states, 1)[0]["state"]["flat"]
+    single = flat_of(onebitlamb.reshard_state_dicts(states, 1)[0])
     assert "worker_error" not in single and single["world_size"] == 1
     with pytest.raises(ValueError, match="rank order"):
         onebitlamb.reshard_state_dicts(states[::-1], 2)

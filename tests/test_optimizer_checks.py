@@ -11,6 +11,7 @@ import torch
 import onebitlamb
 from onebitlamb.comm.launch import spawn_local
 from onebitlamb.optim.staged import MAX_CONSECUTIVE_SKIPS
+from onebitlamb.optim.state_format import flat_of
 
 CLASSES = {"lamb": onebitlamb.Lamb, "onebitlamb": onebitlamb.OneBitLamb, "onebitadam": onebitlamb.OneBitAdam}
 
@@ -29,8 +30,8 @@ def _assert_untouched(opt, params, snapshot):
     before_params, before_state = snapshot
     for a, b in zip(params, before_params):
         assert torch.equal(a.detach(), b)
-    now = opt.state_dict()["state"]["flat"]
-    for key, value in before_state["state"]["flat"].items():
+    now = flat_of(opt.state_dict())
+    for key, value in flat_of(before_state).items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(now[key], value), key
         else:

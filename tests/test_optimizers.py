@@ -287,14 +287,16 @@ def test_world_size_and_rank_checks_on_load():
     p.grad = torch.randn(16)
     opt.step()
     sd = copy.deepcopy(opt.state_dict())
-    sd["state"]["flat"]["world_size"] = 4
+    sd["state"][0]["world_size"] = 4
     portable = onebitlamb.OneBitLamb([p], lr=0.01, freeze_step=1)
     portable.load_state_dict(sd)
     portable.step()  # one process never builds error buffers
     assert portable.state["flat"]["world_size"] == 1
-    for key, value, match in (("world_size", 4, "saved with world size 4"), ("rank", 3, "rank 3's compression")):
+    for world, rank, match in ((4, 0, "saved with world size 4"), (1, 3, "rank 3's compression")):
         bad = copy.deepcopy(opt.state_dict())
-        bad["state"]["flat"].update({"worker_error": torch.zeros(16), key: value})
+        entry = bad["state"][0]
+        del entry["rank0"]
+        entry.update({"world_size": world, f"rank{rank}": {"worker_error": torch.zeros(16)}})
         opt2 = onebitlamb.OneBitLamb([p], lr=0.01, freeze_step=1)
         opt2.load_state_dict(bad)
         with pytest.raises(ValueError, match=match):

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from onebitlamb.comm import padded_size
+from onebitlamb.optim.state_format import flat_of, to_saved
 
 
 def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int) -> List[Dict[str, Any]]:
@@ -35,7 +36,7 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int) 
         raise ValueError("reshard_state_dicts needs the state dict of every rank of the saved run, got none")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Invalid world_size: {world_size!r} (must be an integer >= 1)")
-    flats = [sd["state"].get("flat") for sd in state_dicts]
+    flats = [flat_of(sd) for sd in state_dicts]
     if any(flat is None for flat in flats):
         return [copy.deepcopy(state_dicts[0]) for _ in range(world_size)]
     n = len(flats)
@@ -67,6 +68,8 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int) 
             padded[:d] = server
             chunk = D // world_size
             flat["worker_error"], flat["server_error"] = worker, padded[rank * chunk:(rank + 1) * chunk].clone()
-        sd["state"] = {**{k: v for k, v in state_dicts[0]["state"].items() if k != "flat"}, "flat": flat}
+        # every state holding errors has frozen: the saved form needs no templates
+        key = next(iter(state_dicts[0]["state"]))
+        sd["state"] = {key: flat if key == "flat" else to_saved(flat, compresses=False, fresh_variance=False)}
         out.append(sd)
     return out

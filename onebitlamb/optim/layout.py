@@ -114,6 +114,7 @@ def new_flat_state(layout: FlatLayout, owner: str, world_size: int, rank: int) -
         "optimizer": owner,
         "step": 0,
         "skipped_steps": 0,
+        "consecutive_skips": 0,
         "world_size": world_size,
         "rank": rank,
         "layer_numels": list(layout.numels),

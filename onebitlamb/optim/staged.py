@@ -21,6 +21,7 @@ from onebitlamb.optim.checks import (agree_on_setup, agreed_finite, check_finite
                                      check_param_groups, parameter_checksum, refuse_averaged_gradients)
 from onebitlamb.optim.freeze import AutomaticSchedule, FixedSchedule
 from onebitlamb.optim.layout import FlatLayout, Scratch, check_loaded_state, new_flat_state
+from onebitlamb.optim.state_format import flat_of, to_saved
 
 WARMUP, COMPRESSION = "warmup", "compression"
 
@@ -69,6 +70,10 @@ class StagedOptimizer(Optimizer):
         self._scratch: Optional[Scratch] = None
         self._last_coeff: Optional[torch.Tensor] = None
         self.last_step_skipped = False
+        # the state exists from the start, like the layout it follows, so that a state dict taken
+        # before the first step is a complete template (DCP loads into one); rebuilt at the first
+        # step if the parameters changed until then
+        self._new_state(FlatLayout.of(self.param_groups))
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if getattr(self, "_layout", None) is not None:
@@ -81,22 +86,31 @@ class StagedOptimizer(Optimizer):
     def _flat(self) -> Dict[str, Any]:
         return self.state["flat"]
 
+    def _new_state(self, layout: FlatLayout) -> None:
+        world = world_size_of(self.process_group)
+        rank = dist.get_rank(self.process_group) if world > 1 else 0
+        self.state["flat"] = new_flat_state(layout, type(self).__name__, world, rank)
+        if self._schedule is not None:
+            self._schedule.init_state(self._flat, len(layout.params), layout.device)
+
+    def _untouched(self) -> bool:
+        flat = self._flat
+        return flat["step"] == 0 and flat.get("skipped_steps", 0) == 0 and flat["frozen_at"] is None
+
     def _prepare(self) -> None:
         """The layout is built at the first step (or the first after a load), when the param groups
         are final; a loaded state is checked against it."""
         layout = FlatLayout.of(self.param_groups)
         world, owner = world_size_of(self.process_group), type(self).__name__
         rank = dist.get_rank(self.process_group) if world > 1 else 0
-        if "flat" in self.state:
+        if self._untouched():
+            self._new_state(layout)
+        else:
             check_loaded_state(self._flat, layout, owner, world, rank)
             if self._schedule is not None:
                 self._schedule.check_state(self._flat)
             if self._flat["frozen_at"] is not None and "worker_error" not in self._flat:
                 self._new_error_buffers(layout, world)  # frozen on one process, resumed on several
-        else:
-            self.state["flat"] = new_flat_state(layout, owner, world, rank)
-            if self._schedule is not None:
-                self._schedule.init_state(self._flat, len(layout.params), layout.device)
         agree_on_setup(self._setup(layout), self.process_group, layout.device)
         self._layout, self._scratch = layout, Scratch(layout.device)
 
@@ -113,14 +127,31 @@ class StagedOptimizer(Optimizer):
     @property
     def skipped_steps(self) -> int:
         """Steps skipped so far because some rank's gradient was not finite (``step()``)."""
-        return self.state["flat"].get("skipped_steps", 0) if "flat" in self.state else 0
+        return self._flat.get("skipped_steps", 0)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """``torch.optim``'s form: ``{"state": {i: ...}, "param_groups": [...]}``, the whole state
+        under the index of the first trainable parameter and an empty entry for each other one
+        (``state_format.py``): what ``torch.distributed.checkpoint`` and the frameworks expect."""
+        state_dict = super().state_dict()
+        flat = state_dict["state"].pop("flat")
+        held = {id(p) for p in (self._layout.params if self._layout is not None
+                                else FlatLayout.of(self.param_groups).params)}
+        every = [p for g in self.param_groups for p in g["params"]]
+        indices = [i for i, p in enumerate(every) if id(p) in held]
+        if indices:
+            state_dict["state"] = {i: {} for i in indices}
+            state_dict["state"][indices[0]] = to_saved(flat, self._schedule is not None,
+                                                       self._fresh_variance and self._schedule is not None)
+        return state_dict
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        if "flat" in self.state:
-            # own copies: the caller's dict must not alias the live state
-            self.state["flat"] = {k: (v.clone() if isinstance(v, torch.Tensor) else list(v) if isinstance(v, list)
-                                      else v) for k, v in self.state["flat"].items()}
+        # handed to torch.optim under "flat", which it keeps as it is: under a parameter's index it
+        # would be cast to that parameter's dtype
+        flat = flat_of(state_dict)
+        super().load_state_dict({**state_dict, "state": {} if flat is None else {"flat": flat}})
+        if flat is None:
+            self._new_state(FlatLayout.of(self.param_groups))
         self._layout = None
 
     @property
