@@ -103,16 +103,21 @@ def test_register_ddp_refuses_what_it_cannot_serve():
         onebitlamb.register_ddp(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def _foreign_params(rank, n):
+def _mismatched_params(rank, n):
     model, other = _model(), torch.nn.Linear(2, 2)
     net = DistributedDataParallel(model)
-    opt = onebitlamb.OneBitLamb(list(model.parameters()) + list(other.parameters()), lr=0.01, freeze_step=3)
-    try:
-        onebitlamb.register_ddp(net, opt)
-    except ValueError as exc:
-        return str(exc)
+    errors = []
+    for params in (list(model.parameters()) + list(other.parameters()), list(model.parameters())[:-1]):
+        try:
+            onebitlamb.register_ddp(net, onebitlamb.OneBitLamb(params, lr=0.01, freeze_step=3))
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
 
 
-def test_register_ddp_refuses_parameters_ddp_does_not_average():
-    errors = spawn_local(_foreign_params, 2, (), timeout_s=60, collective_timeout_s=30)
-    assert all("2 of OneBitLamb's trainable parameters are not parameters of the DDP model" in e for e in errors)
+def test_register_ddp_refuses_parameters_the_two_do_not_share():
+    """An optimizer's parameter outside DDP would never be averaged in the warm-up; a DDP parameter
+    outside the optimizer, never after the freeze (the hook then sends no bucket)."""
+    for extra, missing in spawn_local(_mismatched_params, 2, (), timeout_s=60, collective_timeout_s=30):
+        assert "2 of OneBitLamb's trainable parameters are not parameters of the DDP model" in extra
+        assert "1 of the DDP model's trainable parameters are not OneBitLamb's" in missing
