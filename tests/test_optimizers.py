@@ -403,7 +403,8 @@ def test_the_public_surface_stays_small():
     parameters = {cls: list(inspect.signature(cls).parameters) for cls in CLASSES.values()}
     assert len(parameters[onebitlamb.OneBitLamb]) <= 15 and len(parameters[onebitlamb.OneBitAdam]) <= 9
     known = {"params", "lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff",
-             "coeff_beta", "factor_max", "factor_min", "factor_threshold", "freeze_step", "process_group"}
+             "coeff_beta", "factor_max", "factor_min", "factor_threshold", "freeze_step", "maximize",
+             "process_group"}
     for cls, names in parameters.items():
         assert set(names) <= known, (cls, set(names) - known)
     assert not hasattr(onebitlamb.Lamb([torch.nn.Parameter(torch.zeros(2))]), "freeze_stats")
@@ -755,3 +756,42 @@ def test_the_wait_still_freezes_at_the_cap():
     ready = opt.freeze_stats()["ready_step"]
     assert ready is not None and ready < 30
     assert opt.state["flat"]["frozen_at"] == 30
+
+
+@pytest.mark.parametrize("kind", list(CLASSES))
+def test_maximize_climbs_what_the_default_descends(kind):
+    """maximize on -f takes exactly the steps the default takes on f (torch.optim's convention)."""
+    finals = []
+    for maximize in (False, True):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(6, 4))
+        kw = {} if kind == "lamb" else {"freeze_step": 3}
+        opt = CLASSES[kind]([w], lr=0.05, weight_decay=0.01, maximize=maximize, **kw)
+        for step in range(8):
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+            loss = (x @ w).square().mean()
+            opt.zero_grad()
+            (-loss if maximize else loss).backward()
+            opt.step()
+        finals.append(w.detach().clone())
+    assert torch.equal(finals[0], finals[1])
+    with pytest.raises(ValueError, match="Invalid maximize: 1"):
+        CLASSES[kind]([w], lr=0.05, maximize=1, **({} if kind == "lamb" else {"freeze_step": 3}))
+
+
+@pytest.mark.parametrize("kind", list(CLASSES))
+def test_torch_compile_of_step_runs_the_step_as_it_is(kind):
+    """PyTorch's compiled-optimizer recipe, torch.compile(opt.step), gives the eager steps bit for
+    bit (the step is excluded from compilation: its fused kernels would round differently)."""
+    finals = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        opt = CLASSES[kind](model.parameters(), lr=0.01, **({} if kind == "lamb" else {"freeze_step": 3}))
+        step = torch.compile(opt.step) if compiled else opt.step
+        for i in range(6):
+            opt.zero_grad()
+            model(torch.randn(3, 8, generator=torch.Generator().manual_seed(i))).sum().backward()
+            step()
+        finals.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*finals))

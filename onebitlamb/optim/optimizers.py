@@ -51,6 +51,7 @@ class Lamb(StagedOptimizer):
         bias_correction: bias-correct the moments like Adam, as the paper does.
         max_coeff, min_coeff: the trust ratio ``||x|| / ||u||`` is clipped to this range (the
             paper's scaling function).
+        maximize: maximize the objective (the gradients' sign flipped), as in ``torch.optim``.
         process_group: the group to average over (default: the world).
 
     Deviation from the paper: the trust ratio is 1 where either norm is 0 (a zero-initialised bias,
@@ -61,12 +62,13 @@ class Lamb(StagedOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
-                 max_coeff: float = 10.0, min_coeff: float = 0.01,
+                 max_coeff: float = 10.0, min_coeff: float = 0.01, maximize: bool = False,
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
-        validate_common(lr, betas, eps, weight_decay)
+        validate_common(lr, betas, eps, weight_decay, maximize)
         _validate_trust_bounds(min_coeff, max_coeff)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff)
+                        bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
+                        maximize=maximize)
         super().__init__(params, defaults, schedule=None, process_group=process_group)
 
 
@@ -95,6 +97,7 @@ class OneBitLamb(_OneBit):
         coeff_beta: decay rate of the trust ratio's running average that the freeze keeps.
         factor_max, factor_min: bounds of stage 2's per-layer factor.
         factor_threshold: how far the factor may move in one step (relative).
+        maximize: maximize the objective (the gradients' sign flipped), as in ``torch.optim``.
         process_group: the group to average over (default: the world).
 
     Deviations from the paper and from DeepSpeed's ``OnebitLamb``: no discarded first step;
@@ -110,9 +113,10 @@ class OneBitLamb(_OneBit):
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  bias_correction: bool = True, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
-                 factor_threshold: float = 0.1, process_group: Optional[dist.ProcessGroup] = None) -> None:
+                 factor_threshold: float = 0.1, maximize: bool = False,
+                 process_group: Optional[dist.ProcessGroup] = None) -> None:
         schedule = schedule_for(type(self).__name__, freeze_step, waits_for_trust_peak=True)
-        validate_common(lr, betas, eps, weight_decay)
+        validate_common(lr, betas, eps, weight_decay, maximize)
         _validate_trust_bounds(min_coeff, max_coeff)
         if not 0.0 <= coeff_beta < 1.0:
             raise ValueError(f"Invalid coeff_beta: {coeff_beta!r} (must be in [0, 1))")
@@ -124,7 +128,7 @@ class OneBitLamb(_OneBit):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
                         coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
-                        factor_threshold=factor_threshold)
+                        factor_threshold=factor_threshold, maximize=maximize)
         super().__init__(params, defaults, schedule=schedule, process_group=process_group)
 
 
@@ -143,6 +147,7 @@ class OneBitAdam(_OneBit):
         eps: added to ``sqrt(v_hat)``.
         weight_decay: added to the update, ``u = m_hat / (sqrt(v) + eps) + wd * x``, as in LAMB.
         bias_correction: bias-correct the moments.
+        maximize: maximize the objective (the gradients' sign flipped), as in ``torch.optim``.
         process_group: the group to average over (default: the world).
 
     Deviations from the paper: those of ``OneBitLamb`` that apply (no discarded step, per-layer
@@ -153,9 +158,10 @@ class OneBitAdam(_OneBit):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, *, freeze_step: FreezeStep,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 bias_correction: bool = True, process_group: Optional[dist.ProcessGroup] = None) -> None:
+                 bias_correction: bool = True, maximize: bool = False,
+                 process_group: Optional[dist.ProcessGroup] = None) -> None:
         schedule = schedule_for(type(self).__name__, freeze_step, waits_for_trust_peak=False)
-        validate_common(lr, betas, eps, weight_decay)
+        validate_common(lr, betas, eps, weight_decay, maximize)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction)
+                        bias_correction=bias_correction, maximize=maximize)
         super().__init__(params, defaults, schedule=schedule, process_group=process_group)

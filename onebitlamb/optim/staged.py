@@ -30,7 +30,9 @@ WARMUP, COMPRESSION = "warmup", "compression"
 MAX_CONSECUTIVE_SKIPS = 10
 
 
-def validate_common(lr: float, betas, eps: float, weight_decay: float) -> None:
+def validate_common(lr: float, betas, eps: float, weight_decay: float, maximize: bool) -> None:
+    if not isinstance(maximize, bool):
+        raise ValueError(f"Invalid maximize: {maximize!r} (must be True or False)")
     check_finite_nonneg("learning rate", lr)
     check_finite_nonneg("weight_decay", weight_decay)
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -177,6 +179,10 @@ class StagedOptimizer(Optimizer):
                 for i in range(len(self._last_coeff))]
 
     # ------------------------------------------------------------------ step
+    # torch.compile(opt.step), or a compiled function that calls it, runs the step as it is: a step
+    # is decisions on values (finite? frozen? which stage?) around collectives and compiled C
+    # loops, which Dynamo could only break apart, and whose fused kernels would round differently
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         loss = None
@@ -193,6 +199,8 @@ class StagedOptimizer(Optimizer):
         if self._layout.numel == 0:
             return loss
         grads = self._layout.gather_grads(self._scratch.buffer("grad", self._layout.numel), owner)
+        if self.defaults["maximize"]:
+            grads.neg_()
         compressing = self.stage == COMPRESSION  # decided by the steps completed so far
         if self.ddp_link is None:
             if first:
