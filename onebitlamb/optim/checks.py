@@ -47,9 +47,24 @@ def check_param_groups(owner: str, param_groups: Sequence[Dict[str, Any]], defau
                 raise ValueError(f"a parameter of shape {tuple(p.shape)} is given to {owner} twice (param group "
                                  f"{index}): it would move twice per step")
             seen.add(id(p))
+            if _is_sharded(p):
+                raise ValueError(f"{owner} got a sharded parameter ({type(p).__name__} of shape {tuple(p.shape)}, "
+                                 f"as FSDP2's fully_shard makes): FSDP all-gathers the parameters twice a step and "
+                                 f"reduce-scatters the gradients itself, so a 1-bit exchange could replace at most "
+                                 f"a third of its traffic (BENCHMARKS.md, 'Sharded training'). Keep every "
+                                 f"parameter whole on every rank and wrap the model in DistributedDataParallel "
+                                 f"with onebitlamb.register_ddp")
             if p.dtype not in SUPPORTED_DTYPES:
                 raise ValueError(f"{owner} supports float32, bfloat16 and float16 parameters, got {p.dtype} "
                                  f"(shape {tuple(p.shape)}); its state is float32")
+
+
+def _is_sharded(p: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor has no FSDP2 either
+        return False
+    return isinstance(p, DTensor)
 
 
 def trainable(param_groups: Sequence[Dict[str, Any]]) -> List[torch.Tensor]:
@@ -98,10 +113,13 @@ def agree_on_setup(setup: Dict[str, Any], group: Optional[dist.ProcessGroup], de
     dist.all_gather_object(values, {k: setup[k] for k in differing}, group=group)
     details = "; ".join(f"{k}: " + ", ".join(f"rank {r} {_short(v[k])}" for r, v in enumerate(values))
                         for k in differing)
+    hint = ("; under a ZeroRedundancyOptimizer, which gives each rank a share of the parameters: the "
+            "optimizers need every parameter on every rank, use DistributedDataParallel with "
+            "onebitlamb.register_ddp" if "parameter sizes" in differing else "")
     raise ValueError(f"the ranks built different optimizers: {details}. Every rank must pass the same "
                      f"parameters (in the same order and shapes, with the same values: seed every rank "
                      f"alike, or broadcast them from rank 0 before the first step), hyper-parameters and "
-                     f"freeze_step")
+                     f"freeze_step{hint}")
 
 
 def refuse_averaged_gradients(owner: str, grads: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
