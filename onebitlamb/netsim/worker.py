@@ -12,6 +12,11 @@ Jobs, in the order they run when present in the spec:
 - ``paired_steps`` (not a spec job: run on loopback by ``spawn_local``): LAMB's and the 1-bit
   optimizers' compression-stage steps interleaved in one launch, for a ratio that load drift
   between launches cannot move;
+- ``ddp``: plain usage (the optimizer averages the gradients in ``step()``) against the same model
+  wrapped in ``DistributedDataParallel`` with ``onebitlamb.register_ddp`` (DDP averages the
+  warm-up's gradients bucket by bucket during the backward, and sends nothing once the optimizer
+  compresses), their steps interleaved in one launch through both stages (``ddp_steps``; also
+  runs on loopback under ``spawn_local``);
 - ``train``: per optimizer, timed steps of the warm-up and the compression stage of the BERT
   pretraining workload on synthetic token batches, with per-stage wire and accounted bytes; just
   before, the same steps with no communication at all (each rank alone in a one-rank group, all
@@ -185,6 +190,91 @@ def paired_steps(rank: int, world: int, spec: dict) -> dict:
     return {"step_times": times, "opt_step_times": opt_times, "step_bytes": step_bytes}
 
 
+def ddp_steps(rank: int, world: int, spec: dict, interface: Optional[str] = None) -> dict:
+    """Plain usage against DDP + ``register_ddp``, interleaved, through the warm-up and the
+    compression stage.
+
+    Per optimizer in ``spec["optimizers"]`` two models built alike: one unwrapped (the optimizer
+    all-reduces the flat gradient inside ``step()``, after the backward), one wrapped in
+    ``DistributedDataParallel`` with DDP's defaults (but ``spec["bucket_cap_mb"]`` if given) and
+    registered (DDP's bucketed all-reduce runs behind the backward in the warm-up; after the
+    freeze it sends nothing). Every round times one step of each, in an order drawn afresh each
+    round (the same on all ranks), each after a barrier, as ``paired_steps`` does: load drift hits
+    both alike. Per step: the time of forward + backward and of ``optimizer.step()``, the bytes
+    ``comm_stats`` recorded in each (DDP's hook records its buckets there, during the backward),
+    DDP's bucket count, and, with an interface, the bytes its counter saw (less what one bare
+    barrier costs, measured first). LAMB never compresses: it runs the warm-up rounds only.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    import onebitlamb
+    from onebitlamb.train.model import build_model
+
+    group = dist.group.WORLD
+    cfg = _model_config(spec)
+    warm, comp, skip = spec["warmup_steps"], spec["compression_steps"], spec.get("skip_steps", 1)
+    freeze_step = skip + warm
+    runs = []  # (optimizer name, mode, model called in the loop, optimizer, DDPLink or None)
+    for name in spec["optimizers"]:
+        for mode in ("plain", "ddp"):
+            model = build_model(cfg, seed=spec.get("seed", 0))
+            model.train()
+            opt = make_optimizer(name, model.parameters(), spec.get("lr", 1e-3), freeze_step, group)
+            link = None
+            if mode == "ddp":
+                model = DistributedDataParallel(model, process_group=group, bucket_cap_mb=spec.get("bucket_cap_mb"))
+                link = onebitlamb.register_ddp(model, opt)
+            runs.append((name, mode, model, opt, link))
+    barrier_bytes = 0
+    if interface:
+        costs = []
+        for _ in range(5):
+            _barrier(group)
+            tx0 = read_counter(interface)
+            _barrier(group)
+            costs.append(read_counter(interface) - tx0)
+        barrier_bytes = int(statistics.median(costs))
+    batches = _batches(cfg, spec["batch"], 4, seed=1000 * rank + 7)
+    steps: Dict[str, Dict[str, Dict[str, dict]]] = {}
+    plan = [(WARMUP, i >= skip) for i in range(skip + warm)] + [(COMPRESSION, i >= skip) for i in range(skip + comp)]
+    for r, (stage, timed) in enumerate(plan):
+        batch = batches[r % len(batches)]
+        for k in random.Random(r).sample(range(len(runs)), len(runs)):
+            name, mode, model, opt, link = runs[k]
+            if name == "lamb" and stage == COMPRESSION:
+                continue
+            if opt.stage != stage:
+                raise RuntimeError(f"{name} ({mode}): expected stage {stage} in round {r + 1}, optimizer is in {opt.stage}")
+            _barrier(group)
+            tx0 = read_counter(interface) if interface else 0
+            b0 = opt.comm_stats.bytes_sent
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            model(**batch).loss.backward()
+            t1 = time.perf_counter()
+            b1 = opt.comm_stats.bytes_sent
+            buckets = link.buckets_since_step if link is not None else 0
+            opt.step()
+            t2 = time.perf_counter()
+            b2 = opt.comm_stats.bytes_sent
+            _barrier(group)
+            tx1 = read_counter(interface) if interface else 0
+            if not timed:
+                continue
+            rec = steps.setdefault(name, {}).setdefault(mode, {}).setdefault(stage, {
+                "step_times": [], "backward_times": [], "opt_step_times": [], "backward_bytes": [],
+                "opt_step_bytes": [], "buckets": [], "wire_bytes": []})
+            rec["step_times"].append(t2 - t0)
+            rec["backward_times"].append(t1 - t0)  # forward + backward (+ DDP's wait for its buckets)
+            rec["opt_step_times"].append(t2 - t1)
+            rec["backward_bytes"].append(b1 - b0)
+            rec["opt_step_bytes"].append(b2 - b1)
+            rec["buckets"].append(buckets)
+            rec["wire_bytes"].append(tx1 - tx0 - barrier_bytes if interface else None)
+    params = sum(p.numel() for g in runs[0][3].param_groups for p in g["params"]) if runs else 0
+    return {"steps": steps, "barrier_bytes": barrier_bytes, "params": params}
+
+
 def probe(spec: dict, group, numel: int) -> dict:
     """alpha (tiny all-reduce), and full-size fp32 and compressed all-reduce times."""
     from onebitlamb.comm import CommStats, compressed_allreduce, padded_size
@@ -275,6 +365,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             jobs = spec["collectives"]
             result["collectives"] = [collectives(j, world_group, interface)
                                      for j in (jobs if isinstance(jobs, list) else [jobs])]
+        if spec.get("ddp"):
+            result["ddp"] = ddp_steps(rank, world, spec, interface)
         if spec.get("train"):
             # per optimizer, the compute-only step right before the networked one: both ranks
             # compute at once (they share the CPUs as in the real run) and the two measurements
