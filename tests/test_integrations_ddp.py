@@ -120,4 +120,4 @@ def test_register_ddp_refuses_parameters_the_two_do_not_share():
     outside the optimizer, never after the freeze (the hook then sends no bucket)."""
     for extra, missing in spawn_local(_mismatched_params, 2, (), timeout_s=60, collective_timeout_s=30):
         assert "2 of OneBitLamb's trainable parameters are not parameters of the DDP model" in extra
-        assert "1 of the DDP model's trainable parameters are not OneBitLamb's" in missing
+        assert "1 of the DDP model's trainable parameters are not OneBitLamb's (2.bias)" in missing

@@ -86,11 +86,12 @@ def register_ddp(ddp_model: DistributedDataParallel, optimizer: StagedOptimizer)
     if not held <= synced:
         raise ValueError(f"{len(held - synced)} of {type(optimizer).__name__}'s trainable parameters are not "
                          f"parameters of the DDP model: DDP would not average their gradients")
-    if not synced <= held:
-        raise ValueError(f"{len(synced - held)} of the DDP model's trainable parameters are not "
-                         f"{type(optimizer).__name__}'s: once it compresses the hook sends no bucket, so their "
-                         f"gradients would no longer be averaged (give them to the optimizer, or set "
-                         f"requires_grad=False)")
+    missed = [name for name, p in ddp_model.module.named_parameters() if p.requires_grad and id(p) not in held]
+    if missed:
+        raise ValueError(f"{len(missed)} of the DDP model's trainable parameters are not "
+                         f"{type(optimizer).__name__}'s ({', '.join(missed[:4])}): once it compresses the hook "
+                         f"sends no bucket, so their gradients would no longer be averaged (give them to the "
+                         f"optimizer, or set requires_grad=False)")
     link = DDPLink(optimizer, optimizer.process_group)
     ddp_model.register_comm_hook(link, _stage_hook)
     optimizer.ddp_link = link

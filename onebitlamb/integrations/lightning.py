@@ -84,12 +84,6 @@ class OneBitDDPStrategy(DDPStrategy):
         if opt.process_group not in (None, dist.group.WORLD):
             raise ValueError("the optimizer's process_group must be the default one: Lightning's DDP and its "
                              "checkpoints span every rank")
-        held = {id(p) for g in opt.param_groups for p in g["params"]}
-        missed = [n for n, p in self.model.module.named_parameters() if p.requires_grad and id(p) not in held]
-        if missed:
-            raise ValueError(f"{type(opt).__name__} does not hold the trainable parameters {missed[:4]} (of "
-                             f"{len(missed)}): after the freeze DDP sends nothing, so their gradients would "
-                             f"never be averaged. Give them to the optimizer or set requires_grad=False")
         register_ddp(self.model, opt)
 
     def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
