@@ -795,3 +795,37 @@ def test_torch_compile_of_step_runs_the_step_as_it_is(kind):
             step()
         finals.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*finals))
+
+
+@pytest.mark.parametrize("kind", list(CLASSES))
+@pytest.mark.parametrize("saved_at", [2, 5])  # before and after the freeze (at 3)
+def test_state_dict_has_torch_optims_form_and_the_earlier_form_still_loads(kind, saved_at):
+    kw = {} if kind == "lamb" else {"freeze_step": 3}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[0].bias.requires_grad_(False)
+    opt = CLASSES[kind](model.parameters(), lr=0.01, **kw)
+
+    def train(opt, steps):
+        for i in steps:
+            opt.zero_grad()
+            model(torch.randn(5, 4, generator=torch.Generator().manual_seed(i))).square().sum().backward()
+            opt.step()
+
+    train(opt, range(saved_at))
+    saved = copy.deepcopy(opt.state_dict())
+    earlier_form = {"state": {"flat": copy.deepcopy(opt.state["flat"])}, "param_groups": saved["param_groups"]}
+    # one entry per trainable parameter (index 1, the frozen bias, has none), the first holds it all
+    assert sorted(saved["state"]) == [0, 2, 3] and all(not saved["state"][i] for i in (2, 3))
+    assert saved["state"][0]["step"] == saved_at and "rank0" in saved["state"][0]
+    start = [p.detach().clone() for p in model.parameters()]
+    train(opt, range(saved_at, 8))
+    expected = [p.detach().clone() for p in model.parameters()]
+    for state in (saved, earlier_form):
+        with torch.no_grad():
+            for p, s in zip(model.parameters(), start):
+                p.copy_(s)
+        resumed = CLASSES[kind](model.parameters(), lr=0.01, **kw)
+        resumed.load_state_dict(state)
+        train(resumed, range(saved_at, 8))
+        assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected))
