@@ -8,6 +8,7 @@ all-reduce (stage 2). ``docs/algorithm.md`` gives the maths step by step.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
@@ -24,6 +25,20 @@ from onebitlamb.optim.layout import FlatLayout, Scratch, check_loaded_state, new
 from onebitlamb.optim.state_format import flat_of, to_saved
 
 WARMUP, COMPRESSION = "warmup", "compression"
+
+# An experiment (docs/lab/warmup_precision.md), not an option: the 1-bit optimizers' warm-up average
+# sent in bfloat16 (2 bytes an element) when this names it. Read at construction.
+WARMUP_DTYPE_VARIABLE = "ONEBITLAMB_EXPERIMENT_WARMUP_DTYPE"
+
+
+def _experimental_warmup_dtype() -> Optional[torch.dtype]:
+    name = os.environ.get(WARMUP_DTYPE_VARIABLE, "")
+    if name in ("", "float32"):
+        return None
+    if name != "bfloat16":
+        raise ValueError(f"{WARMUP_DTYPE_VARIABLE}={name!r}: float32 or bfloat16")
+    return torch.bfloat16
+
 
 # A step whose gradient is not finite on some rank is skipped on every rank; this many in a row
 # means the run has diverged rather than met a rare overflow.
@@ -66,6 +81,7 @@ class StagedOptimizer(Optimizer):
         self.comm_stats = CommStats()
         self.last_step_bytes = 0
         self._bytes_after_last_step = 0
+        self._warmup_dtype = _experimental_warmup_dtype() if schedule is not None else None
         # set by onebitlamb.register_ddp: DDP's comm hook averages the warm-up's gradients
         self.ddp_link = None
         self._layout: Optional[FlatLayout] = None
@@ -123,6 +139,7 @@ class StagedOptimizer(Optimizer):
                 "parameters per group": [layout.groups.count(i) for i in range(len(self.param_groups))],
                 "hyper-parameters": sorted((k, v) for k, v in self.defaults.items() if k not in ("lr", "weight_decay")),
                 "freeze_step": repr(self._schedule),
+                "warm-up average sent as": str(self._warmup_dtype or torch.float32),
                 "state (step, frozen_at)": (self._flat["step"], self._flat["frozen_at"]),
                 "parameter values (crc32 of each tensor)": [parameter_checksum(p) for p in layout.params]}
 
@@ -205,8 +222,10 @@ class StagedOptimizer(Optimizer):
         if self.ddp_link is None:
             if first:
                 refuse_averaged_gradients(owner, grads, self.process_group)
-            if not compressing:
+            if not compressing and self._warmup_dtype is None:
                 allreduce_mean_(grads, self.process_group, self.comm_stats)
+            elif not compressing:
+                grads.copy_(allreduce_mean_(grads.to(self._warmup_dtype), self.process_group, self.comm_stats))
         elif not self.ddp_link.averages_this_step() and not compressing:
             raise RuntimeError(f"{owner} is registered with a DDP model (register_ddp) but DDP averaged no "
                                f"gradient since the last step: the backward did not run through the registered "
