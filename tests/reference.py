@@ -147,3 +147,39 @@ class Reference:
             d = sum(t.numel() for t in self.x)
             D = -(-d // (8 * self.n)) * 8 * self.n
             self.sim = OneBitAllReduceSim(self.n, D)
+
+
+class HierarchicalAllReduceSim:
+    """The hierarchical 1-bit all-reduce (docs/hierarchy.md) for ``N`` nodes of ``L`` simulated
+    workers (worker ``k L + r`` is local rank ``r`` of node ``k``): per node, each chunk ``r`` of
+    ``D / L`` elements is summed over the node in local-rank order and divided by ``L``; chunk
+    ``r`` of the ``N`` nodes goes through its own ``OneBitAllReduceSim(N, D / L)`` (the ranks of
+    local index ``r``); with one node the node average is the result."""
+
+    def __init__(self, N: int, L: int, D: int):
+        self.N, self.L, self.D = N, L, D
+        self.chunk = D // L
+        self.sims = [OneBitAllReduceSim(N, self.chunk) for _ in range(L)] if N > 1 else None
+
+    def __call__(self, buffers: List[torch.Tensor]) -> torch.Tensor:
+        N, L, c = self.N, self.L, self.chunk
+        out = torch.empty(self.D)
+        for r in range(L):
+            means = []
+            for k in range(N):
+                acc = buffers[k * L][r * c:(r + 1) * c].clone()
+                for i in range(1, L):
+                    acc = acc + buffers[k * L + i][r * c:(r + 1) * c]
+                means.append(acc / L)
+            out[r * c:(r + 1) * c] = self.sims[r](means) if N > 1 else means[0]
+        return out
+
+    def worker_error(self, rank: int) -> torch.Tensor:
+        """Rank ``k L + r``'s worker error: ``D / L`` elements, for chunk ``r``."""
+        k, r = divmod(rank, self.L)
+        return self.sims[r].worker_errors[k] if self.N > 1 else torch.zeros(self.chunk)
+
+    def server_error(self, rank: int) -> torch.Tensor:
+        """Rank ``k L + r``'s server error: ``D / n`` elements, piece ``k`` of chunk ``r``."""
+        k, r = divmod(rank, self.L)
+        return self.sims[r].server_errors[k] if self.N > 1 else torch.zeros(self.chunk)

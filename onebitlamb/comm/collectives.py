@@ -40,8 +40,18 @@ _SIGN_BIT = np.uint32(0x80000000)
 _SCALE_BYTES = 4  # a float32 scale rides at the end of each sign message
 
 
+def _node_groups(group) -> bool:
+    """Whether ``group`` is a ``hierarchy.NodeGroups`` (imported here: hierarchy imports this module)."""
+    from onebitlamb.comm.hierarchy import NodeGroups
+
+    return isinstance(group, NodeGroups)
+
+
 def world_size_of(group: Optional[dist.ProcessGroup] = None) -> int:
-    """1 when torch.distributed is not initialised, else the group's size."""
+    """1 when torch.distributed is not initialised, else the group's size (``N * L`` for a
+    ``NodeGroups``)."""
+    if group is not None and _node_groups(group):
+        return group.world_size
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
@@ -59,7 +69,12 @@ def padded_size(numel: int, world_size: int) -> int:
 
 def allreduce_mean_(buffer: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
                     stats: Optional[CommStats] = None) -> torch.Tensor:
-    """Average ``buffer`` over the group in place with one all-reduce (a no-op on one rank)."""
+    """Average ``buffer`` over the group in place with one all-reduce (a no-op on one rank). With a
+    ``NodeGroups`` as ``group``: the hierarchical average of ``hierarchy.allreduce_mean_``."""
+    if group is not None and _node_groups(group):
+        from onebitlamb.comm import hierarchy
+
+        return hierarchy.allreduce_mean_(buffer, group, stats)
     n = world_size_of(group)
     if n == 1 or buffer.numel() == 0:
         return buffer
@@ -265,7 +280,15 @@ def compressed_allreduce(
 
     Raises ``FloatingPointError`` on every rank alike when any rank's buffer holds a NaN or an
     infinity (its scale is then not finite), instead of averaging garbage into the model.
+
+    With a ``NodeGroups`` (``hierarchy.node_groups``) as ``group``: the hierarchical collective of
+    ``hierarchy.compressed_allreduce`` (node reduce-scatter, this 1-bit all-reduce across nodes,
+    node all-gather), whose errors have ``hierarchy.error_sizes(D, group)`` elements.
     """
+    if group is not None and _node_groups(group):
+        from onebitlamb.comm import hierarchy
+
+        return hierarchy.compressed_allreduce(buffer, worker_error, server_error, group, stats)
     n = world_size_of(group)
     _check(buffer, worker_error, server_error, n)
     D = buffer.numel()
