@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -78,6 +79,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # SIGTERM/SIGHUP unwind like Ctrl-C, so every Network's __exit__ removes its namespaces
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
+    load_before = os.getloadavg()[0]
     try:
         raw = experiment.run_ddp(s, args.bucket_cap_mb, log=lambda m: print(m, file=sys.stderr, flush=True))
     except KeyboardInterrupt:
@@ -97,7 +99,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  command_line(argv if argv is not None else None),
                  f". Run as root. {s.hosts} hosts (network namespaces on a bridge, tbf on both ends of every link, bucket "
                  f"{s.burst_ms:g} ms of the rate), one worker each with {s.threads} torch thread(s), gloo, all "
-                 f"sharing this machine's CPUs."),
+                 f"sharing this machine's {os.cpu_count()} cores with other work (load average {load_before:.1f} at "
+                 f"the start, {os.getloadavg()[0]:.1f} at the end)."),
         f"BERT hidden {m['hidden']}, {m['layers']} layers, {summary['params']:,} parameters, {s.batch} x 64 "
         f"tokens per host per step. Plain: the unwrapped model, the optimizer all-reduces the flat gradient "
         f"in `step()`. DDP: `DistributedDataParallel(model)` ({cap}, broadcast_buffers on) with "
