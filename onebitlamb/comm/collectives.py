@@ -57,6 +57,21 @@ def world_size_of(group: Optional[dist.ProcessGroup] = None) -> int:
     return dist.get_world_size(group)
 
 
+def rank_of(group=None) -> int:
+    """This rank's index in ``group`` (0 when torch.distributed is not initialised)."""
+    if group is not None and _node_groups(group):
+        return group.rank
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def spanning_group(group=None) -> Optional[dist.ProcessGroup]:
+    """The one process group holding every rank of ``group``: itself, or the world for a
+    ``NodeGroups`` (which always spans it), for checks that gather a value from every rank."""
+    return None if group is not None and _node_groups(group) else group
+
+
 def padded_size(numel: int, world_size: int) -> int:
     """``D``: the smallest multiple of ``8 * world_size`` that is ``>= numel``."""
     if numel < 0:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from onebitlamb.comm import world_size_of
+from onebitlamb.comm import spanning_group, world_size_of
 from onebitlamb.comm.stats import allreduce_bytes
 from onebitlamb.optim.staged import COMPRESSION, StagedOptimizer
 
@@ -92,7 +92,8 @@ def register_ddp(ddp_model: DistributedDataParallel, optimizer: StagedOptimizer)
                          f"{type(optimizer).__name__}'s ({', '.join(missed[:4])}): once it compresses the hook "
                          f"sends no bucket, so their gradients would no longer be averaged (give them to the "
                          f"optimizer, or set requires_grad=False)")
-    link = DDPLink(optimizer, optimizer.process_group)
+    # DDP averages over one process group: a hierarchical optimizer's warm-up goes flat under DDP
+    link = DDPLink(optimizer, spanning_group(optimizer.process_group))
     ddp_model.register_comm_hook(link, _stage_hook)
     optimizer.ddp_link = link
     return link

@@ -17,9 +17,8 @@ import re
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
-from onebitlamb.comm import world_size_of
+from onebitlamb.comm import rank_of, world_size_of
 from onebitlamb.optim import StagedOptimizer, reshard_state_dicts
 
 _NAME = "onebitlamb-optimizer-rank{rank}-of-{world}.pt"
@@ -27,8 +26,7 @@ _PATTERN = re.compile(r"onebitlamb-optimizer-rank(\d+)-of-(\d+)\.pt")
 
 
 def _rank_and_world(optimizer: StagedOptimizer) -> tuple[int, int]:
-    world = world_size_of(optimizer.process_group)
-    return (dist.get_rank(optimizer.process_group) if world > 1 else 0), world
+    return rank_of(optimizer.process_group), world_size_of(optimizer.process_group)
 
 
 def rank_state_file(folder: str, rank: int, world: int) -> str:

@@ -40,6 +40,9 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int) 
     if any(flat is None for flat in flats):
         return [copy.deepcopy(state_dicts[0]) for _ in range(world_size)]
     n = len(flats)
+    if any(flat.get("local_size", 1) != 1 for flat in flats):
+        raise ValueError("reshard_state_dicts re-shards the states of a flat process group; these were saved with "
+                         "a hierarchical one (node_groups): resume on the same nodes")
     for rank, flat in enumerate(flats):
         if flat.get("world_size", n) != n or flat.get("rank", rank) != rank:
             raise ValueError(f"state dict {rank} is rank {flat.get('rank')}'s of a run on {flat.get('world_size')} "

@@ -106,7 +106,7 @@ class FlatLayout:
                 p.copy_(p.float().add_(u, alpha=-step_size))
 
 
-def new_flat_state(layout: FlatLayout, owner: str, world_size: int, rank: int) -> Dict[str, Any]:
+def new_flat_state(layout: FlatLayout, owner: str, world_size: int, rank: int, local_size: int = 1) -> Dict[str, Any]:
     """The state every optimizer starts from: the moments and the trust ratio's running average."""
     f32 = dict(dtype=torch.float32, device=layout.device)
     d, layers = layout.numel, len(layout.params)
@@ -117,6 +117,7 @@ def new_flat_state(layout: FlatLayout, owner: str, world_size: int, rank: int) -
         "consecutive_skips": 0,
         "world_size": world_size,
         "rank": rank,
+        "local_size": local_size,  # ranks per node of a hierarchical group: it sets the errors' sizes
         "layer_numels": list(layout.numels),
         "exp_avg": torch.zeros(d, **f32),
         "exp_avg_sq": torch.zeros(d, **f32),  # v; after the freeze, v_frozen (= v_hat then)
@@ -126,7 +127,8 @@ def new_flat_state(layout: FlatLayout, owner: str, world_size: int, rank: int) -
     }
 
 
-def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, owner: str, world_size: int, rank: int) -> None:
+def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, owner: str, world_size: int, rank: int,
+                       local_size: int = 1) -> None:
     """A loaded state must be this optimizer's, fit the model and, where it holds this rank's
     compression errors, this rank and world size; its tensors move to the model's device."""
     saved_by = flat.get("optimizer", owner)  # states from before it was recorded: trusted
@@ -141,10 +143,14 @@ def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, owner: str, wor
         raise ValueError(f"the optimizer state was saved with world size {flat['world_size']} and is "
                          f"loaded with world size {world_size}; its compression errors are per rank, so "
                          f"resume on {flat['world_size']} ranks")
+    if per_rank and flat.get("local_size", 1) != local_size:
+        raise ValueError(f"the optimizer state was saved with {flat.get('local_size', 1)} ranks per node and is "
+                         f"loaded with {local_size}; its compression errors follow the nodes, so resume with "
+                         f"the same process_group")
     if per_rank and flat.get("rank", rank) != rank:
         raise ValueError(f"the optimizer state holds rank {flat['rank']}'s compression errors and is loaded "
                          f"on rank {rank}: each rank must load the state it saved")
-    flat["world_size"], flat["rank"] = world_size, rank  # the rest of the state is the same on every rank
+    flat["world_size"], flat["rank"], flat["local_size"] = world_size, rank, local_size  # the rest of the state is the same on every rank
     for key, value in flat.items():
         if isinstance(value, torch.Tensor) and value.device != layout.device:
             flat[key] = value.to(layout.device)

@@ -2,10 +2,11 @@
 hyper-parameters up front and picks an update rule and a freeze schedule."""
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, Tuple, Union
 
 import torch.distributed as dist
 
+from onebitlamb.comm import NodeGroups
 from onebitlamb.optim.freeze import FreezeStep, schedule_for
 from onebitlamb.optim.staged import StagedOptimizer, validate_common
 
@@ -52,7 +53,8 @@ class Lamb(StagedOptimizer):
         max_coeff, min_coeff: the trust ratio ``||x|| / ||u||`` is clipped to this range (the
             paper's scaling function).
         maximize: maximize the objective (the gradients' sign flipped), as in ``torch.optim``.
-        process_group: the group to average over (default: the world).
+        process_group: the group to average over (default: the world), or ``node_groups()`` of
+            ``onebitlamb.comm`` for several ranks per node (``docs/hierarchy.md``).
 
     Deviation from the paper: the trust ratio is 1 where either norm is 0 (a zero-initialised bias,
     a layer without a gradient yet).
@@ -63,7 +65,7 @@ class Lamb(StagedOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, maximize: bool = False,
-                 process_group: Optional[dist.ProcessGroup] = None) -> None:
+                 process_group: Union[dist.ProcessGroup, NodeGroups, None] = None) -> None:
         validate_common(lr, betas, eps, weight_decay, maximize)
         _validate_trust_bounds(min_coeff, max_coeff)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -98,7 +100,8 @@ class OneBitLamb(_OneBit):
         factor_max, factor_min: bounds of stage 2's per-layer factor.
         factor_threshold: how far the factor may move in one step (relative).
         maximize: maximize the objective (the gradients' sign flipped), as in ``torch.optim``.
-        process_group: the group to average over (default: the world).
+        process_group: the group to average over (default: the world), or ``node_groups()`` of
+            ``onebitlamb.comm`` for several ranks per node (``docs/hierarchy.md``).
 
     Deviations from the paper and from DeepSpeed's ``OnebitLamb``: no discarded first step;
     ``bias_correction`` honoured; the trust ratio's running average is bias-corrected; each
@@ -114,7 +117,7 @@ class OneBitLamb(_OneBit):
                  bias_correction: bool = True, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                  factor_threshold: float = 0.1, maximize: bool = False,
-                 process_group: Optional[dist.ProcessGroup] = None) -> None:
+                 process_group: Union[dist.ProcessGroup, NodeGroups, None] = None) -> None:
         schedule = schedule_for(type(self).__name__, freeze_step, waits_for_trust_peak=True)
         validate_common(lr, betas, eps, weight_decay, maximize)
         _validate_trust_bounds(min_coeff, max_coeff)
@@ -148,7 +151,8 @@ class OneBitAdam(_OneBit):
         weight_decay: added to the update, ``u = m_hat / (sqrt(v) + eps) + wd * x``, as in LAMB.
         bias_correction: bias-correct the moments.
         maximize: maximize the objective (the gradients' sign flipped), as in ``torch.optim``.
-        process_group: the group to average over (default: the world).
+        process_group: the group to average over (default: the world), or ``node_groups()`` of
+            ``onebitlamb.comm`` for several ranks per node (``docs/hierarchy.md``).
 
     Deviations from the paper: those of ``OneBitLamb`` that apply (no discarded step, per-layer
     momentum scaling, masking, saved error buffers, fp32 state, automatic freeze).
@@ -159,7 +163,7 @@ class OneBitAdam(_OneBit):
     def __init__(self, params: Iterable, lr: float = 1e-3, *, freeze_step: FreezeStep,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  bias_correction: bool = True, maximize: bool = False,
-                 process_group: Optional[dist.ProcessGroup] = None) -> None:
+                 process_group: Union[dist.ProcessGroup, NodeGroups, None] = None) -> None:
         schedule = schedule_for(type(self).__name__, freeze_step, waits_for_trust_peak=False)
         validate_common(lr, betas, eps, weight_decay, maximize)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,

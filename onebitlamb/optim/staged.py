@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from onebitlamb.comm import CommStats, allreduce_mean_, compressed_allreduce, padded_size, world_size_of
+from onebitlamb.comm import (CommStats, allreduce_mean_, compressed_allreduce, error_sizes, padded_size, rank_of,
+                             spanning_group, world_size_of)
 from onebitlamb.optim import functional as F
 from onebitlamb.optim.checks import (agree_on_setup, agreed_finite, check_finite_nonneg, check_layout_unchanged,
                                      check_param_groups, parameter_checksum, refuse_averaged_gradients)
@@ -105,9 +106,8 @@ class StagedOptimizer(Optimizer):
         return self.state["flat"]
 
     def _new_state(self, layout: FlatLayout) -> None:
-        world = world_size_of(self.process_group)
-        rank = dist.get_rank(self.process_group) if world > 1 else 0
-        self.state["flat"] = new_flat_state(layout, type(self).__name__, world, rank)
+        world, rank = world_size_of(self.process_group), rank_of(self.process_group)
+        self.state["flat"] = new_flat_state(layout, type(self).__name__, world, rank, self._local_size())
         if self._schedule is not None:
             self._schedule.init_state(self._flat, len(layout.params), layout.device)
 
@@ -120,16 +120,16 @@ class StagedOptimizer(Optimizer):
         are final; a loaded state is checked against it."""
         layout = FlatLayout.of(self.param_groups)
         world, owner = world_size_of(self.process_group), type(self).__name__
-        rank = dist.get_rank(self.process_group) if world > 1 else 0
+        rank = rank_of(self.process_group)
         if self._untouched():
             self._new_state(layout)
         else:
-            check_loaded_state(self._flat, layout, owner, world, rank)
+            check_loaded_state(self._flat, layout, owner, world, rank, self._local_size())
             if self._schedule is not None:
                 self._schedule.check_state(self._flat)
             if self._flat["frozen_at"] is not None and "worker_error" not in self._flat:
                 self._new_error_buffers(layout, world)  # frozen on one process, resumed on several
-        agree_on_setup(self._setup(layout), self.process_group, layout.device)
+        agree_on_setup(self._setup(layout), spanning_group(self.process_group), layout.device)
         self._layout, self._scratch = layout, Scratch(layout.device)
 
     def _setup(self, layout: FlatLayout) -> Dict[str, Any]:
@@ -221,7 +221,7 @@ class StagedOptimizer(Optimizer):
         compressing = self.stage == COMPRESSION  # decided by the steps completed so far
         if self.ddp_link is None:
             if first:
-                refuse_averaged_gradients(owner, grads, self.process_group)
+                refuse_averaged_gradients(owner, grads, spanning_group(self.process_group))
             if not compressing and self._warmup_dtype is None:
                 allreduce_mean_(grads, self.process_group, self.comm_stats)
             elif not compressing:
@@ -231,7 +231,7 @@ class StagedOptimizer(Optimizer):
                                f"gradient since the last step: the backward did not run through the registered "
                                f"DDP model, or its last micro-batch ran under no_sync()")
         # in the warm-up the average shows any rank's NaN; in stage 2 one flag is agreed on first
-        self.last_step_skipped = not agreed_finite(grads, self.process_group, self.comm_stats,
+        self.last_step_skipped = not agreed_finite(grads, spanning_group(self.process_group), self.comm_stats,
                                                    averaged=not compressing)
         if self.last_step_skipped:
             self._skip()
@@ -327,12 +327,17 @@ class StagedOptimizer(Optimizer):
         flat["momentum_scale"] = F.momentum_scales(lay.norms(flat["exp_avg"]), lay.per_layer(lay.numels))
         self._new_error_buffers(lay, world_size_of(self.process_group))
 
+    def _local_size(self) -> int:
+        """Ranks per node of a hierarchical ``process_group`` (``onebitlamb.comm.node_groups``), else 1."""
+        return getattr(self.process_group, "local_size", 1)
+
     def _new_error_buffers(self, layout: FlatLayout, world: int) -> None:
-        """Zero worker and server errors; one process compresses nothing and keeps none."""
+        """Zero worker and server errors (``error_sizes``: a hierarchical group keeps a worker error
+        for this rank's chunk only); one process compresses nothing and keeps none."""
         if world > 1:
-            D = padded_size(layout.numel, world)
-            self._flat["worker_error"] = torch.zeros(D, dtype=torch.float32, device=layout.device)
-            self._flat["server_error"] = torch.zeros(D // world, dtype=torch.float32, device=layout.device)
+            worker, server = error_sizes(padded_size(layout.numel, world), self.process_group)
+            self._flat["worker_error"] = torch.zeros(worker, dtype=torch.float32, device=layout.device)
+            self._flat["server_error"] = torch.zeros(server, dtype=torch.float32, device=layout.device)
 
     def _frozen_denominators(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``sqrt(v_frozen) + eps`` and its inverse, derived from the state once after a freeze or load."""
@@ -367,7 +372,7 @@ class StagedOptimizer(Optimizer):
         m.mul_(beta1).add_(grads, alpha=1 - beta1)  # this rank's momentum, from its local gradient
         if world_size_of(self.process_group) > 1:
             scale, unscale = self._compression_scales()
-            buf = self._scratch.buffer("comm", flat["worker_error"].numel())
+            buf = self._scratch.buffer("comm", padded_size(d, world_size_of(self.process_group)))
             torch.mul(m, scale, out=buf[:d])
             buf[d:].zero_()  # the padding: the previous result left values there
             compressed_allreduce(buf, flat["worker_error"], flat["server_error"], self.process_group,

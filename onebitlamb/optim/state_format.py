@@ -43,10 +43,10 @@ def _frozen_templates(flat: Dict[str, Any], fresh_variance: bool) -> Dict[str, t
 
 
 def _error_templates(flat: Dict[str, Any]) -> Dict[str, torch.Tensor]:
-    world = flat["world_size"]
+    world, local = flat["world_size"], flat.get("local_size", 1)
     D = padded_size(sum(flat["layer_numels"]), world)
     f32 = dict(dtype=torch.float32, device=flat["exp_avg"].device)
-    return {"worker_error": torch.zeros(D, **f32), "server_error": torch.zeros(D // world, **f32)}
+    return {"worker_error": torch.zeros(D // local, **f32), "server_error": torch.zeros(D // world, **f32)}
 
 
 def to_saved(flat: Dict[str, Any], compresses: bool, fresh_variance: bool) -> Dict[str, Any]:

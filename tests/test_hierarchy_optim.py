@@ -1,0 +1,84 @@
+"""The optimizers over a hierarchical group (onebitlamb.comm.node_groups), 4 real gloo ranks as 2
+nodes x 2: every rank alike, fewer bytes across nodes than the flat group, exact resume, and a
+state refused where its errors do not fit."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import onebitlamb
+from onebitlamb.comm import node_groups
+from onebitlamb.comm.hierarchy import INTRA_OPS
+from onebitlamb.comm.launch import spawn_local
+
+STEPS, FREEZE, SAVE_AT = 10, 3, 6
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+
+
+def _train(model, opt, rank, steps):
+    for step in steps:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _cross_node_bytes(opt):
+    return opt.comm_stats.bytes_sent - sum(opt.comm_stats.bytes_by_op.get(op, 0) for op in INTRA_OPS)
+
+
+def _distance(a, b):
+    return float(torch.sqrt(sum(((x - y) ** 2).sum() for x, y in zip(a, b))))
+
+
+def _run(rank, n):
+    groups = node_groups(2)
+    out = {}
+    for name, group in (("flat", None), ("nodes", groups)):
+        model = _model()
+        opt = onebitlamb.OneBitLamb(model.parameters(), lr=0.02, freeze_step=FREEZE, process_group=group)
+        _train(model, opt, rank, range(SAVE_AT))
+        saved, at_save = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]
+        before = _cross_node_bytes(opt)
+        _train(model, opt, rank, range(SAVE_AT, STEPS))
+        out[name] = {"params": [p.detach().clone() for p in model.parameters()],
+                     "compression_bytes": _cross_node_bytes(opt) - before, "saved": saved}
+        with torch.no_grad():
+            for p, s in zip(model.parameters(), at_save):
+                p.copy_(s)
+        resumed = onebitlamb.OneBitLamb(model.parameters(), lr=0.02, freeze_step=FREEZE, process_group=group)
+        resumed.load_state_dict(saved)
+        _train(model, resumed, rank, range(SAVE_AT, STEPS))
+        out[name]["resumed"] = [p.detach().clone() for p in model.parameters()]
+    model = _model()
+    _train(model, onebitlamb.Lamb(model.parameters(), lr=0.02), rank, range(STEPS))
+    out["lamb"] = [p.detach().clone() for p in model.parameters()]
+    wrong = onebitlamb.OneBitLamb(_model().parameters(), lr=0.02, freeze_step=FREEZE)  # the flat group
+    wrong.load_state_dict(out["nodes"]["saved"])
+    try:
+        _train(_model(), wrong, rank, range(1))
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+def test_a_hierarchical_group_trains_alike_sends_less_across_nodes_and_resumes_exactly():
+    ranks = spawn_local(_run, 4, (), timeout_s=150, collective_timeout_s=60)
+    for out in ranks:
+        for name in ("flat", "nodes"):
+            assert all(torch.equal(a, b) for a, b in zip(out[name]["params"], ranks[0][name]["params"]))
+            assert all(torch.equal(a, b) for a, b in zip(out[name]["params"], out[name]["resumed"]))
+        # another compression, so other numbers, but as near to uncompressed LAMB as the flat one
+        flat_off, nodes_off = (_distance(out[name]["params"], out["lamb"]) for name in ("flat", "nodes"))
+        assert 0 < nodes_off < 1.5 * flat_off, (nodes_off, flat_off)
+        assert "saved with 2 ranks per node and is loaded with 1" in out["refused"]
+    for node in ((0, 1), (2, 3)):  # what a node's two ranks send across nodes after the freeze
+        flat = sum(ranks[r]["flat"]["compression_bytes"] for r in node)
+        hierarchical = sum(ranks[r]["nodes"]["compression_bytes"] for r in node)
+        assert hierarchical > 0 and flat >= 2 * hierarchical, (flat, hierarchical)
