@@ -93,3 +93,90 @@ def end_to_end_speedup(lamb_step_s: float, warmup_step_s: float, compression_ste
 def volume_reduction(warmup_fraction: float, compression_ratio: float = 32.0) -> float:
     """Whole-run bytes of LAMB over those of the 1-bit optimizer: ``1 / (w + (1-w)/ratio)``."""
     return 1.0 / (warmup_fraction + (1.0 - warmup_fraction) / compression_ratio)
+
+
+# --- nodes of several ranks (the hierarchical all-reduce, ``onebitlamb.comm.hierarchy``) ---------
+#
+# ``N`` nodes of ``L`` ranks; each node has one network card on a link of rate ``R``, and its ranks
+# reach each other through the node's own stack (loopback here) at ``host_Bps``. A collective now
+# costs ``alpha + node_bytes * overhead * 8 / R + rank_bytes / host_Bps``: ``node_bytes`` are what
+# the node's ranks together send across its card (they share it), ``rank_bytes`` what one rank
+# moves through its own stack in all (to its node and beyond). With ``L = 1`` this is the model
+# above. The byte counts are the library's (``onebitlamb.comm.stats``, docs/hierarchy.md).
+
+@dataclass(frozen=True)
+class NodeCollective:
+    """One collective of a step on nodes: bytes across one node's card, and bytes one rank sends in
+    all; ``intra``: it runs inside the node only (its latency is the node's, not the network's)."""
+
+    node_bytes: int
+    rank_bytes: int
+    intra: bool = False
+
+
+def node_onebit_collectives(d: int, nodes: int, local: int, hierarchical: bool) -> List[NodeCollective]:
+    """A compression-stage step's collectives (the 1-bit all-reduce and the 4-byte finite flag)
+    on ``nodes`` x ``local`` ranks, over the flat world group or over ``node_groups(local)``.
+
+    Flat: each rank sends ``n - 1`` messages of ``m = D/(8n) + 4`` bytes per collective, ``L (N-1)``
+    of them to other nodes, so a node's card carries ``L^2 (N-1) m``. Hierarchical: an fp32
+    reduce-scatter and all-gather inside the node (``(L-1)/L * 4D`` bytes a rank each, no byte
+    across nodes), and the exchange across nodes of a chunk of ``D/L``, whose messages are again
+    ``m`` bytes, ``N - 1`` per rank: ``L (N-1) m`` across the card, ``L`` times fewer.
+    """
+    n = nodes * local
+    if n == 1:
+        return []
+    D = padded_size(d, n)
+    m = D // (8 * n) + 4
+    flag = allreduce_bytes(4, n)
+    flag_node = flag * local if nodes > 1 else 0  # a few bytes; every rank's ring edge may cross
+    if not hierarchical or local == 1:
+        cross = local * local * (nodes - 1) * m
+        return [NodeCollective(cross, (n - 1) * m), NodeCollective(cross, (n - 1) * m),
+                NodeCollective(flag_node, flag)]
+    node_stage = all_to_all_bytes(4 * D, local)  # (L-1)/L * 4D, the same for the all-gather
+    out = [NodeCollective(0, node_stage, intra=True)]
+    if nodes > 1:
+        cross = local * (nodes - 1) * m
+        out += [NodeCollective(cross, (nodes - 1) * m), NodeCollective(cross, (nodes - 1) * m)]
+    return out + [NodeCollective(0, node_stage, intra=True), NodeCollective(flag_node, flag)]
+
+
+def node_warmup_collectives(d: int, nodes: int, local: int, hierarchical: bool) -> List[NodeCollective]:
+    """A warm-up step's exact fp32 average on ``nodes`` x ``local`` ranks.
+
+    Flat: one ring all-reduce over the world, ``2 (n-1)/n * 4d`` bytes a rank; in a ring over
+    node-ordered ranks one edge leaves each node, so the node's card carries one rank's bytes.
+    Hierarchical (``allreduce_mean_`` with a ``NodeGroups``): reduce-scatter inside the node, a ring
+    all-reduce of the ``c = ceil(d/L)`` elements of each chunk among the ``N`` ranks of its local
+    index (``L`` of them share the card: ``L * 2 (N-1)/N * 4c``, about ``2 (N-1)/N * 4d``), and the
+    node's all-gather.
+    """
+    n = nodes * local
+    if n == 1:
+        return []
+    if not hierarchical or local == 1:
+        b = allreduce_bytes(4 * d, n)
+        return [NodeCollective(b if nodes > 1 else 0, b)]
+    c = -(-d // local)
+    node_stage = all_to_all_bytes(4 * c * local, local)
+    out = [NodeCollective(0, node_stage, intra=True)]
+    if nodes > 1:
+        b = allreduce_bytes(4 * c, nodes)
+        out.append(NodeCollective(local * b, b))
+    return out + [NodeCollective(0, node_stage, intra=True)]
+
+
+def predict_node_step(compute_s: float, collectives: List[NodeCollective], link: Link,
+                      alpha_intra_s: Optional[float] = None, codec_s: float = 0.0) -> float:
+    """``compute + codec + sum(alpha + node_bytes * overhead * 8 / rate + rank_bytes / host_Bps)``;
+    a collective inside the node pays ``alpha_intra_s`` (default: the link's alpha) and no link
+    time."""
+    link_beta = 0.0 if link.rate_bps is None else link.overhead * 8.0 / link.rate_bps
+    host_beta = 0.0 if math.isinf(link.host_Bps) else 1.0 / link.host_Bps
+    total = compute_s + codec_s
+    for c in collectives:
+        alpha = link.alpha_s if not c.intra or alpha_intra_s is None else alpha_intra_s
+        total += alpha + c.node_bytes * link_beta + c.rank_bytes * host_beta
+    return total

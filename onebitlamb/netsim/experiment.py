@@ -458,3 +458,225 @@ def format_ddp_table(summary: dict) -> str:
             f"{kb(r['ddp_step_bytes'])}) "
             f"| {kb(r['plain_wire_bytes'])} | {kb(r['ddp_wire_bytes'])} |")
     return "\n".join(lines)
+
+
+# --- the flat group against node_groups() on nodes of several ranks (``benchmarks/hierarchy.py``) ---
+
+def run_hierarchy(s: Settings, local_size: int, log=print) -> dict:
+    """Per rate, one launch on ``s.hosts`` emulated nodes of ``local_size`` workers each (the
+    workers of a node share its namespace and talk over its loopback; only the links between
+    nodes are shaped) running ``worker.hierarchy_steps``: the flat group's steps, the hierarchical
+    group's and the compute-only ones, interleaved, through both stages. The launcher also reads
+    each node's interface counters before and after the launch."""
+    out: dict = {"settings": {**s.__dict__, "rates": list(s.rates), "optimizers": list(s.optimizers),
+                              "local_size": local_size}, "rates": []}
+    t0 = time.monotonic()
+    spec = dict(s.spec(), hierarchy=True, local_size=local_size)
+    for rate in s.rates:
+        log(f"[netsim hierarchy] {rate_label(rate)}: {s.hosts} nodes x {local_size} ranks, flat vs node_groups"
+            f"({local_size}), {', '.join(s.optimizers)} ({time.monotonic() - t0:.0f}s so far)")
+        with Network(s.hosts, rate, burst_ms=s.burst_ms, ranks_per_host=local_size) as net:
+            before = [net.counters(i) for i in range(s.hosts)]
+            ranks = run_workers(net, spec, timeout_s=s.timeout_s)
+            after = [net.counters(i) for i in range(s.hosts)]
+            out["rates"].append({"rate_bps": rate, "tbf": net.tbf, "qdisc_drops": net.qdisc_drops(),
+                                 "launch_tx_bytes": [(a - b).tx_bytes for a, b in zip(after, before)],
+                                 "ranks": [r["hierarchy"] for r in ranks]})
+    out["elapsed_s"] = time.monotonic() - t0
+    return out
+
+
+def _quartiles(values: List[float]):
+    values = sorted(values)
+    return statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+
+
+def summarise_hierarchy_rate(per_rank: List[dict], rate_bps: Optional[float] = None) -> List[dict]:
+    """One row per optimizer and stage from ``worker.hierarchy_steps``' per-rank results.
+
+    Step times: per step the slowest rank (a synchronous step costs its last rank's time), median
+    over steps; ``ratio``: per step flat over hierarchical, median and quartiles. Bytes per step:
+    accounted (``comm_stats``) per rank, split into the node stages (``INTRA_OPS``) and the rest,
+    and summed over a node's ranks for the bytes a node sends beyond the node stages; wire: the
+    node's interface counter (read by each of its ranks, so taken from its local rank 0), mean
+    over nodes and steps. With no interface (loopback) the wire bytes are None.
+    """
+    first = per_rank[0]["steps"]
+    L = per_rank[0]["local_size"]
+    nodes = len(per_rank) // L
+    rows = []
+    for name in first:
+        for stage in ("warmup", "compression"):
+            if stage not in first[name].get("flat", {}):
+                continue
+            row = {"rate_bps": rate_bps, "optimizer": name, "stage": stage, "local_size": L, "nodes": nodes}
+            for mode in ("flat", "hier", "solo"):
+                if mode not in first[name]:
+                    continue
+                recs = [r["steps"][name][mode][stage] for r in per_rank]
+                t = _slowest(recs, "step_times")
+                row[f"{mode}_times"] = t
+                row[f"{mode}_s"] = statistics.median(t)
+                row[f"{mode}_opt_s"] = statistics.median(_slowest(recs, "opt_step_times"))
+                row[f"{mode}_backward_s"] = statistics.median(_slowest(recs, "backward_times"))
+                rank_bytes = [_mean(rec["bytes"]) for rec in recs]
+                rank_intra = [_mean(rec["intra_bytes"]) for rec in recs]
+                row[f"{mode}_rank_bytes"] = _mean(rank_bytes)
+                row[f"{mode}_rank_intra_bytes"] = _mean(rank_intra)
+                # what a node's ranks together accounted outside the node stages
+                row[f"{mode}_node_bytes"] = _mean(
+                    sum(rank_bytes[k * L + i] - rank_intra[k * L + i] for i in range(L)) for k in range(nodes))
+                wires = [w for k in range(nodes) for w in recs[k * L]["wire_bytes"] if w is not None]
+                row[f"{mode}_wire_bytes"] = _mean(wires) if wires else None
+            ratios = [a / b for a, b in zip(row["flat_times"], row["hier_times"])]
+            q = _quartiles(ratios)
+            row.update(steps=len(ratios), ratio_median=statistics.median(ratios), ratio_q1=q[0], ratio_q3=q[2],
+                       hier_faster_share=sum(x > 1 for x in ratios) / len(ratios))
+            rows.append(row)
+    return rows
+
+
+def predict_hierarchy_rows(rows: List[dict], probes: List[dict], params: int) -> None:
+    """Set the cost model's ``flat_pred_s`` / ``hier_pred_s`` in each row (``costmodel.predict_node_step``):
+    the compute-only step measured in the same rounds, alpha across nodes and inside the node
+    (the ranks' medians, averaged), the node's byte rate from the timed node all-to-all, and the
+    link's rate. The 1-bit codec's local work is not modelled (about 2 ms at this size)."""
+    if not rows or "solo_s" not in rows[0]:
+        return
+    alpha = _mean(p["alpha_inter_s"] for p in probes)
+    alpha_intra = _mean(p["alpha_intra_s"] for p in probes)
+    # the timed all-to-all less its latency (but at least half its time: at small sizes the two
+    # are of one order and their difference is noise)
+    a2a = [p["intra_all_to_all_bytes"] / max(p["intra_all_to_all_s"] - p["alpha_intra_s"], p["intra_all_to_all_s"] / 2)
+           for p in probes if "intra_all_to_all_s" in p]
+    host_Bps = _mean(a2a) if a2a else math.inf
+    for row in rows:
+        link = costmodel.Link(row["rate_bps"], alpha, host_Bps=host_Bps)
+        colls = costmodel.node_onebit_collectives if row["stage"] == "compression" else costmodel.node_warmup_collectives
+        for mode, hier in (("flat", False), ("hier", True)):
+            c = colls(params, row["nodes"], row["local_size"], hier)
+            row[f"{mode}_pred_s"] = costmodel.predict_node_step(row["solo_s"], c, link, alpha_intra)
+            row[f"{mode}_pred_node_bytes"] = sum(x.node_bytes for x in c)
+        row.update(alpha_s=alpha, alpha_intra_s=alpha_intra, host_Bps=host_Bps)
+
+
+def summarise_hierarchy(raw: dict) -> dict:
+    rows = []
+    for entry in raw["rates"]:
+        ranks = entry["ranks"]
+        rate_rows = summarise_hierarchy_rate(ranks, entry["rate_bps"])
+        predict_hierarchy_rows(rate_rows, [r["probe"] for r in ranks], ranks[0]["params"])
+        for row in rate_rows:
+            row["launch_tx_bytes"] = entry.get("launch_tx_bytes")
+            row["qdisc_drops"] = entry.get("qdisc_drops")
+        rows += rate_rows
+    first = raw["rates"][0]["ranks"][0] if raw["rates"] else {}
+    return {"params": first.get("params", 0), "local_size": first.get("local_size", 1), "rows": rows,
+            "qdisc_drops": {rate_label(e["rate_bps"]): e["qdisc_drops"] for e in raw["rates"]}}
+
+
+def format_hierarchy_table(summary: dict) -> str:
+    """Markdown: per link, optimizer and stage, the flat group beside node_groups()."""
+    L = summary["local_size"]
+    lines = ["| link | optimizer | stage | flat step ms (pred.) | hierarchical step ms (pred.) "
+             "| flat / hier., median (quartiles) | compute-only ms | wire KB/step per node: flat / hier. (ratio) "
+             "| accounted KB/step per node beyond it: flat / hier. | accounted KB/step per rank: flat / hier. (node stages) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def kb(x):
+        return "-" if x is None else _kb(x)
+
+    def pred(row, mode):
+        return f" ({_ms(row[mode + '_pred_s'])})" if f"{mode}_pred_s" in row else ""
+
+    for r in summary["rows"]:
+        fw, hw = r.get("flat_wire_bytes"), r.get("hier_wire_bytes")
+        wire = f"{kb(fw)} / {kb(hw)}" + (f" ({fw / hw:.2f}x)" if fw and hw else "")
+        lines.append(
+            f"| {rate_label(r['rate_bps'])} | {LABELS[r['optimizer']]} | {r['stage']} "
+            f"| {_ms(r['flat_s'])}{pred(r, 'flat')} | {_ms(r['hier_s'])}{pred(r, 'hier')} "
+            f"| {r['ratio_median']:.2f}x ({r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}) "
+            f"| {_ms(r['solo_s']) if 'solo_s' in r else '-'} | {wire} "
+            f"| {kb(r['flat_node_bytes'])} / {kb(r['hier_node_bytes'])} "
+            f"| {kb(r['flat_rank_bytes'])} / {kb(r['hier_rank_bytes'])} ({kb(r['hier_rank_intra_bytes'])}) |")
+    return "\n".join(lines)
+
+
+def check_hierarchy_targets(summary: dict, speed_rate: float = 100e6, speed_target: float = 1.8) -> List[str]:
+    """Issue 40's targets: in the compression stage a node's wire bytes across nodes at least
+    ``L`` times fewer than the flat group's, at every rate; at ``speed_rate`` the compression step
+    at least ``speed_target`` times faster."""
+    L = summary["local_size"]
+    out = []
+    comp = [r for r in summary["rows"] if r["stage"] == "compression" and r["optimizer"] == "onebitlamb"]
+    for r in comp:
+        fw, hw = r.get("flat_wire_bytes"), r.get("hier_wire_bytes")
+        if fw is None or not hw:
+            continue
+        ok = fw / hw >= L
+        out.append(f"{'met   ' if ok else 'MISSED'} inter-node wire bytes per node >= {L}x fewer at "
+                   f"{rate_label(r['rate_bps'])}: {fw / hw:.2f}x ({_kb(fw)} KB vs {_kb(hw)} KB per step)")
+    for r in comp:
+        if r["rate_bps"] == speed_rate:
+            ok = r["ratio_median"] >= speed_target
+            out.append(f"{'met   ' if ok else 'MISSED'} compression step >= {speed_target}x faster than flat at "
+                       f"{rate_label(speed_rate)}: {r['ratio_median']:.2f}x (median of {r['steps']} steps; "
+                       f"{_ms(r['flat_s'])} vs {_ms(r['hier_s'])} ms, compute-only {_ms(r.get('solo_s', math.nan))} ms)")
+    if not any(r["rate_bps"] == speed_rate for r in comp):
+        out.append(f"n/a    no compression-stage row at {rate_label(speed_rate)}")
+    return out
+
+
+def plot_hierarchy(summary: dict, path) -> None:
+    """Two panels against the inter-node rate: a node's wire bytes per step and the step time,
+    flat vs hierarchical, warm-up and compression stage (the cost model's steps dotted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in summary["rows"] if r["optimizer"] == "onebitlamb"]
+    shaped = sorted({r["rate_bps"] for r in rows if r["rate_bps"] is not None})
+    unshaped_x = (max(shaped) * 5) if shaped else 1e10
+    fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(11, 4.6))
+    styles = {("flat", "warmup"): ("C3", "s--"), ("hier", "warmup"): ("C0", "s--"),
+              ("flat", "compression"): ("C3", "o-"), ("hier", "compression"): ("C0", "o-")}
+    label = {"flat": "flat group", "hier": f"node_groups({summary['local_size']})"}
+    for (mode, stage), (color, style) in styles.items():
+        pts = sorted(((r["rate_bps"] or unshaped_x) / 1e6, r) for r in rows if r["stage"] == stage)
+        if not pts:
+            continue
+        xs = [x for x, _ in pts]
+        wires = [r.get(f"{mode}_wire_bytes") for _, r in pts]
+        if all(w is not None for w in wires):
+            ax_b.plot(xs, [w / 1024 for w in wires], style, color=color, label=f"{label[mode]}, {stage}")
+        ax_t.plot(xs, [1000 * r[f"{mode}_s"] for _, r in pts], style, color=color, label=f"{label[mode]}, {stage}")
+        if all(f"{mode}_pred_s" in r for _, r in pts):
+            ax_t.plot(xs, [1000 * r[f"{mode}_pred_s"] for _, r in pts], ":", color=color, alpha=0.6)
+    comp = sorted(((r["rate_bps"] or unshaped_x) / 1e6, r) for r in rows if r["stage"] == "compression")
+    if comp and "solo_s" in comp[0][1]:
+        ax_t.plot([x for x, _ in comp], [1000 * r["solo_s"] for _, r in comp], "x-", color="grey", lw=0.8,
+                  label="compute-only, compression")
+    ticks = [x / 1e6 for x in shaped] + ([unshaped_x / 1e6] if any(r["rate_bps"] is None for r in rows) else [])
+    for ax in (ax_b, ax_t):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([rate_label(x * 1e6).replace(" ", "\n") if x * 1e6 <= max(shaped or [0]) else "unshaped"
+                            for x in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("link rate between nodes")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_b.set_ylabel("KB per step leaving one node (its tx_bytes)")
+    ax_b.set_title("wire bytes across nodes", fontsize=9)
+    ax_t.set_ylabel("step ms (median of the slowest rank)")
+    ax_t.set_title("step time (dotted: cost model)", fontsize=9)
+    nodes = rows[0]["nodes"] if rows else 0
+    fig.suptitle(f"{nodes} emulated nodes x {summary['local_size']} ranks, 1-bit LAMB, small BERT "
+                 f"({summary['params'] / 1e6:.2f}M parameters): flat group vs node_groups({summary['local_size']})",
+                 fontsize=10)
+    ax_b.legend(fontsize=7)
+    ax_t.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

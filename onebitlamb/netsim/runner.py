@@ -1,7 +1,8 @@
 """Run one worker per emulated host and gather their results.
 
 ``run_workers(net, spec)`` writes the spec, starts ``python -m onebitlamb.netsim.worker`` in every
-host's namespace (gloo bound to the host's interface, rendezvous at host 0), waits with a
+host's namespace (``net.ranks_per_host`` of them in each, consecutive ranks on one host, with
+torchrun's ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` set; gloo bound to the host's interface, rendezvous at host 0), waits with a
 deadline, and returns the per-rank results; if a worker fails or the deadline passes, the others
 are stopped and the error carries the failed worker's output. The network itself (and with it any
 process left inside) is torn down by the ``Network`` context manager of the caller.
@@ -36,13 +37,15 @@ def run_workers(net: Network, spec: dict, timeout_s: float = 600.0) -> List[dict
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         procs, logs = [], []
-        for rank in range(net.hosts):
-            env = dict(os.environ, OBL_RANK=str(rank), OBL_WORLD_SIZE=str(net.hosts),
+        world, local = net.world_size, net.ranks_per_host
+        for rank in range(world):
+            env = dict(os.environ, OBL_RANK=str(rank), OBL_WORLD_SIZE=str(world),
+                       LOCAL_RANK=str(rank % local), LOCAL_WORLD_SIZE=str(local),
                        GLOO_SOCKET_IFNAME=net.interface, OMP_NUM_THREADS=str(spec.get("threads", 1)),
                        PYTHONPATH=os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p))
             log = open(os.path.join(tmp, f"log.{rank}"), "w+")
             logs.append(log)
-            procs.append(net.popen(rank, [sys.executable, "-m", "onebitlamb.netsim.worker", spec_path],
+            procs.append(net.popen(net.host_of(rank), [sys.executable, "-m", "onebitlamb.netsim.worker", spec_path],
                                    env=env, stdout=log, stderr=subprocess.STDOUT))
         try:
             deadline = time.monotonic() + timeout_s
@@ -57,7 +60,7 @@ def run_workers(net: Network, spec: dict, timeout_s: float = 600.0) -> List[dict
             if failed:
                 raise WorkerFailed(f"worker(s) {failed} failed (exit codes {codes})\n" + _tails(logs))
             results = []
-            for rank in range(net.hosts):
+            for rank in range(world):
                 with open(f"{spec['out']}.{rank}.json") as f:
                     results.append(json.load(f))
             return results

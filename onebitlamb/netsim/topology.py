@@ -17,6 +17,11 @@ per timer tick); one much larger than a few milliseconds of traffic fills up whi
 compute and then lets a whole 1-bit step (a few hundred KB) through at memory speed, which would
 flatter the compressed runs. See docs/netsim.md.
 
+Several ranks may share a host (``ranks_per_host``, an emulated node of several GPUs): the runner
+starts that many workers in each host's namespace. Traffic between two of them goes to the
+host's own address, which the kernel routes over the namespace's loopback, so it never passes
+the shaped ``eth0`` nor its counters: only what crosses between hosts is shaped and counted.
+
 ``Network`` is a context manager: the namespaces (and with them the veths, the bridge and any
 worker still running inside) are removed on exit, whether the body returned, raised or was
 interrupted. ``cleanup_stale()`` removes what a killed run (``kill -9``) left behind.
@@ -106,17 +111,23 @@ class Network:
 
     Use as a context manager; ``host_ns[i]`` is host ``i``'s namespace, ``address(i)`` its IP, and
     ``popen(i, argv)`` starts a process inside it (stopped, with everything else, on exit).
+    ``ranks_per_host`` workers share each host (ranks ``i L .. i L + L - 1`` on host ``i``, the
+    layout ``onebitlamb.comm.node_groups`` expects); their traffic to each other stays on the
+    host's loopback, unshaped and uncounted.
     """
 
     def __init__(self, hosts: int, rate_bps: Optional[float] = None, burst_ms: float = 4.0,
-                 mtu: int = 1500) -> None:
+                 mtu: int = 1500, ranks_per_host: int = 1) -> None:
         if hosts < 1:
             raise ValueError(f"hosts must be >= 1, got {hosts}")
+        if ranks_per_host < 1:
+            raise ValueError(f"ranks_per_host must be >= 1, got {ranks_per_host}")
         if hosts > 250:
             raise ValueError(f"at most 250 hosts fit the /24, got {hosts}")
         if rate_bps is not None and rate_bps <= 0:
             raise ValueError(f"rate must be > 0 bit/s or None (unshaped), got {rate_bps}")
         self.hosts = hosts
+        self.ranks_per_host = ranks_per_host
         self.rate_bps = rate_bps
         self.burst_ms = burst_ms
         self.mtu = mtu
@@ -203,6 +214,17 @@ class Network:
         self._created.clear()
 
     # -- using the hosts ------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """The number of workers (ranks) the runner starts: ``ranks_per_host`` on every host."""
+        return self.hosts * self.ranks_per_host
+
+    def host_of(self, rank: int) -> int:
+        """The host whose namespace rank ``rank`` runs in (consecutive ranks share a host)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside 0..{self.world_size - 1}")
+        return rank // self.ranks_per_host
+
     def address(self, i: int) -> str:
         return f"{SUBNET}.{i + 1}"
 

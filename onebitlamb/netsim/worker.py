@@ -17,6 +17,11 @@ Jobs, in the order they run when present in the spec:
   warm-up's gradients bucket by bucket during the backward, and sends nothing once the optimizer
   compresses), their steps interleaved in one launch through both stages (``ddp_steps``; also
   runs on loopback under ``spawn_local``);
+- ``hierarchy``: on nodes of ``spec["local_size"]`` ranks (several workers per emulated host),
+  the optimizer over the flat world group against the same optimizer over
+  ``onebitlamb.comm.node_groups(local_size)`` (the hierarchical all-reduce), and a third model
+  with no communication at all (each rank alone), their steps interleaved in one launch through
+  both stages (``hierarchy_steps``; also runs on loopback under ``spawn_local``);
 - ``train``: per optimizer, timed steps of the warm-up and the compression stage of the BERT
   pretraining workload on synthetic token batches, with per-stage wire and accounted bytes; just
   before, the same steps with no communication at all (each rank alone in a one-rank group, all
@@ -275,6 +280,124 @@ def ddp_steps(rank: int, world: int, spec: dict, interface: Optional[str] = None
     return {"steps": steps, "barrier_bytes": barrier_bytes, "params": params}
 
 
+#: The three ways ``hierarchy_steps`` runs each optimizer: over the world group, over
+#: ``node_groups(local_size)``, and alone (a one-rank group: no collective, the compute-only step).
+HIERARCHY_MODES = ("flat", "hier", "solo")
+
+
+def _time_calls(fn, calls: int, group) -> float:
+    """Median seconds of ``fn()`` over ``calls`` calls, each after a barrier over ``group``; one
+    untimed call first."""
+    ts = []
+    for i in range(calls + 1):
+        _barrier(group)
+        t0 = time.perf_counter()
+        fn()
+        if i:
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def hierarchy_steps(rank: int, world: int, spec: dict, interface: Optional[str] = None, solo=None) -> dict:
+    """The flat group against ``node_groups(local_size)``, interleaved, through the warm-up and
+    the compression stage.
+
+    Per optimizer in ``spec["optimizers"]`` three models built alike: one whose optimizer has the
+    world group (the flat collectives), one with ``process_group=node_groups(L)`` (node
+    reduce-scatter, the exchange across nodes, node all-gather), and one alone in a one-rank group
+    (``solo``, created here when not given): its step is the compute-only time of a synchronous
+    step, measured in the same seconds as the other two. Every round times one step of each, in an
+    order drawn afresh each round (the same on all ranks), each after a barrier, as ``ddp_steps``
+    does. Per step: forward + backward and ``optimizer.step()`` times, the bytes ``comm_stats``
+    recorded (all, and those of the node stages, ``hierarchy.INTRA_OPS``) and, with an interface,
+    the bytes its counter saw less one bare barrier's. With several ranks per host the counter is
+    the host's (the node's), read by each of its ranks. First, once: the latency of a tiny
+    all-reduce across nodes (over ``inter``) and inside the node (over ``intra``), and the time of
+    the node reduce-scatter's all-to-all of the full fp32 gradient (the node's byte rate).
+    """
+    import onebitlamb
+    from onebitlamb.comm import node_groups, padded_size
+    from onebitlamb.comm.hierarchy import INTRA_OPS
+    from onebitlamb.train.model import build_model
+
+    world_group = dist.group.WORLD
+    L = int(spec["local_size"])
+    if solo is None:
+        solo = [dist.new_group([r]) for r in range(world)][rank]
+    groups = node_groups(L)
+    cfg = _model_config(spec)
+    warm, comp, skip = spec["warmup_steps"], spec["compression_steps"], spec.get("skip_steps", 1)
+    freeze_step = skip + warm
+    modes = list(spec.get("modes", HIERARCHY_MODES))
+    runs = []  # (optimizer name, mode, model, optimizer)
+    for name in spec["optimizers"]:
+        for mode in modes:
+            group = {"flat": world_group, "hier": groups, "solo": solo}[mode]
+            model = build_model(cfg, seed=spec.get("seed", 0))
+            model.train()
+            runs.append((name, mode, model, make_optimizer(name, model.parameters(), spec.get("lr", 1e-3),
+                                                           freeze_step, group)))
+    d = sum(p.numel() for p in runs[0][2].parameters()) if runs else 0
+    tiny = torch.zeros(1)
+    calls = spec.get("latency_calls", 20)
+    probe = {"alpha_inter_s": _time_calls(lambda: dist.all_reduce(tiny, group=groups.inter), calls, world_group),
+             "alpha_intra_s": _time_calls(lambda: dist.all_reduce(tiny, group=groups.intra), calls, world_group)}
+    if L > 1:
+        D = padded_size(d, world)
+        src, dst = torch.randn(D), torch.empty(D)
+        probe["intra_all_to_all_s"] = _time_calls(
+            lambda: dist.all_to_all_single(dst, src, group=groups.intra), spec.get("bandwidth_calls", 3), world_group)
+        probe["intra_all_to_all_bytes"] = (L - 1) * D // L * 4
+    barrier_bytes = 0
+    if interface:
+        costs = []
+        for _ in range(5):
+            _barrier(world_group)
+            tx0 = read_counter(interface)
+            _barrier(world_group)
+            costs.append(read_counter(interface) - tx0)
+        barrier_bytes = int(statistics.median(costs))
+
+    def intra(opt) -> int:
+        return sum(opt.comm_stats.bytes_by_op.get(op, 0) for op in INTRA_OPS)
+
+    batches = _batches(cfg, spec["batch"], 4, seed=1000 * rank + 7)
+    steps: Dict[str, Dict[str, Dict[str, dict]]] = {}
+    plan = [(WARMUP, i >= skip) for i in range(skip + warm)] + [(COMPRESSION, i >= skip) for i in range(skip + comp)]
+    for r, (stage, timed) in enumerate(plan):
+        batch = batches[r % len(batches)]
+        for k in random.Random(r).sample(range(len(runs)), len(runs)):
+            name, mode, model, opt = runs[k]
+            if name == "lamb" and stage == COMPRESSION:
+                continue
+            if opt.stage != stage:
+                raise RuntimeError(f"{name} ({mode}): expected stage {stage} in round {r + 1}, optimizer is in {opt.stage}")
+            _barrier(world_group)
+            tx0 = read_counter(interface) if interface else 0
+            b0, i0 = opt.comm_stats.bytes_sent, intra(opt)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            model(**batch).loss.backward()
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            _barrier(world_group)
+            tx1 = read_counter(interface) if interface else 0
+            if not timed:
+                continue
+            rec = steps.setdefault(name, {}).setdefault(mode, {}).setdefault(stage, {
+                "step_times": [], "backward_times": [], "opt_step_times": [], "bytes": [], "intra_bytes": [],
+                "wire_bytes": []})
+            rec["step_times"].append(t2 - t0)
+            rec["backward_times"].append(t1 - t0)
+            rec["opt_step_times"].append(t2 - t1)
+            rec["bytes"].append(opt.comm_stats.bytes_sent - b0)
+            rec["intra_bytes"].append(intra(opt) - i0)
+            rec["wire_bytes"].append(tx1 - tx0 - barrier_bytes if interface else None)
+    return {"steps": steps, "barrier_bytes": barrier_bytes, "params": d, "local_size": L, "node": groups.node,
+            "local_rank": groups.local_rank, "probe": probe}
+
+
 def probe(spec: dict, group, numel: int) -> dict:
     """alpha (tiny all-reduce), and full-size fp32 and compressed all-reduce times."""
     from onebitlamb.comm import CommStats, compressed_allreduce, padded_size
@@ -367,6 +490,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                      for j in (jobs if isinstance(jobs, list) else [jobs])]
         if spec.get("ddp"):
             result["ddp"] = ddp_steps(rank, world, spec, interface)
+        if spec.get("hierarchy"):
+            result["hierarchy"] = hierarchy_steps(rank, world, spec, interface, solo)
         if spec.get("train"):
             # per optimizer, the compute-only step right before the networked one: both ranks
             # compute at once (they share the CPUs as in the real run) and the two measurements
