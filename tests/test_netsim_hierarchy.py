@@ -61,7 +61,8 @@ def test_node_groups_halve_the_bytes_a_node_sends_to_the_other_node(per_rank):
     # the cost model's per-node bytes are the accounted ones
     flat_c = costmodel.node_onebit_collectives(d, N, L, hierarchical=False)
     hier_c = costmodel.node_onebit_collectives(d, N, L, hierarchical=True)
-    assert sum(x.node_bytes for x in flat_c[:2]) == L * flat_cross
+    # flat: the all-to-all's L (N-1) messages a rank, and the ring all-gather's one edge leaving the node
+    assert [x.node_bytes for x in flat_c[:2]] == [L * L * (N - 1) * m, (n - 1) * m]
     assert sum(x.node_bytes for x in hier_c if not x.intra) - L * flag == L * hier_cross[0]
 
 
@@ -96,7 +97,9 @@ def test_summary_rows_tables_and_targets(per_rank):
 def test_cost_model_on_nodes_by_hand():
     # d = 1000 on 2 nodes x 2: D = 1024, messages of 1024/32 + 4 = 36 bytes
     flat = costmodel.node_onebit_collectives(1000, 2, 2, hierarchical=False)
-    assert [(c.node_bytes, c.rank_bytes, c.intra) for c in flat[:2]] == [(144, 108, False)] * 2
+    # the all-to-all sends 2 of each rank's 3 messages to the other node (4 a node); gloo's all-gather
+    # is a ring, whose one edge leaving the node carries 3
+    assert [(c.node_bytes, c.rank_bytes, c.intra) for c in flat[:2]] == [(144, 108, False), (108, 108, False)]
     hier = costmodel.node_onebit_collectives(1000, 2, 2, hierarchical=True)
     # fp32 node stages of (L-1)/L * 4D = 2048 bytes a rank; across nodes 1 message a rank, 2 a node
     assert [(c.node_bytes, c.rank_bytes, c.intra) for c in hier[:4]] == [
