@@ -1,6 +1,6 @@
 """Hierarchy benchmark: the flat group against node_groups() on emulated nodes of several ranks.
 
-    sudo .venv/bin/python -m benchmarks.hierarchy     # from the repository root; default: 2 nodes x 2 ranks, 50M, 100M, 1G
+    sudo .venv/bin/python -m benchmarks.hierarchy     # from the repository root; default: 2 nodes x 2 ranks, 10M, 50M, 100M, 1G
 
 Each node is a network namespace holding ``--ranks-per-node`` workers, which reach each other over
 the node's loopback (fast, unshaped, uncounted); the nodes are joined by links shaped with tbf.
@@ -39,7 +39,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (default %(default)s)")
     parser.add_argument("--ranks-per-node", type=int, default=2,
                         help="workers per node, L of node_groups(L) (default %(default)s)")
-    parser.add_argument("--rates", default="50M,100M,1G",
+    parser.add_argument("--rates", default="10M,50M,100M,1G",
                         help="link rates between nodes, comma-separated (10M, 1G, inf = unshaped); default %(default)s")
     parser.add_argument("--optimizers", default="onebitlamb",
                         help="comma-separated subset of onebitlamb,onebitadam,lamb (default %(default)s)")

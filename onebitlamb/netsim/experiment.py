@@ -652,6 +652,9 @@ def plot_hierarchy(summary: dict, path) -> None:
         wires = [r.get(f"{mode}_wire_bytes") for _, r in pts]
         if all(w is not None for w in wires):
             ax_b.plot(xs, [w / 1024 for w in wires], style, color=color, label=f"{label[mode]}, {stage}")
+        if all(f"{mode}_pred_node_bytes" in r for _, r in pts):
+            ax_b.plot(xs, [costmodel.WIRE_OVERHEAD * r[f"{mode}_pred_node_bytes"] / 1024 for _, r in pts], ":",
+                      color=color, alpha=0.6)
         ax_t.plot(xs, [1000 * r[f"{mode}_s"] for _, r in pts], style, color=color, label=f"{label[mode]}, {stage}")
         if all(f"{mode}_pred_s" in r for _, r in pts):
             ax_t.plot(xs, [1000 * r[f"{mode}_pred_s"] for _, r in pts], ":", color=color, alpha=0.6)
@@ -670,7 +673,7 @@ def plot_hierarchy(summary: dict, path) -> None:
         ax.set_xlabel("link rate between nodes")
         ax.grid(True, which="both", alpha=0.3)
     ax_b.set_ylabel("KB per step leaving one node (its tx_bytes)")
-    ax_b.set_title("wire bytes across nodes", fontsize=9)
+    ax_b.set_title("wire bytes across nodes (dotted: byte formulas x frame overhead)", fontsize=9)
     ax_t.set_ylabel("step ms (median of the slowest rank)")
     ax_t.set_title("step time (dotted: cost model)", fontsize=9)
     nodes = rows[0]["nodes"] if rows else 0
