@@ -1,13 +1,13 @@
-"""An experiment: 1-bit LAMB's warm-up average sent in bfloat16 instead of float32.
+"""1-bit LAMB's warm-up average sent in bfloat16 instead of float32.
 
     python -m benchmarks.warmup_precision --seeds 3     # about 7 demo runs on 2 cores beyond the convergence benchmark's
 
 The warm-up sends full gradients, so it dominates a run's bytes (a 33% warm-up: about 94% of
 them). bfloat16 halves them, as the paper's fp16 baseline does. Rows: LAMB and 1-bit LAMB with the
 main job's defaults (the convergence benchmark's runs, reused from the same folders), and 1-bit
-LAMB with the warm-up average in bfloat16 (the ``ONEBITLAMB_EXPERIMENT_WARMUP_DTYPE`` variable the
-optimizers read at construction; not an option). Writes the "warmup-precision" section of
-BENCHMARKS.md. Run from the repository root.
+LAMB with the warm-up average in bfloat16 (``ONEBITLAMB_WARMUP_DTYPE=bfloat16``, which the
+optimizers read at construction). Writes the "warmup-precision" section of BENCHMARKS.md. Run from
+the repository root.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             finally:
                 os.environ.pop(WARMUP_DTYPE_VARIABLE, None)
     lamb = [results[s, LAMB.name] for s in seeds]
-    lines = [*heading("Warm-up average in bfloat16 (an experiment)", command_line(argv)),
+    lines = [*heading("Warm-up average in bfloat16", command_line(argv)),
              f"`demo`, seeds {', '.join(map(str, seeds))}: held-out loss (mean ± standard deviation over the "
              f"seeds), its gap to LAMB at the same seed, the freeze step per seed, and the whole run's bytes per "
              f"worker against LAMB's.", "",

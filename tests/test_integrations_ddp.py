@@ -82,6 +82,20 @@ def test_registered_ddp_follows_the_plain_run_and_is_silent_after_the_freeze(kin
     assert all(torch.equal(a, b) for a, b in zip(registered[0][0], registered[1][0]))
 
 
+def test_registered_ddp_sends_the_warmup_in_bfloat16_as_the_optimizer_does(monkeypatch):
+    """With ONEBITLAMB_WARMUP_DTYPE=bfloat16 DDP's hook averages in bfloat16 too: the same run as
+    the plain usage's, bit for bit, at half the warm-up bytes of the float32 run."""
+    full = spawn_local(_run, 2, ("OneBitLamb", "plain"), timeout_s=120, collective_timeout_s=60)
+    monkeypatch.setenv("ONEBITLAMB_WARMUP_DTYPE", "bfloat16")
+    plain = spawn_local(_run, 2, ("OneBitLamb", "plain"), timeout_s=120, collective_timeout_s=60)
+    registered = spawn_local(_run, 2, ("OneBitLamb", "registered"), timeout_s=120, collective_timeout_s=60)
+    for (f_params, _, f_bytes), (p_params, _, p_bytes), (r_params, _, r_bytes) in zip(full, plain, registered):
+        assert all(torch.equal(a, b) for a, b in zip(p_params, r_params)) and p_bytes == r_bytes
+        assert not all(torch.equal(a, b) for a, b in zip(p_params, f_params))  # bfloat16 did round
+        assert all(torch.allclose(a, b, atol=0.02) for a, b in zip(p_params, f_params))
+        assert p_bytes < 0.6 * f_bytes  # the warm-up is most of these bytes; it halved
+
+
 @pytest.mark.parametrize("kind", ["OneBitLamb", "Lamb"])
 def test_a_ddp_model_without_register_ddp_is_stopped_at_the_first_step(kind):
     errors = spawn_local(_run, 2, (kind, "ddp"), timeout_s=120, collective_timeout_s=60)

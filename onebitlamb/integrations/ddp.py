@@ -49,9 +49,13 @@ def _stage_hook(link: DDPLink, bucket: dist.GradBucket) -> torch.futures.Future[
         done.set_result(buffer)
         return done
     n = world_size_of(link.process_group)
-    link.optimizer.comm_stats.record("all_reduce", allreduce_bytes(buffer.numel() * buffer.element_size(), n))
-    work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=link.process_group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0].div_(n))
+    wire_dtype = link.optimizer.warmup_dtype  # bfloat16 with ONEBITLAMB_WARMUP_DTYPE, as the optimizer sends
+    wire = buffer if wire_dtype is None else buffer.to(wire_dtype)
+    link.optimizer.comm_stats.record("all_reduce", allreduce_bytes(wire.numel() * wire.element_size(), n))
+    work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=link.process_group, async_op=True)
+    if wire is buffer:
+        return work.get_future().then(lambda fut: fut.value()[0].div_(n))
+    return work.get_future().then(lambda fut: buffer.copy_(fut.value()[0].div_(n)))
 
 
 def register_ddp(ddp_model: DistributedDataParallel, optimizer: StagedOptimizer) -> DDPLink:
