@@ -140,7 +140,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "barrier's bytes subtracted), mean over nodes. Accounted per node beyond the node stages: the node's "
         "ranks' `comm_stats.bytes_sent` less `intra_reduce_scatter`/`intra_all_gather`; for the flat group this "
         "includes the messages between the two ranks of a node, which stay on its loopback. Per rank: all of "
-        "`bytes_sent`, in brackets the node stages'. Qdisc drops per rate: "
+        "`bytes_sent`, in brackets the node stages'. `optimizer.step()`: its median time (slowest rank), the "
+        "communication plus the optimizer's maths plus the wait for the slowest rank's backward; alone: the "
+        "maths only. Qdisc drops per rate (tail drops in the 256 KB queue when a node's ranks fill it at once; "
+        "TCP retransmits them): "
         + ", ".join(f"{k} {v}" for k, v in summary["qdisc_drops"].items()) + "." + calib,
         "",
         table,

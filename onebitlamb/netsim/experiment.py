@@ -580,8 +580,9 @@ def format_hierarchy_table(summary: dict) -> str:
     L = summary["local_size"]
     lines = ["| link | optimizer | stage | flat step ms (pred.) | hierarchical step ms (pred.) "
              "| flat / hier., median (quartiles) | compute-only ms | wire KB/step per node: flat / hier. (ratio) "
-             "| accounted KB/step per node beyond it: flat / hier. | accounted KB/step per rank: flat / hier. (node stages) |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| accounted KB/step per node beyond it: flat / hier. | accounted KB/step per rank: flat / hier. (node stages) "
+             "| optimizer.step() ms: flat / hier. / alone |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def kb(x):
         return "-" if x is None else _kb(x)
@@ -598,7 +599,8 @@ def format_hierarchy_table(summary: dict) -> str:
             f"| {r['ratio_median']:.2f}x ({r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}) "
             f"| {_ms(r['solo_s']) if 'solo_s' in r else '-'} | {wire} "
             f"| {kb(r['flat_node_bytes'])} / {kb(r['hier_node_bytes'])} "
-            f"| {kb(r['flat_rank_bytes'])} / {kb(r['hier_rank_bytes'])} ({kb(r['hier_rank_intra_bytes'])}) |")
+            f"| {kb(r['flat_rank_bytes'])} / {kb(r['hier_rank_bytes'])} ({kb(r['hier_rank_intra_bytes'])}) "
+            f"| {_ms(r['flat_opt_s'])} / {_ms(r['hier_opt_s'])} / {_ms(r['solo_opt_s']) if 'solo_opt_s' in r else '-'} |")
     return "\n".join(lines)
 
 
