@@ -2,7 +2,7 @@
 optimizer's.
 
 Inside, the whole state is one flat dict (``optimizer.state["flat"]``, ``layout.py``). In the
-state dict it is the state of the first trainable parameter, with two differences that
+state dict it is the state of the first trainable parameter, in the form that
 ``torch.distributed.checkpoint`` (DCP) needs:
 
 - every other trainable parameter has an empty entry (DCP wants one for each);
