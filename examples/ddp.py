@@ -47,7 +47,8 @@ def main() -> None:
         if rank == 0 and (step % 10 == 0 or step + 1 == STEPS):
             print(f"step {step:3d}  {stage:11s}  loss {loss.item() * MICRO_BATCHES:.4f}  "
                   f"bytes sent this step {opt.comm_stats.bytes_sent - sent}", flush=True)
-    dist.destroy_process_group()
+    # no destroy_process_group(): with a DDP model still alive it could hang one rank at exit
+    # (seen with gloo); the processes' exit closes the group
 
 
 if __name__ == "__main__":
