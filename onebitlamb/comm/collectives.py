@@ -242,7 +242,9 @@ def _add_signs_bits_(target: torch.Tensor, packed_rows: torch.Tensor, scales: to
         rows.add_(torch.where(negative_bits(packed_rows[i]), negative, positive))
 
 
-def _check(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, n: int) -> None:
+def check_tensors(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
+    """What any compressed all-reduce needs of its three tensors: 1-D, contiguous, one float dtype,
+    one device (the sizes depend on the topology: each caller checks its own)."""
     for name, t in (("buffer", buffer), ("worker_error", worker_error), ("server_error", server_error)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -256,6 +258,10 @@ def _check(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch
     if worker_error.device != buffer.device or server_error.device != buffer.device:
         raise ValueError(f"buffer, worker_error and server_error must be on one device, got "
                          f"{buffer.device}, {worker_error.device}, {server_error.device}")
+
+
+def _check(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, n: int) -> None:
+    check_tensors(buffer, worker_error, server_error)
     D = buffer.numel()
     if D != padded_size(D, n):
         raise ValueError(f"buffer has {D} elements; with {n} ranks it must be a multiple of {8 * n} "

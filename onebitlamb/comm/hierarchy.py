@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from onebitlamb.comm import collectives as flat
 from onebitlamb.comm.stats import GLOBAL_STATS, CommStats, all_gather_bytes, all_to_all_bytes
-from onebitlamb.compression.packing import FLOAT_DTYPES
 
 #: torchrun's variable for the number of ranks on this node (``node_groups``'s default).
 LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
@@ -201,19 +200,7 @@ def _node_all_gather_(buffer: torch.Tensor, mine: torch.Tensor, groups: NodeGrou
 def _check(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
            groups: NodeGroups) -> None:
     n, L = groups.world_size, groups.local_size
-    for name, t in (("buffer", buffer), ("worker_error", worker_error), ("server_error", server_error)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-        if t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)}")
-    if worker_error.dtype != buffer.dtype or server_error.dtype != buffer.dtype:
-        raise TypeError(f"buffer, worker_error and server_error must share one dtype, got "
-                        f"{buffer.dtype}, {worker_error.dtype}, {server_error.dtype}")
-    if worker_error.device != buffer.device or server_error.device != buffer.device:
-        raise ValueError(f"buffer, worker_error and server_error must be on one device, got "
-                         f"{buffer.device}, {worker_error.device}, {server_error.device}")
+    flat.check_tensors(buffer, worker_error, server_error)
     D = buffer.numel()
     if D != flat.padded_size(D, n):
         raise ValueError(f"buffer has {D} elements; with {n} ranks ({groups.nodes} nodes x {L}) it must be a "
