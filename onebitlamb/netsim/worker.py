@@ -89,6 +89,37 @@ def _barrier(group) -> None:
         dist.barrier(group=group)
 
 
+def _barrier_bytes(interface: Optional[str], group) -> int:
+    """What one bare barrier puts on ``interface`` (median of 5), to take out of a step's count."""
+    if not interface:
+        return 0
+    costs = []
+    for _ in range(5):
+        _barrier(group)
+        tx0 = read_counter(interface)
+        _barrier(group)
+        costs.append(read_counter(interface) - tx0)
+    return int(statistics.median(costs))
+
+
+def _two_stage_rounds(runs: list, batches: list, skip: int, warm: int, comp: int):
+    """``skip + warm`` warm-up rounds then ``skip + comp`` compression rounds (the first ``skip`` of
+    each untimed); each round yields ``(stage, timed, batch, run)`` for every run, in an order drawn
+    afresh each round and the same on every rank, so load drift hits all runs alike. LAMB (the
+    run's first item ``"lamb"``) never compresses and sits the compression rounds out; a run in
+    another stage than the round's is an error."""
+    plan = [(WARMUP, i >= skip) for i in range(skip + warm)] + [(COMPRESSION, i >= skip) for i in range(skip + comp)]
+    for r, (stage, timed) in enumerate(plan):
+        batch = batches[r % len(batches)]
+        for k in random.Random(r).sample(range(len(runs)), len(runs)):
+            name, mode, opt = runs[k][0], runs[k][1], runs[k][3]
+            if name == "lamb" and stage == COMPRESSION:
+                continue
+            if opt.stage != stage:
+                raise RuntimeError(f"{name} ({mode}): expected stage {stage} in round {r + 1}, optimizer is in {opt.stage}")
+            yield stage, timed, batch, runs[k]
+
+
 def train_one(name: str, spec: dict, rank: int, group, interface: Optional[str]) -> dict:
     """Run one optimizer through its stages; per stage: step times, wire and accounted bytes."""
     from onebitlamb.train.model import build_model
@@ -230,52 +261,36 @@ def ddp_steps(rank: int, world: int, spec: dict, interface: Optional[str] = None
                 model = DistributedDataParallel(model, process_group=group, bucket_cap_mb=spec.get("bucket_cap_mb"))
                 link = onebitlamb.register_ddp(model, opt)
             runs.append((name, mode, model, opt, link))
-    barrier_bytes = 0
-    if interface:
-        costs = []
-        for _ in range(5):
-            _barrier(group)
-            tx0 = read_counter(interface)
-            _barrier(group)
-            costs.append(read_counter(interface) - tx0)
-        barrier_bytes = int(statistics.median(costs))
+    barrier_bytes = _barrier_bytes(interface, group)
     batches = _batches(cfg, spec["batch"], 4, seed=1000 * rank + 7)
     steps: Dict[str, Dict[str, Dict[str, dict]]] = {}
-    plan = [(WARMUP, i >= skip) for i in range(skip + warm)] + [(COMPRESSION, i >= skip) for i in range(skip + comp)]
-    for r, (stage, timed) in enumerate(plan):
-        batch = batches[r % len(batches)]
-        for k in random.Random(r).sample(range(len(runs)), len(runs)):
-            name, mode, model, opt, link = runs[k]
-            if name == "lamb" and stage == COMPRESSION:
-                continue
-            if opt.stage != stage:
-                raise RuntimeError(f"{name} ({mode}): expected stage {stage} in round {r + 1}, optimizer is in {opt.stage}")
-            _barrier(group)
-            tx0 = read_counter(interface) if interface else 0
-            b0 = opt.comm_stats.bytes_sent
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            model(**batch).loss.backward()
-            t1 = time.perf_counter()
-            b1 = opt.comm_stats.bytes_sent
-            buckets = link.buckets_since_step if link is not None else 0
-            opt.step()
-            t2 = time.perf_counter()
-            b2 = opt.comm_stats.bytes_sent
-            _barrier(group)
-            tx1 = read_counter(interface) if interface else 0
-            if not timed:
-                continue
-            rec = steps.setdefault(name, {}).setdefault(mode, {}).setdefault(stage, {
-                "step_times": [], "backward_times": [], "opt_step_times": [], "backward_bytes": [],
-                "opt_step_bytes": [], "buckets": [], "wire_bytes": []})
-            rec["step_times"].append(t2 - t0)
-            rec["backward_times"].append(t1 - t0)  # forward + backward (+ DDP's wait for its buckets)
-            rec["opt_step_times"].append(t2 - t1)
-            rec["backward_bytes"].append(b1 - b0)
-            rec["opt_step_bytes"].append(b2 - b1)
-            rec["buckets"].append(buckets)
-            rec["wire_bytes"].append(tx1 - tx0 - barrier_bytes if interface else None)
+    for stage, timed, batch, (name, mode, model, opt, link) in _two_stage_rounds(runs, batches, skip, warm, comp):
+        _barrier(group)
+        tx0 = read_counter(interface) if interface else 0
+        b0 = opt.comm_stats.bytes_sent
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        t1 = time.perf_counter()
+        b1 = opt.comm_stats.bytes_sent
+        buckets = link.buckets_since_step if link is not None else 0
+        opt.step()
+        t2 = time.perf_counter()
+        b2 = opt.comm_stats.bytes_sent
+        _barrier(group)
+        tx1 = read_counter(interface) if interface else 0
+        if not timed:
+            continue
+        rec = steps.setdefault(name, {}).setdefault(mode, {}).setdefault(stage, {
+            "step_times": [], "backward_times": [], "opt_step_times": [], "backward_bytes": [],
+            "opt_step_bytes": [], "buckets": [], "wire_bytes": []})
+        rec["step_times"].append(t2 - t0)
+        rec["backward_times"].append(t1 - t0)  # forward + backward (+ DDP's wait for its buckets)
+        rec["opt_step_times"].append(t2 - t1)
+        rec["backward_bytes"].append(b1 - b0)
+        rec["opt_step_bytes"].append(b2 - b1)
+        rec["buckets"].append(buckets)
+        rec["wire_bytes"].append(tx1 - tx0 - barrier_bytes if interface else None)
     params = sum(p.numel() for g in runs[0][3].param_groups for p in g["params"]) if runs else 0
     return {"steps": steps, "barrier_bytes": barrier_bytes, "params": params}
 
@@ -348,52 +363,36 @@ def hierarchy_steps(rank: int, world: int, spec: dict, interface: Optional[str] 
         probe["intra_all_to_all_s"] = _time_calls(
             lambda: dist.all_to_all_single(dst, src, group=groups.intra), spec.get("bandwidth_calls", 3), world_group)
         probe["intra_all_to_all_bytes"] = (L - 1) * D // L * 4
-    barrier_bytes = 0
-    if interface:
-        costs = []
-        for _ in range(5):
-            _barrier(world_group)
-            tx0 = read_counter(interface)
-            _barrier(world_group)
-            costs.append(read_counter(interface) - tx0)
-        barrier_bytes = int(statistics.median(costs))
+    barrier_bytes = _barrier_bytes(interface, world_group)
 
     def intra(opt) -> int:
         return sum(opt.comm_stats.bytes_by_op.get(op, 0) for op in INTRA_OPS)
 
     batches = _batches(cfg, spec["batch"], 4, seed=1000 * rank + 7)
     steps: Dict[str, Dict[str, Dict[str, dict]]] = {}
-    plan = [(WARMUP, i >= skip) for i in range(skip + warm)] + [(COMPRESSION, i >= skip) for i in range(skip + comp)]
-    for r, (stage, timed) in enumerate(plan):
-        batch = batches[r % len(batches)]
-        for k in random.Random(r).sample(range(len(runs)), len(runs)):
-            name, mode, model, opt = runs[k]
-            if name == "lamb" and stage == COMPRESSION:
-                continue
-            if opt.stage != stage:
-                raise RuntimeError(f"{name} ({mode}): expected stage {stage} in round {r + 1}, optimizer is in {opt.stage}")
-            _barrier(world_group)
-            tx0 = read_counter(interface) if interface else 0
-            b0, i0 = opt.comm_stats.bytes_sent, intra(opt)
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            model(**batch).loss.backward()
-            t1 = time.perf_counter()
-            opt.step()
-            t2 = time.perf_counter()
-            _barrier(world_group)
-            tx1 = read_counter(interface) if interface else 0
-            if not timed:
-                continue
-            rec = steps.setdefault(name, {}).setdefault(mode, {}).setdefault(stage, {
-                "step_times": [], "backward_times": [], "opt_step_times": [], "bytes": [], "intra_bytes": [],
-                "wire_bytes": []})
-            rec["step_times"].append(t2 - t0)
-            rec["backward_times"].append(t1 - t0)
-            rec["opt_step_times"].append(t2 - t1)
-            rec["bytes"].append(opt.comm_stats.bytes_sent - b0)
-            rec["intra_bytes"].append(intra(opt) - i0)
-            rec["wire_bytes"].append(tx1 - tx0 - barrier_bytes if interface else None)
+    for stage, timed, batch, (name, mode, model, opt) in _two_stage_rounds(runs, batches, skip, warm, comp):
+        _barrier(world_group)
+        tx0 = read_counter(interface) if interface else 0
+        b0, i0 = opt.comm_stats.bytes_sent, intra(opt)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        _barrier(world_group)
+        tx1 = read_counter(interface) if interface else 0
+        if not timed:
+            continue
+        rec = steps.setdefault(name, {}).setdefault(mode, {}).setdefault(stage, {
+            "step_times": [], "backward_times": [], "opt_step_times": [], "bytes": [], "intra_bytes": [],
+            "wire_bytes": []})
+        rec["step_times"].append(t2 - t0)
+        rec["backward_times"].append(t1 - t0)
+        rec["opt_step_times"].append(t2 - t1)
+        rec["bytes"].append(opt.comm_stats.bytes_sent - b0)
+        rec["intra_bytes"].append(intra(opt) - i0)
+        rec["wire_bytes"].append(tx1 - tx0 - barrier_bytes if interface else None)
     return {"steps": steps, "barrier_bytes": barrier_bytes, "params": d, "local_size": L, "node": groups.node,
             "local_rank": groups.local_rank, "probe": probe}
 
