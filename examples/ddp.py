@@ -47,8 +47,11 @@ def main() -> None:
         if rank == 0 and (step % 10 == 0 or step + 1 == STEPS):
             print(f"step {step:3d}  {stage:11s}  loss {loss.item() * MICRO_BATCHES:.4f}  "
                   f"bytes sent this step {opt.comm_stats.bytes_sent - sent}", flush=True)
-    # no destroy_process_group(): with a DDP model still alive it could hang one rank at exit
-    # (seen with gloo); the processes' exit closes the group
+    # DDP's reducer goes before the group it uses: torn down the other way round (or left to the
+    # interpreter's exit) gloo hung or aborted one rank now and then
+    del model, opt
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
