@@ -35,26 +35,29 @@ def _held_out_loss(model, teacher):
         return torch.nn.functional.mse_loss(model(x), teacher(x)).item()
 
 
-def _make(model):
-    return onebitlamb.OneBitLamb(model.parameters(), lr=0.02, weight_decay=0.01, freeze_step=FREEZE)
+def _make(model, bucket_cap_mb=None):
+    opt = onebitlamb.OneBitLamb(model.parameters(), lr=0.02, weight_decay=0.01, freeze_step=FREEZE)
+    if bucket_cap_mb is not None:
+        opt.overlap_with_backward(bucket_cap_mb)
+    return opt
 
 
-def _first_part(rank, n):
+def _first_part(rank, n, bucket_cap_mb=None):
     """Steps 1..SAVED_AT on n ranks; returns this rank's checkpoint as bytes."""
     teacher, model = _problem()
-    opt = _make(model)
+    opt = _make(model, bucket_cap_mb)
     _train(rank, model, teacher, opt, 1, SAVED_AT)
     blob = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, blob)
     return blob.getvalue()
 
 
-def _second_part(rank, m, blobs):
+def _second_part(rank, m, blobs, bucket_cap_mb=None):
     """Load the n ranks' checkpoint resharded for m ranks, train to STEPS."""
     saved = [torch.load(io.BytesIO(b), weights_only=True) for b in blobs]
     teacher, model = _problem()
     model.load_state_dict(saved[0]["model"])
-    opt = _make(model)
+    opt = _make(model, bucket_cap_mb)
     opt.load_state_dict(onebitlamb.reshard_state_dicts([s["optimizer"] for s in saved], m)[rank])
     _train(rank, model, teacher, opt, SAVED_AT + 1, STEPS)
     return [p.detach().clone() for p in model.parameters()], _held_out_loss(model, teacher), opt.stage
@@ -111,3 +114,31 @@ def test_a_run_saved_on_n_ranks_continues_on_m(n, m):
     assert low - margin <= resumed <= high + margin, (resumed, straight)
     initial = _held_out_loss(_problem()[1], _problem()[0])
     assert resumed < 0.5 * initial
+
+
+def _padded(numel, ranks):
+    return -(-numel // (8 * ranks)) * 8 * ranks
+
+
+def test_a_run_with_several_buckets_is_resharded_bucket_by_bucket():
+    """overlap_with_backward's buckets (each parameter alone here) each have their own padded
+    region: each is resharded as a whole buffer would be, and the run goes on on 3 ranks."""
+    blobs = spawn_local(_first_part, 2, (1e-4,), timeout_s=120, collective_timeout_s=60)
+    states = [torch.load(io.BytesIO(b), weights_only=True)["optimizer"] for b in blobs]
+    flats = [flat_of(s) for s in states]
+    assert flats[0]["buckets"] == [[512, 515], [416, 512], [384, 416], [0, 384]]  # 12x32, 32, 32x3, 3 reversed
+    new = [flat_of(s) for s in onebitlamb.reshard_state_dicts(states, 3)]
+    w_old = s_old = w_new = s_new = 0
+    for start, end in flats[0]["buckets"]:
+        size = end - start
+        p_old, p_new = _padded(size, 2), _padded(size, 3)
+        mean = torch.stack([f["worker_error"][w_old:w_old + size] for f in flats]).double().mean(dim=0)
+        server = torch.cat([f["server_error"][s_old:s_old + p_old // 2] for f in flats])[:size]
+        for f in new:
+            assert torch.allclose(f["worker_error"][w_new:w_new + size].double(), mean, atol=1e-7)
+            assert not f["worker_error"][w_new + size:w_new + p_new].any()
+        assert torch.equal(torch.cat([f["server_error"][s_new:s_new + p_new // 3] for f in new])[:size], server)
+        w_old, s_old, w_new, s_new = w_old + p_old, s_old + p_old // 2, w_new + p_new, s_new + p_new // 3
+    assert [f["worker_error"].numel() for f in new] == [w_new] * 3
+    out = spawn_local(_second_part, 3, (blobs, 1e-4), timeout_s=120, collective_timeout_s=60)
+    assert out[0][2] == "compression" and all(torch.equal(a, b) for a, b in zip(out[0][0], out[2][0]))

@@ -28,9 +28,16 @@ def _train(model, opt, rank, steps):
         opt.step()
 
 
-def _run(rank, n, kind, folder):
-    model = _model(0)
+def _optimizer(kind, model, bucket_cap_mb):
     opt = getattr(onebitlamb, kind)(model.parameters(), lr=0.02, freeze_step=FREEZE)
+    if bucket_cap_mb is not None:
+        opt.overlap_with_backward(bucket_cap_mb)
+    return opt
+
+
+def _run(rank, n, kind, folder, bucket_cap_mb=None):
+    model = _model(0)
+    opt = _optimizer(kind, model, bucket_cap_mb)
     _train(model, opt, rank, range(SAVE_AT))
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
@@ -40,7 +47,7 @@ def _run(rank, n, kind, folder):
 
     # a new process would start like this: another initialisation, a new optimizer as template
     model = _model(rank + 7)
-    opt = getattr(onebitlamb, kind)(model.parameters(), lr=0.02, freeze_step=FREEZE)
+    opt = _optimizer(kind, model, bucket_cap_mb)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
     set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
@@ -52,9 +59,11 @@ def _run(rank, n, kind, folder):
     return saved["worker_error"], same_state, uninterrupted, resumed
 
 
-@pytest.mark.parametrize("kind", ["OneBitLamb", "OneBitAdam"])
-def test_dcp_keeps_every_ranks_errors_and_resumes_exactly(kind, tmp_path):
-    out = spawn_local(_run, 2, (kind, str(tmp_path / "ckpt")), timeout_s=120, collective_timeout_s=60)
+# OneBitLamb also with overlap_with_backward's buckets (each parameter alone): the new optimizer's
+# template has the same per-bucket error regions
+@pytest.mark.parametrize("kind,bucket_cap_mb", [("OneBitLamb", None), ("OneBitAdam", None), ("OneBitLamb", 1e-4)])
+def test_dcp_keeps_every_ranks_errors_and_resumes_exactly(kind, bucket_cap_mb, tmp_path):
+    out = spawn_local(_run, 2, (kind, str(tmp_path / "ckpt"), bucket_cap_mb), timeout_s=120, collective_timeout_s=60)
     (error0, same0, full0, resumed0), (error1, same1, full1, resumed1) = out
     assert error0.abs().max() > 0 and not torch.equal(error0, error1)  # the ranks' errors differ
     assert same0 and same1  # each rank got its own state back, not rank 0's

@@ -19,6 +19,7 @@ bias of the 1-bit code does not accumulate.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -72,6 +73,33 @@ def spanning_group(group=None) -> Optional[dist.ProcessGroup]:
     return None if group is not None and _node_groups(group) else group
 
 
+def duplicate_group(group=None):
+    """A second group over the same ranks as ``group`` (the world's when None; a ``NodeGroups``
+    gives new ``NodeGroups`` of the same nodes), with the world group's timeout; collective, and
+    ``group`` must span the world (``dist.new_group`` is called by every rank of the world).
+
+    Why: collectives on one group must be issued in the same order on every rank. A thread that
+    runs its own collectives (``overlap_with_backward``'s exchange) would race the caller's on a
+    shared group; on a group of its own, each group's order is fixed by its one thread.
+    """
+    world = dist.get_world_size()
+    if world_size_of(group) != world:
+        raise ValueError(f"a process group of {world_size_of(group)} of the world's {world} ranks: a thread's "
+                         f"own copy of it is made by every rank of the world, so it must span the world")
+    default = dist.distributed_c10d._get_default_group()
+    timeout = None
+    try:  # the backend's options carry the timeout init_process_group was given
+        timeout = default._get_backend(torch.device("cpu") if dist.get_backend() == "gloo"
+                                       else torch.device("cuda")).options._timeout
+    except (AttributeError, RuntimeError):
+        pass
+    if group is not None and _node_groups(group):
+        from onebitlamb.comm import hierarchy
+
+        return hierarchy.duplicate(group, timeout)
+    return dist.new_group(list(range(world)), timeout=timeout)
+
+
 def padded_size(numel: int, world_size: int) -> int:
     """``D``: the smallest multiple of ``8 * world_size`` that is ``>= numel``."""
     if numel < 0:
@@ -110,7 +138,8 @@ class _Workspace:
 
     @classmethod
     def get(cls, numel: int, n: int, device: torch.device) -> Dict[str, Any]:
-        key = (numel, n, str(device))
+        # per thread too: an optimizer's exchange behind the backward runs on a thread of its own
+        key = (numel, n, str(device), threading.get_ident())
         ws = cls._cache.get(key)
         if ws is None:
             row = numel // (8 * n) + _SCALE_BYTES
@@ -122,7 +151,7 @@ class _Workspace:
                 "server": torch.empty(row, **u8),
                 "result": torch.empty(n, row, **u8),
             }
-            if len(cls._cache) > 8:  # a handful of buffer layouts per process is the norm
+            if len(cls._cache) > 32:  # a handful of buffer layouts (buckets) per process is the norm
                 cls._cache.clear()
             cls._cache[key] = ws
         return ws

@@ -19,6 +19,7 @@ pass a ``NodeGroups`` (from ``node_groups()``) as their ``group``. Never imports
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -108,17 +109,25 @@ def node_groups(local_size: Optional[int] = None) -> NodeGroups:
     if world % value != 0:
         raise ValueError(f"node_groups: local_size {value} ({source}) does not divide the world size "
                          f"{world}: the world must be whole nodes of local_size ranks each")
-    L, N = value, world // value
+    return _split(value, world // value, rank)
+
+
+def _split(L: int, N: int, rank: int, timeout=None) -> NodeGroups:
     intra = inter = None
     for k in range(N):  # every rank creates every group, in the same order
-        g = dist.new_group(list(range(k * L, (k + 1) * L)))
+        g = dist.new_group(list(range(k * L, (k + 1) * L)), timeout=timeout)
         if k == rank // L:
             intra = g
     for r in range(L):
-        g = dist.new_group([k * L + r for k in range(N)])
+        g = dist.new_group([k * L + r for k in range(N)], timeout=timeout)
         if r == rank % L:
             inter = g
     return NodeGroups(intra=intra, inter=inter, local_size=L, nodes=N, rank=rank)
+
+
+def duplicate(groups: NodeGroups, timeout) -> NodeGroups:
+    """New groups with the same nodes (``collectives.duplicate_group``); collective."""
+    return _split(groups.local_size, groups.nodes, groups.rank, timeout)
 
 
 def _as_int(raw: Any) -> Optional[int]:
@@ -154,10 +163,10 @@ class _Workspace:
 
     @classmethod
     def get(cls, numel: int, L: int, dtype: torch.dtype, device: torch.device) -> Dict[str, torch.Tensor]:
-        key = (numel, L, dtype, str(device))
+        key = (numel, L, dtype, str(device), threading.get_ident())  # per thread, as the flat one's
         ws = cls._cache.get(key)
         if ws is None:
-            if len(cls._cache) > 8:
+            if len(cls._cache) > 32:
                 cls._cache.clear()
             kw = dict(dtype=dtype, device=device)
             ws = cls._cache[key] = {"rows": torch.empty(L, numel // L, **kw),

@@ -153,10 +153,23 @@ def agreed_finite(values: torch.Tensor, group: Optional[dist.ProcessGroup], stat
     """Whether ``values`` is finite on every rank (a sum that overflows float32 counts as not).
     ``averaged``: the values are already the same on every rank (an averaged gradient, where a
     NaN of any rank shows), so no communication is needed; otherwise one 1-element all-reduce."""
-    finite = bool(torch.isfinite(values.sum()))
-    if averaged or world_size_of(group) == 1:
+    finite = locally_finite(values)
+    if averaged:
         return finite
-    flag = torch.tensor([0.0 if finite else 1.0], dtype=torch.float32, device=values.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    stats.record("all_reduce", allreduce_bytes(flag.numel() * flag.element_size(), world_size_of(group)))
-    return float(flag) == 0.0
+    return not any_rank([not finite], group, stats, values.device)[0]
+
+
+def locally_finite(values: torch.Tensor) -> bool:
+    """Whether ``values`` is finite here (its sum: one pass, and an overflow counts as not)."""
+    return bool(torch.isfinite(values.sum()))
+
+
+def any_rank(flags: Sequence[bool], group: Optional[dist.ProcessGroup], stats: CommStats,
+             device: torch.device) -> List[bool]:
+    """Per flag, whether it is set on some rank: one all-reduce of ``len(flags)`` floats."""
+    if world_size_of(group) == 1 or not flags:
+        return list(flags)
+    values = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float32, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    stats.record("all_reduce", allreduce_bytes(values.numel() * values.element_size(), world_size_of(group)))
+    return [bool(v) for v in values.tolist()]

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from onebitlamb.comm import padded_size
+from onebitlamb.optim.layout import buffer_sizes, check_bucket_ranges, plan_buckets
 from onebitlamb.optim.state_format import flat_of, to_saved
 
 
@@ -52,25 +52,28 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int) 
                 raise ValueError(f"state dicts 0 and {rank} differ in {key} ({flats[0].get(key)!r}, "
                                  f"{flat.get(key)!r}): not the ranks of one checkpoint")
     d = sum(flats[0]["layer_numels"])
+    ranges = flats[0].get("buckets", [[0, d]])
+    check_bucket_ranges(ranges, d)
     per_rank = "worker_error" in flats[0]
-    mean_error = server = None
-    if per_rank:
-        mean_error = torch.stack([f["worker_error"][:d].double() for f in flats]).mean(dim=0).float()
-        server = torch.cat([f["server_error"] for f in flats])[:d]
-    D = padded_size(d, world_size)
+    old, new = plan_buckets(ranges, n), plan_buckets(ranges, world_size)
     out = []
     for rank in range(world_size):
         sd = copy.deepcopy({k: v for k, v in state_dicts[0].items() if k != "state"})
         flat = {k: v for k, v in flats[0].items() if k not in ("worker_error", "server_error")}
         flat = copy.deepcopy(flat)
         flat["world_size"], flat["rank"] = world_size, rank
-        if per_rank and world_size > 1:
-            worker = torch.zeros(D, dtype=torch.float32, device=mean_error.device)
-            worker[:d] = mean_error
-            padded = torch.zeros(D, dtype=torch.float32, device=server.device)
-            padded[:d] = server
-            chunk = D // world_size
-            flat["worker_error"], flat["server_error"] = worker, padded[rank * chunk:(rank + 1) * chunk].clone()
+        if per_rank and world_size > 1:  # bucket by bucket, each with its own padding
+            _, worker_size, server_size = buffer_sizes(new)
+            device = flats[0]["worker_error"].device
+            worker = torch.zeros(worker_size, dtype=torch.float32, device=device)
+            server = torch.zeros(server_size, dtype=torch.float32, device=device)
+            for was, now in zip(old, new):
+                workers = torch.stack([f["worker_error"][was.worker][:was.numel].double() for f in flats])
+                worker[now.worker][:now.numel] = workers.mean(dim=0).float()
+                joined = torch.zeros(now.comm.stop - now.comm.start, dtype=torch.float32, device=device)
+                joined[:was.numel] = torch.cat([f["server_error"][was.server] for f in flats])[:was.numel]
+                server[now.server] = joined.view(world_size, -1)[rank]
+            flat["worker_error"], flat["server_error"] = worker, server
         # every state holding errors has frozen: the saved form needs no templates
         key = next(iter(state_dicts[0]["state"]))
         sd["state"] = {key: flat if key == "flat" else to_saved(flat, compresses=False, fresh_variance=False)}

@@ -12,10 +12,11 @@ continues a run bit-identically, and it stays float32 whatever the parameters' d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from onebitlamb.comm import padded_size
 from onebitlamb.optim import functional as F
 
 
@@ -66,9 +67,13 @@ class FlatLayout:
     def param_norms(self) -> torch.Tensor:
         return F.norms(self.params)
 
-    def gather_grads(self, out: torch.Tensor, owner: str) -> torch.Tensor:
-        """This rank's gradients in the flat layout, float32; ``None`` counts as zero."""
+    def gather_grads(self, out: torch.Tensor, owner: str, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """This rank's gradients in the flat layout, float32; ``None`` counts as zero. With
+        ``start``/``end`` (a bucket's bounds): only the parameters in that range."""
+        end = self.numel if end is None else end
         for p, s in zip(self.params, self.slices):
+            if not start <= s.start < end:
+                continue
             if p.grad is None:
                 out[s].zero_()
             elif p.grad.is_sparse:
@@ -106,7 +111,8 @@ class FlatLayout:
                 p.copy_(p.float().add_(u, alpha=-step_size))
 
 
-def new_flat_state(layout: FlatLayout, owner: str, world_size: int, rank: int, local_size: int = 1) -> Dict[str, Any]:
+def new_flat_state(layout: FlatLayout, owner: str, world_size: int, rank: int, local_size: int = 1,
+                   buckets: Optional[List[Tuple[int, int]]] = None) -> Dict[str, Any]:
     """The state every optimizer starts from: the moments and the trust ratio's running average."""
     f32 = dict(dtype=torch.float32, device=layout.device)
     d, layers = layout.numel, len(layout.params)
@@ -124,6 +130,8 @@ def new_flat_state(layout: FlatLayout, owner: str, world_size: int, rank: int, l
         "coeff_ema": torch.zeros(layers, **f32),
         "coeff_ema_count": torch.zeros(layers, **f32),
         "frozen_at": None,  # the step at whose end the freeze happened
+        # the exchange's buckets (flat ranges, exchange order): the error buffers follow them
+        "buckets": [list(r) for r in (buckets or [(0, d)])],
     }
 
 
@@ -151,6 +159,14 @@ def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, owner: str, wor
         raise ValueError(f"the optimizer state holds rank {flat['rank']}'s compression errors and is loaded "
                          f"on rank {rank}: each rank must load the state it saved")
     flat["world_size"], flat["rank"], flat["local_size"] = world_size, rank, local_size  # the rest of the state is the same on every rank
+    flat.setdefault("buckets", [[0, layout.numel]])  # saved before buckets existed: one
+    check_bucket_ranges(flat["buckets"], layout.numel)
+    if per_rank:
+        _, worker, server = buffer_sizes(plan_buckets(flat["buckets"], world_size, local_size))
+        sizes = (flat["worker_error"].numel(), flat["server_error"].numel())
+        if sizes != (worker, server):
+            raise ValueError(f"the optimizer state's compression errors have {sizes[0]} and {sizes[1]} elements, "
+                             f"its buckets on {world_size} ranks need {worker} and {server}: a damaged state")
     for key, value in flat.items():
         if isinstance(value, torch.Tensor) and value.device != layout.device:
             flat[key] = value.to(layout.device)
@@ -170,3 +186,79 @@ class Scratch:
             buf = torch.zeros(numel, dtype=torch.float32, device=self.device)
             self.buffers[name] = buf
         return buf
+
+
+# ---------------------------------------------------------------------- buckets
+#
+# The compressed exchange runs per bucket: a contiguous range of the flat layout with its own
+# region of the communication buffer and of each error buffer. Without ``overlap_with_backward``
+# there is one bucket, the whole layout, and the regions are the whole buffers (as before buckets
+# existed). The ranges are part of the state from the freeze on, because the errors follow them.
+
+@dataclass(frozen=True)
+class Bucket:
+    start: int  # the flat layout's elements start:end
+    end: int
+    comm: slice  # its padded region of the communication buffer (a multiple of 8n elements)
+    worker: slice  # its regions of the worker and the server error
+    server: slice
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def bucket_ranges(numels: Sequence[int], cap_elements: Optional[int]) -> List[Tuple[int, int]]:
+    """The flat layout cut at parameter bounds into ranges of at most ``cap_elements`` (a larger
+    parameter is a range of its own), in the order a backward produces them: from the last
+    parameter to the first. ``None``: one range, the whole layout."""
+    total = sum(numels)
+    if cap_elements is None or total == 0:
+        return [(0, total)]
+    ranges, end, size = [], total, 0
+    for n in reversed(numels):
+        if size and size + n > cap_elements:
+            ranges.append((end - size, end))
+            end, size = end - size, 0
+        size += n
+    ranges.append((end - size, end))
+    return ranges
+
+
+def plan_buckets(ranges: Sequence[Sequence[int]], world_size: int, local_size: int = 1) -> List[Bucket]:
+    """Each range's regions of the communication and error buffers, one after another in the
+    ranges' order; each bucket is padded to ``padded_size(numel, world_size)``, whose worker error
+    is ``1/local_size`` of it on a hierarchical group and whose server error is ``1/world_size``."""
+    buckets, comm, worker, server = [], 0, 0, 0
+    for start, end in ranges:
+        padded = padded_size(end - start, world_size)
+        w, s = padded // local_size, padded // world_size
+        buckets.append(Bucket(int(start), int(end), slice(comm, comm + padded), slice(worker, worker + w),
+                              slice(server, server + s)))
+        comm, worker, server = comm + padded, worker + w, server + s
+    return buckets
+
+
+def buffer_sizes(buckets: Sequence[Bucket]) -> Tuple[int, int, int]:
+    """The communication buffer's, the worker error's and the server error's numbers of elements."""
+    if not buckets:
+        return 0, 0, 0
+    last = buckets[-1]
+    return last.comm.stop, last.worker.stop, last.server.stop
+
+
+def check_bucket_ranges(ranges: Any, numel: int) -> None:
+    """The buckets of a state (perhaps from a damaged file) must tile the flat layout's ``numel``
+    elements: ``[start, end]`` integer pairs that, sorted, run from 0 to ``numel`` without a gap."""
+    try:
+        pairs = sorted((int(a), int(b)) for a, b in ranges if int(a) == a and int(b) == b)
+        whole = len(pairs) == len(ranges)
+    except (TypeError, ValueError):
+        pairs, whole = [], False
+    position = 0
+    for a, b in pairs:
+        whole = whole and a == position and (b > a or numel == 0)
+        position = b
+    if not (whole and position == numel and pairs):
+        raise ValueError(f"the optimizer state's buckets {str(ranges)[:200]} do not tile the model's {numel} "
+                         f"elements: a damaged state")

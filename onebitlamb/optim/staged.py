@@ -7,6 +7,7 @@ all-reduce (stage 2). ``docs/algorithm.md`` gives the maths step by step.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -16,13 +17,16 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from onebitlamb.comm import (CommStats, allreduce_mean_, compressed_allreduce, error_sizes, padded_size, rank_of,
+from onebitlamb.comm import (CommStats, allreduce_mean_, compressed_allreduce, duplicate_group, rank_of,
                              spanning_group, world_size_of)
 from onebitlamb.optim import functional as F
-from onebitlamb.optim.checks import (agree_on_setup, agreed_finite, check_finite_nonneg, check_layout_unchanged,
-                                     check_param_groups, parameter_checksum, refuse_averaged_gradients)
+from onebitlamb.optim.checks import (agree_on_setup, agreed_finite, any_rank, check_finite_nonneg,
+                                     check_layout_unchanged, check_param_groups, locally_finite, parameter_checksum,
+                                     refuse_averaged_gradients)
 from onebitlamb.optim.freeze import AutomaticSchedule, FixedSchedule
-from onebitlamb.optim.layout import FlatLayout, Scratch, check_loaded_state, new_flat_state
+from onebitlamb.optim.layout import (Bucket, FlatLayout, Scratch, bucket_ranges, buffer_sizes, check_loaded_state,
+                                     new_flat_state, plan_buckets)
+from onebitlamb.optim.overlap import BackwardOverlap
 from onebitlamb.optim.state_format import flat_of, to_saved
 
 WARMUP, COMPRESSION = "warmup", "compression"
@@ -93,6 +97,14 @@ class StagedOptimizer(Optimizer):
         self._scratch: Optional[Scratch] = None
         self._last_coeff: Optional[torch.Tensor] = None
         self.last_step_skipped = False
+        # overlap_with_backward: the bucket size (elements), the hooks and thread, their group
+        self._bucket_cap: Optional[int] = None
+        self._overlap: Optional[BackwardOverlap] = None
+        self._exchange_group = None
+        self._buckets: List[Bucket] = []
+        self._warned_stale = False
+        self._exchange_failures: Dict[int, FloatingPointError] = {}  # per bucket, from the thread
+        self._warmup_wire: Dict[int, torch.Tensor] = {}  # per bucket, the bf16 copy being averaged
         # the state exists from the start, like the layout it follows, so that a state dict taken
         # before the first step is a complete template (DCP loads into one); rebuilt at the first
         # step if the parameters changed until then
@@ -111,7 +123,8 @@ class StagedOptimizer(Optimizer):
 
     def _new_state(self, layout: FlatLayout) -> None:
         world, rank = world_size_of(self.process_group), rank_of(self.process_group)
-        self.state["flat"] = new_flat_state(layout, type(self).__name__, world, rank, self._local_size())
+        self.state["flat"] = new_flat_state(layout, type(self).__name__, world, rank, self._local_size(),
+                                            bucket_ranges(layout.numels, self._bucket_cap))
         if self._schedule is not None:
             self._schedule.init_state(self._flat, len(layout.params), layout.device)
 
@@ -131,10 +144,25 @@ class StagedOptimizer(Optimizer):
             check_loaded_state(self._flat, layout, owner, world, rank, self._local_size())
             if self._schedule is not None:
                 self._schedule.check_state(self._flat)
+            wanted = [list(r) for r in bucket_ranges(layout.numels, self._bucket_cap)]
+            if self._flat["frozen_at"] is None:
+                self._flat["buckets"] = wanted  # the errors, made at the freeze, will follow them
+            elif self._flat["buckets"] != wanted and self._overlap is not None:
+                warnings.warn(f"{owner}: this run froze with {len(self._flat['buckets'])} bucket(s) and its "
+                              f"compression errors follow them; they stay, bucket_cap_mb applies from a run's "
+                              f"freeze on", RuntimeWarning)
             if self._flat["frozen_at"] is not None and "worker_error" not in self._flat:
                 self._new_error_buffers(layout, world)  # frozen on one process, resumed on several
         agree_on_setup(self._setup(layout), spanning_group(self.process_group), layout.device)
         self._layout, self._scratch = layout, Scratch(layout.device)
+        self._plan_buckets()
+
+    def _plan_buckets(self) -> None:
+        lay = self._layout
+        self._buckets = plan_buckets(self._flat["buckets"], world_size_of(self.process_group), self._local_size())
+        if self._overlap is not None:
+            self._overlap.set_buckets([[p for p, s in zip(lay.params, lay.slices) if b.start <= s.start < b.end]
+                                       for b in self._buckets])
 
     def _setup(self, layout: FlatLayout) -> Dict[str, Any]:
         """What every rank must have alike (``checks.agree_on_setup``)."""
@@ -144,6 +172,8 @@ class StagedOptimizer(Optimizer):
                 "hyper-parameters": sorted((k, v) for k, v in self.defaults.items() if k not in ("lr", "weight_decay")),
                 "freeze_step": repr(self._schedule),
                 "warm-up average sent as": str(self.warmup_dtype or torch.float32),
+                "overlap_with_backward": self._overlap is not None,
+                "buckets (flat ranges)": self._flat["buckets"],
                 "state (step, frozen_at)": (self._flat["step"], self._flat["frozen_at"]),
                 "parameter values (crc32 of each tensor)": [parameter_checksum(p) for p in layout.params]}
 
@@ -172,6 +202,8 @@ class StagedOptimizer(Optimizer):
         # handed to torch.optim under "flat", which it keeps as it is: under a parameter's index it
         # would be cast to that parameter's dtype
         flat = flat_of(state_dict)
+        if self._overlap is not None:
+            self._overlap.abandon()  # what a backward started used the state being replaced
         super().load_state_dict({**state_dict, "state": {} if flat is None else {"flat": flat}})
         if flat is None:
             self._new_state(FlatLayout.of(self.param_groups))
@@ -199,6 +231,143 @@ class StagedOptimizer(Optimizer):
                  "factor": None if factor is None else float(factor[i])}
                 for i in range(len(self._last_coeff))]
 
+    # ------------------------------------------------------------------ overlap
+    def overlap_with_backward(self, bucket_cap_mb: float = 1.0) -> None:
+        """Exchange behind the backward: cut the parameters into buckets of at most
+        ``bucket_cap_mb`` MiB of float32 gradient (last parameters first, a larger parameter a
+        bucket of its own) and start each bucket's exchange, on a thread of this optimizer's, as
+        soon as the backward has produced the bucket's gradients: the warm-up's average and, after
+        the freeze, the compressed all-reduce of the momentum. ``step()`` waits for the last one.
+
+        Collective: call it on every rank, before the first step. It needs a process group that
+        spans the world (it makes a copy of it for its thread). Accumulating gradients over
+        micro-batches: run every backward but the last under ``with optimizer.no_sync():``;
+        without it the exchange is redone in ``step()`` (correct, slower, with a warning).
+
+        Each bucket has its own compression scale, so with several buckets the numbers differ from
+        one exchange of the whole buffer (with one they are the same, bit for bit); the buckets of
+        the freeze stay for the run (the errors follow them) and are saved in the state. Not
+        together with ``register_ddp``, where DDP's buckets already run behind the backward.
+        ``docs/optimizers.md`` has the measurements.
+        """
+        owner = type(self).__name__
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+                or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
+            raise ValueError(f"Invalid bucket_cap_mb: {bucket_cap_mb!r} (must be a number of MiB > 0)")
+        if self.ddp_link is not None:
+            raise ValueError(f"{owner} is registered with a DDP model (register_ddp), whose buckets already run "
+                             f"behind the backward: use one or the other")
+        if self._overlap is not None:
+            raise ValueError(f"{owner}.overlap_with_backward was already called")
+        if world_size_of(self.process_group) == 1:
+            return  # nothing to exchange
+        self._bucket_cap = max(1, int(bucket_cap_mb * 2 ** 20) // 4)
+        self._exchange_group = duplicate_group(self.process_group)
+        self._overlap = BackwardOverlap(self._prepare_bucket, self._laid_out)
+        if self._untouched():  # a template state (DCP loads into it) has the buckets' error regions
+            self._new_state(FlatLayout.of(self.param_groups))
+        self._layout = None  # the next step lays the buckets out (and the ranks agree on them)
+
+    def _laid_out(self) -> bool:
+        """Whether a step has laid out the state: hooks start buckets only then."""
+        return self._layout is not None
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """A context for the backwards of all micro-batches but the last of a gradient accumulation:
+        with ``overlap_with_backward`` they start no exchange; otherwise it does nothing."""
+        return self._overlap.no_sync() if self._overlap is not None else contextlib.nullcontext()
+
+    def _prepare_bucket(self, k: int) -> Callable[[], None]:
+        """On the hook's thread: bucket ``k``'s gradients copied into the flat buffer and, after the
+        freeze, its momentum formed and its errors kept (to undo a stale or skipped exchange);
+        returns the exchange the thread runs."""
+        b, lay, flat = self._buckets[k], self._layout, self._flat
+        grads = self._scratch.buffer("grad", lay.numel)
+        lay.gather_grads(grads, type(self).__name__, b.start, b.end)
+        if self.defaults["maximize"]:
+            grads[b.start:b.end].neg_()
+        if self.stage == COMPRESSION:
+            buf = self._bucket_momentum(b)
+            worker, server = flat["worker_error"][b.worker], flat["server_error"][b.server]
+            self._scratch.buffer("worker_backup", flat["worker_error"].numel())[b.worker].copy_(worker)
+            self._scratch.buffer("server_backup", flat["server_error"].numel())[b.server].copy_(server)
+            failures = self._exchange_failures
+
+            def exchange() -> None:
+                try:
+                    compressed_allreduce(buf, worker, server, self._exchange_group, self.comm_stats)
+                except FloatingPointError as e:  # on every rank alike; step() skips or raises it
+                    failures[k] = e
+            return exchange
+        wire = grads[b.start:b.end]
+        if self.warmup_dtype is not None:
+            wire = self._warmup_wire[k] = wire.to(self.warmup_dtype)
+
+        def average() -> None:
+            allreduce_mean_(wire, self._exchange_group, self.comm_stats)
+        return average
+
+    def _bucket_momentum(self, b: Bucket) -> torch.Tensor:
+        """This rank's new momentum of bucket ``b`` (from the local gradient), each layer scaled,
+        in the bucket's padded region of the communication buffer."""
+        beta1 = self.defaults["betas"][0]
+        scale, _ = self._compression_scales()
+        buf = self._scratch.buffer("comm", buffer_sizes(self._buckets)[0])[b.comm]
+        mine = buf[:b.numel]
+        torch.mul(self._flat["exp_avg"][b.start:b.end], beta1, out=mine)
+        mine.add_(self._scratch.buffers["grad"][b.start:b.end], alpha=1 - beta1)
+        mine.mul_(scale[b.start:b.end])
+        buf[b.numel:].zero_()  # the padding: the previous result left values there
+        return buf
+
+    def _restore_errors(self, b: Bucket) -> None:
+        flat, scratch = self._flat, self._scratch.buffers
+        flat["worker_error"][b.worker].copy_(scratch["worker_backup"][b.worker])
+        flat["server_error"][b.server].copy_(scratch["server_backup"][b.server])
+
+    def _finish_overlapped(self, grads: torch.Tensor, compressing: bool) -> bool:
+        """Wait for the buckets' exchanges, redo the stale ones, and return whether the step may go
+        on (every rank's gradient finite); one small all-reduce agrees on both."""
+        lay, owner = self._layout, type(self).__name__
+        stale_here = self._overlap.finish()
+        for k, stale in enumerate(stale_here):  # the gradient grew after its bucket left: take it whole
+            if stale:
+                b = self._buckets[k]
+                lay.gather_grads(grads, owner, b.start, b.end)
+                if self.defaults["maximize"]:
+                    grads[b.start:b.end].neg_()
+        bad_here = compressing and not locally_finite(grads)
+        agreed = any_rank([bad_here, *stale_here], spanning_group(self.process_group), self.comm_stats, grads.device)
+        bad, stale = agreed[0], [k for k, s in enumerate(agreed[1:]) if s]
+        if stale and not self._warned_stale:
+            self._warned_stale = True
+            warnings.warn(f"{owner}: gradients landed in {len(stale)} of {len(self._buckets)} bucket(s) after their "
+                          f"exchange had started (gradient accumulation? run the backwards before the last under "
+                          f"`with optimizer.no_sync():`); step() exchanged them again", RuntimeWarning)
+        if compressing:
+            if bad:
+                for b in self._buckets:
+                    self._restore_errors(b)
+                self._exchange_failures.clear()
+                return False
+            for k in stale:
+                self._exchange_failures.pop(k, None)
+                self._restore_errors(self._buckets[k])
+                b = self._buckets[k]
+                compressed_allreduce(self._bucket_momentum(b), self._flat["worker_error"][b.worker],
+                                     self._flat["server_error"][b.server], self._exchange_group, self.comm_stats)
+            if self._exchange_failures:
+                failure = next(iter(self._exchange_failures.values()))
+                self._exchange_failures.clear()
+                raise failure
+            return True
+        for k in stale:  # the warm-up: the average overwrote the gradients; gather them again
+            self._prepare_bucket(k)()
+        if self.warmup_dtype is not None:
+            for k, b in enumerate(self._buckets):
+                grads[b.start:b.end].copy_(self._warmup_wire.pop(k))
+        return agreed_finite(grads, spanning_group(self.process_group), self.comm_stats, averaged=True)
+
     # ------------------------------------------------------------------ step
     # torch.compile(opt.step), or a compiled function that calls it, runs the step as it is: a step
     # is decisions on values (finite? frozen? which stage?) around collectives and compiled C
@@ -219,24 +388,12 @@ class StagedOptimizer(Optimizer):
             check_layout_unchanged(owner, self._layout.params, self.param_groups)
         if self._layout.numel == 0:
             return loss
-        grads = self._layout.gather_grads(self._scratch.buffer("grad", self._layout.numel), owner)
-        if self.defaults["maximize"]:
-            grads.neg_()
+        grads = self._scratch.buffer("grad", self._layout.numel)
         compressing = self.stage == COMPRESSION  # decided by the steps completed so far
-        if self.ddp_link is None:
-            if first:
-                refuse_averaged_gradients(owner, grads, spanning_group(self.process_group))
-            if not compressing and self.warmup_dtype is None:
-                allreduce_mean_(grads, self.process_group, self.comm_stats)
-            elif not compressing:
-                grads.copy_(allreduce_mean_(grads.to(self.warmup_dtype), self.process_group, self.comm_stats))
-        elif not self.ddp_link.averages_this_step() and not compressing:
-            raise RuntimeError(f"{owner} is registered with a DDP model (register_ddp) but DDP averaged no "
-                               f"gradient since the last step: the backward did not run through the registered "
-                               f"DDP model, or its last micro-batch ran under no_sync()")
-        # in the warm-up the average shows any rank's NaN; in stage 2 one flag is agreed on first
-        self.last_step_skipped = not agreed_finite(grads, spanning_group(self.process_group), self.comm_stats,
-                                                   averaged=not compressing)
+        if self._overlap is not None and not first:
+            self.last_step_skipped = not self._finish_overlapped(grads, compressing)
+        else:
+            self.last_step_skipped = not self._serial_exchange(grads, compressing, first)
         if self.last_step_skipped:
             self._skip()
         elif compressing:
@@ -253,6 +410,33 @@ class StagedOptimizer(Optimizer):
         self.last_step_bytes = self.comm_stats.bytes_sent - self._bytes_after_last_step
         self._bytes_after_last_step = self.comm_stats.bytes_sent
         return loss
+
+    def _serial_exchange(self, grads: torch.Tensor, compressing: bool, first: bool) -> bool:
+        """After the backward: gather the gradients and average them (the warm-up) or exchange the
+        momentum bucket by bucket (stage 2); return whether every rank's gradient was finite."""
+        owner = type(self).__name__
+        self._layout.gather_grads(grads, owner)
+        if self.defaults["maximize"]:
+            grads.neg_()
+        if self.ddp_link is None:
+            if first:
+                refuse_averaged_gradients(owner, grads, spanning_group(self.process_group))
+            if not compressing and self.warmup_dtype is None:
+                allreduce_mean_(grads, self.process_group, self.comm_stats)
+            elif not compressing:
+                grads.copy_(allreduce_mean_(grads.to(self.warmup_dtype), self.process_group, self.comm_stats))
+        elif not self.ddp_link.averages_this_step() and not compressing:
+            raise RuntimeError(f"{owner} is registered with a DDP model (register_ddp) but DDP averaged no "
+                               f"gradient since the last step: the backward did not run through the registered "
+                               f"DDP model, or its last micro-batch ran under no_sync()")
+        # in the warm-up the average shows any rank's NaN; in stage 2 one flag is agreed on first
+        finite = agreed_finite(grads, spanning_group(self.process_group), self.comm_stats, averaged=not compressing)
+        if finite and compressing and world_size_of(self.process_group) > 1:
+            flat = self._flat
+            for b in self._buckets:
+                compressed_allreduce(self._bucket_momentum(b), flat["worker_error"][b.worker],
+                                     flat["server_error"][b.server], self.process_group, self.comm_stats)
+        return finite
 
     def _skip(self) -> None:
         """A non-finite gradient on some rank: every rank leaves parameters, moments, step count and
@@ -336,10 +520,11 @@ class StagedOptimizer(Optimizer):
         return getattr(self.process_group, "local_size", 1)
 
     def _new_error_buffers(self, layout: FlatLayout, world: int) -> None:
-        """Zero worker and server errors (``error_sizes``: a hierarchical group keeps a worker error
-        for this rank's chunk only); one process compresses nothing and keeps none."""
+        """Zero worker and server errors, a region per bucket (``layout.plan_buckets``: a
+        hierarchical group keeps a worker error for this rank's chunk only); one process
+        compresses nothing and keeps none."""
         if world > 1:
-            worker, server = error_sizes(padded_size(layout.numel, world), self.process_group)
+            _, worker, server = buffer_sizes(plan_buckets(self._flat["buckets"], world, self._local_size()))
             self._flat["worker_error"] = torch.zeros(worker, dtype=torch.float32, device=layout.device)
             self._flat["server_error"] = torch.zeros(server, dtype=torch.float32, device=layout.device)
 
@@ -366,24 +551,22 @@ class StagedOptimizer(Optimizer):
         return derived["scale"], derived["unscale"]
 
     def _compression_step(self, grads: torch.Tensor) -> None:
-        """Stage 2: local momentum, one compressed all-reduce, frozen variance and trust ratio."""
+        """Stage 2 after the exchange: the averaged momentum, frozen variance and trust ratio."""
         flat, lay = self._flat, self._layout
         beta1, beta2 = self.defaults["betas"]
         d = lay.numel
         m = flat["exp_avg"]
         m_prev = self._scratch.buffer("momentum_prev", d)
         m_prev.copy_(m)
-        m.mul_(beta1).add_(grads, alpha=1 - beta1)  # this rank's momentum, from its local gradient
         if world_size_of(self.process_group) > 1:
-            scale, unscale = self._compression_scales()
-            buf = self._scratch.buffer("comm", padded_size(d, world_size_of(self.process_group)))
-            torch.mul(m, scale, out=buf[:d])
-            buf[d:].zero_()  # the padding: the previous result left values there
-            compressed_allreduce(buf, flat["worker_error"], flat["server_error"], self.process_group,
-                                 self.comm_stats)
-            torch.mul(buf[:d], unscale, out=m)
+            # the buckets' exchanges (in step(), or behind the backward) left the averaged momentum,
+            # scaled, in the communication buffer
+            _, unscale = self._compression_scales()
+            buf = self._scratch.buffers["comm"]
+            for b in self._buckets:
+                torch.mul(buf[b.comm][:b.numel], unscale[b.start:b.end], out=m[b.start:b.end])
         else:
-            m.mul_(flat["momentum_mask"])
+            m.mul_(beta1).add_(grads, alpha=1 - beta1).mul_(flat["momentum_mask"])
         den, inverse_den = self._frozen_denominators()
         bc1, bc2 = self._bias_corrections()
         update = self._scratch.buffer("update", d)

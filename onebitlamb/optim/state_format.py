@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from onebitlamb.comm import padded_size
+from onebitlamb.optim.layout import buffer_sizes, plan_buckets
 
 PER_RANK = ("worker_error", "server_error")
 # what the freeze creates (exp_avg_sq_fresh: 1-bit LAMB's only)
@@ -43,10 +43,11 @@ def _frozen_templates(flat: Dict[str, Any], fresh_variance: bool) -> Dict[str, t
 
 
 def _error_templates(flat: Dict[str, Any]) -> Dict[str, torch.Tensor]:
-    world, local = flat["world_size"], flat.get("local_size", 1)
-    D = padded_size(sum(flat["layer_numels"]), world)
+    """Zeros shaped like the errors the freeze creates: a region per bucket (``layout.plan_buckets``)."""
+    buckets = flat.get("buckets", [[0, sum(flat["layer_numels"])]])
+    _, worker, server = buffer_sizes(plan_buckets(buckets, flat["world_size"], flat.get("local_size", 1)))
     f32 = dict(dtype=torch.float32, device=flat["exp_avg"].device)
-    return {"worker_error": torch.zeros(D // local, **f32), "server_error": torch.zeros(D // world, **f32)}
+    return {"worker_error": torch.zeros(worker, **f32), "server_error": torch.zeros(server, **f32)}
 
 
 def to_saved(flat: Dict[str, Any], compresses: bool, fresh_variance: bool) -> Dict[str, Any]:
