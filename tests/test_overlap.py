@@ -36,7 +36,7 @@ def _optimizer(kind, params, group=None):
 def _run(rank, n, kind, cap, accumulate="one", nan_at=None, switch_at=None, local_size=None, resume_cap=None):
     """Train STEPS steps; ``cap``: overlap_with_backward's bucket_cap_mb (None: serial).
     ``accumulate``: "one" micro-batch, "no_sync" (two, the first under no_sync), "forgot" (two,
-    without it). ``nan_at``: rank 1's gradient is NaN at that step. ``switch_at``: at that step the
+    without it), "clip" (one, its gradient clipped after the backward). ``nan_at``: rank 1's gradient is NaN at that step. ``switch_at``: at that step the
     state moves, through state_dict(), into a new optimizer (overlapped if ``resume_cap``)."""
     group = onebitlamb.comm.node_groups(local_size) if local_size else None
     model = _model()
@@ -55,13 +55,15 @@ def _run(rank, n, kind, cap, accumulate="one", nan_at=None, switch_at=None, loca
                 opt.load_state_dict(state)
                 assert old() is None  # dropped at once: its hooks start nothing more
             opt.zero_grad()
-            if accumulate != "one":
+            if accumulate in ("no_sync", "forgot"):
                 with opt.no_sync() if accumulate == "no_sync" else torch.enable_grad():
                     _loss(model, rank, step, micro=1).backward()
             loss = _loss(model, rank, step)
             if step == nan_at and rank == 1:  # during the backward: w[0, 0]'s gradient alone is NaN
                 loss = loss + model[0].weight[0, 0] * (0 * float("nan"))
             loss.backward()
+            if accumulate == "clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             started.append(opt._overlap.started if opt._overlap is not None else 0)
             opt.step()
             caught.append(opt.last_step_skipped)
@@ -126,6 +128,13 @@ def test_accumulation_under_no_sync_starts_once_and_a_forgotten_no_sync_is_redon
         assert _equal(ls[0], lf[0]) and _equal(ls[1], lf[1])
         assert _equal(f[0], fs[0]) and _equal(f[1], fs[1])
         assert len(f[5]) == 1 and "no_sync" in f[5][0]  # warned once
+
+
+def test_gradients_clipped_after_the_backward_are_exchanged_as_clipped():
+    serial, overlapped = _spawn(2, "OneBitLamb", None, "clip"), _spawn(2, "OneBitLamb", ONE_BUCKET, "clip")
+    for s, o in zip(serial, overlapped):
+        assert _equal(s[0], o[0]) and _equal(s[1], o[1])
+        assert len(o[5]) == 1 and "clipping" in o[5][0]
 
 
 @pytest.mark.parametrize("nan_at", [2, FREEZE + 2])

@@ -67,6 +67,13 @@ def validate_common(lr: float, betas, eps: float, weight_decay: float, maximize:
         raise ValueError(f"Invalid eps: {eps!r} (must be > 0)")
 
 
+def _grad_marks(layout: FlatLayout, bucket: Bucket) -> list:
+    """Which gradient tensors, at which in-place version, the bucket's parameters hold: any change
+    (a later backward, clipping, ``p.grad = ...``) changes the marks, without a pass over the data."""
+    return [None if p.grad is None else (id(p.grad), p.grad._version)
+            for p, s in zip(layout.params, layout.slices) if bucket.start <= s.start < bucket.end]
+
+
 class StagedOptimizer(Optimizer):
     """Base of the three optimizers. Subclasses set the update rule with two switches:
 
@@ -105,6 +112,7 @@ class StagedOptimizer(Optimizer):
         self._warned_stale = False
         self._exchange_failures: Dict[int, FloatingPointError] = {}  # per bucket, from the thread
         self._warmup_wire: Dict[int, torch.Tensor] = {}  # per bucket, the bf16 copy being averaged
+        self._grad_marks: Dict[int, list] = {}  # per bucket, which gradients it took (_grad_marks)
         # the state exists from the start, like the layout it follows, so that a state dict taken
         # before the first step is a complete template (DCP loads into one); rebuilt at the first
         # step if the parameters changed until then
@@ -284,6 +292,7 @@ class StagedOptimizer(Optimizer):
         b, lay, flat = self._buckets[k], self._layout, self._flat
         grads = self._scratch.buffer("grad", lay.numel)
         lay.gather_grads(grads, type(self).__name__, b.start, b.end)
+        self._grad_marks[k] = _grad_marks(lay, b)
         if self.defaults["maximize"]:
             grads[b.start:b.end].neg_()
         if self.stage == COMPRESSION:
@@ -330,7 +339,11 @@ class StagedOptimizer(Optimizer):
         on (every rank's gradient finite); one small all-reduce agrees on both."""
         lay, owner = self._layout, type(self).__name__
         stale_here = self._overlap.finish()
-        for k, stale in enumerate(stale_here):  # the gradient grew after its bucket left: take it whole
+        # a gradient changed in place or replaced after its bucket left (a later backward, clipping,
+        # unscaling) makes the bucket stale too: its exchange used the gradient the backward left
+        changed = [self._grad_marks.get(k) != _grad_marks(lay, b) for k, b in enumerate(self._buckets)]
+        stale_here = [s or c for s, c in zip(stale_here, changed)]
+        for k, stale in enumerate(stale_here):  # take the final gradient whole
             if stale:
                 b = self._buckets[k]
                 lay.gather_grads(grads, owner, b.start, b.end)
@@ -341,9 +354,12 @@ class StagedOptimizer(Optimizer):
         bad, stale = agreed[0], [k for k, s in enumerate(agreed[1:]) if s]
         if stale and not self._warned_stale:
             self._warned_stale = True
-            warnings.warn(f"{owner}: gradients landed in {len(stale)} of {len(self._buckets)} bucket(s) after their "
-                          f"exchange had started (gradient accumulation? run the backwards before the last under "
-                          f"`with optimizer.no_sync():`); step() exchanged them again", RuntimeWarning)
+            warnings.warn(f"{owner}: the gradients of {len(stale)} of {len(self._buckets)} bucket(s) changed after "
+                          f"their exchange had started, so step() exchanged them again and overlap_with_backward "
+                          f"gained nothing: a gradient accumulation (run the backwards before the last under "
+                          f"`with optimizer.no_sync():`), or gradients changed between backward() and step() "
+                          f"(clipping by the global norm, unscaling), which the exchange behind the backward "
+                          f"cannot wait for", RuntimeWarning)
         if compressing:
             if bad:
                 for b in self._buckets:
