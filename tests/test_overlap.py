@@ -209,3 +209,22 @@ def test_a_state_whose_buckets_do_not_tile_the_model_is_refused():
     _loss(model, 0, 0).backward()
     with pytest.raises(ValueError, match=r"buckets \[\[0, 100\], \[120, 195\]\] do not tile"):
         opt.step()
+
+
+def test_the_main_job_exchanges_behind_its_last_micro_batch_unless_it_clips(tmp_path, capfd):
+    """The preset setting bucket_cap_mb (the demo-buckets study's): 2 workers, 2 micro-batches each;
+    the first runs under no_sync(), so without clipping no bucket is redone; clipping the local
+    gradient after the backward changes every bucket's gradient, which the optimizer notices."""
+    import email
+    import os
+
+    from onebitlamb.train.pretrain import PRESETS, TrainConfig, train
+
+    for clip in (0.0, 1.0):
+        cfg = TrainConfig(**{**PRESETS["tiny"], "out": str(tmp_path / f"clip{clip}"), "progress": False,
+                             "corpus": [os.path.dirname(email.__file__)], "cache_dir": str(tmp_path / "cache"),
+                             "freeze": 0.35, "clip": clip, "bucket_cap_mb": 1e-3})
+        assert cfg.global_batch // (cfg.workers * cfg.micro_batch) == 2
+        assert train(cfg)["completed"]
+        redone = "changed after their exchange had started" in capfd.readouterr().err
+        assert redone == (clip > 0)

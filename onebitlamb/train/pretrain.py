@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import collections
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -63,6 +64,8 @@ PRESETS = {
     "b512": dict(global_batch=512, steps=128, eval_every=16),
     "b1024": dict(global_batch=1024, steps=400, eval_every=50),
     "b4096": dict(global_batch=4096, steps=100, eval_every=20),
+    # demo with the exchange in buckets started behind the backward (the bucket study's)
+    "demo-buckets": dict(bucket_cap_mb=1.0),
     # a larger model and corpus, meant for GPUs under torchrun
     "large": dict(stdlib_tests=True, vocab_size=8192, seq_len=128, hidden=256, layers=4, heads=4,
                   intermediate=1024, workers=8, micro_batch=32, global_batch=2048, steps=1000, eval_every=50,
@@ -101,7 +104,8 @@ class TrainConfig:
 
     preset: str = field(default="demo", metadata={
         "help": "base settings; the defaults below are demo's. tiny: the tests' few seconds, b512/b1024/b4096: "
-                "demo at larger global batches, large: a larger model and corpus for GPUs",
+                "demo at larger global batches, demo-buckets: demo with the 1-bit exchange in 1 MiB buckets "
+                "(the optimizer's overlap_with_backward), large: a larger model and corpus for GPUs",
         "choices": list(PRESETS)})
     optimizer: str = field(default="onebitlamb", metadata={"help": "what trains the model", "choices": OPTIMIZERS})
     out: str = field(default="", metadata={"help": "output folder: metrics, checkpoints, plots", "required": True})
@@ -144,6 +148,7 @@ class TrainConfig:
 
     # preset-only; the model's defaults are ModelConfig's
     heldout_fraction: float = 0.05
+    bucket_cap_mb: Optional[float] = None  # the optimizer's overlap_with_backward (None: not called)
     vocab_size: int = ModelConfig.vocab_size
     seq_len: int = ModelConfig.seq_len
     hidden: int = ModelConfig.hidden
@@ -200,6 +205,8 @@ class TrainConfig:
             refuse("mask_prob", "in (0, 1]")
         if not self.eps > 0:
             refuse("eps", "> 0")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            refuse("bucket_cap_mb", "> 0")
         if self.resume and self.overwrite:
             raise SetupError("--resume continues the run in OUT and --overwrite removes it: give one of them")
 
@@ -490,6 +497,8 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
     # optimizer, and the schedule: linear warm-up, then linear decay to 0
     groups, names = param_groups(model, cfg.weight_decay)
     optimizer = make_optimizer(cfg, groups)
+    if cfg.bucket_cap_mb is not None:
+        optimizer.overlap_with_backward(cfg.bucket_cap_mb)
     warm, total = cfg.warmup_steps, cfg.steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
@@ -539,7 +548,8 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
         for i in range(accum):
             sl = slice(i * cfg.micro_batch, (i + 1) * cfg.micro_batch)
             loss = mlm_loss(model, inputs[sl].to(device), labels[sl].to(device)) / accum
-            loss.backward()
+            with optimizer.no_sync() if i < accum - 1 else contextlib.nullcontext():  # the last one exchanges
+                loss.backward()
             loss_sum += loss.item()
         grad_norm = None
         if cfg.clip > 0:  # this worker's local gradient, before step() communicates anything
