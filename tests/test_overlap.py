@@ -155,7 +155,8 @@ def test_a_hierarchical_group_overlaps_too():
 
 
 def _refusals(rank, n):
-    opt = _optimizer("OneBitLamb", _model().parameters())
+    opt_model = _model()
+    opt = _optimizer("OneBitLamb", opt_model.parameters())
     out = []
     for bad in (0, -1.0, float("nan"), True, "25"):
         try:
@@ -175,15 +176,19 @@ def _refusals(rank, n):
         registered.overlap_with_backward()
     except ValueError as e:
         out.append(str(e))
+    try:  # and the other way round
+        onebitlamb.register_ddp(torch.nn.parallel.DistributedDataParallel(opt_model), opt)
+    except ValueError as e:
+        out.append(str(e))
     return out
 
 
 def test_bad_arguments_are_refused_on_every_rank():
     for messages in spawn_local(_refusals, 2, timeout_s=120, collective_timeout_s=60):
-        assert len(messages) == 7
+        assert len(messages) == 8
         for bad, message in zip(("0", "-1.0", "nan", "True", "'25'"), messages):
             assert f"bucket_cap_mb: {bad}" in message
-        assert "already" in messages[5] and "register_ddp" in messages[6]
+        assert "already" in messages[5] and "register_ddp" in messages[6] and "not both" in messages[7]
 
 
 def test_one_process_has_nothing_to_overlap():

@@ -81,6 +81,9 @@ def register_ddp(ddp_model: DistributedDataParallel, optimizer: StagedOptimizer)
                          f"{type(ddp_model).__name__}")
     if getattr(optimizer, "ddp_link", None) is not None:
         raise ValueError(f"{type(optimizer).__name__} is already registered with a DDP model")
+    if getattr(optimizer, "_overlap", None) is not None:
+        raise ValueError(f"{type(optimizer).__name__} exchanges behind the backward itself (overlap_with_backward): "
+                         f"use that or register_ddp, not both")
     ddp_size, opt_size = world_size_of(ddp_model.process_group), world_size_of(optimizer.process_group)
     if ddp_size != opt_size:
         raise ValueError(f"the DDP model's process group has {ddp_size} ranks, the optimizer's {opt_size}: they "
