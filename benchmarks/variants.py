@@ -1,5 +1,5 @@
 """What the experiments on the demo share: runs of 1-bit LAMB variants beside LAMB and the default
-over a few seeds, and the table that compares them (``warmup_precision.py``, ``buckets.py``).
+over a few seeds, and the table that compares them (``warmup_precision.py``, ``exchange.py``).
 
 A variant is a row of the convergence benchmark run with another preset and, where the optimizers
 read one at construction, an environment variable. Finished runs are reused from their folders, so

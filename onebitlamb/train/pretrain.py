@@ -66,6 +66,8 @@ PRESETS = {
     "b4096": dict(global_batch=4096, steps=100, eval_every=20),
     # demo with the exchange in buckets started behind the backward (the bucket study's)
     "demo-buckets": dict(bucket_cap_mb=1.0),
+    # demo with its 4 workers as 2 nodes of 2 (node_groups(2), the hierarchy study's)
+    "demo-nodes": dict(local_size=2),
     # a larger model and corpus, meant for GPUs under torchrun
     "large": dict(stdlib_tests=True, vocab_size=8192, seq_len=128, hidden=256, layers=4, heads=4,
                   intermediate=1024, workers=8, micro_batch=32, global_batch=2048, steps=1000, eval_every=50,
@@ -105,7 +107,8 @@ class TrainConfig:
     preset: str = field(default="demo", metadata={
         "help": "base settings; the defaults below are demo's. tiny: the tests' few seconds, b512/b1024/b4096: "
                 "demo at larger global batches, demo-buckets: demo with the 1-bit exchange in 1 MiB buckets "
-                "(the optimizer's overlap_with_backward), large: a larger model and corpus for GPUs",
+                "(the optimizer's overlap_with_backward), demo-nodes: demo's 4 workers as 2 nodes of 2 "
+                "(process_group=node_groups(2)), large: a larger model and corpus for GPUs",
         "choices": list(PRESETS)})
     optimizer: str = field(default="onebitlamb", metadata={"help": "what trains the model", "choices": OPTIMIZERS})
     out: str = field(default="", metadata={"help": "output folder: metrics, checkpoints, plots", "required": True})
@@ -149,6 +152,7 @@ class TrainConfig:
     # preset-only; the model's defaults are ModelConfig's
     heldout_fraction: float = 0.05
     bucket_cap_mb: Optional[float] = None  # the optimizer's overlap_with_backward (None: not called)
+    local_size: Optional[int] = None  # ranks per node: process_group=node_groups(local_size) (None: flat)
     vocab_size: int = ModelConfig.vocab_size
     seq_len: int = ModelConfig.seq_len
     hidden: int = ModelConfig.hidden
@@ -207,6 +211,8 @@ class TrainConfig:
             refuse("eps", "> 0")
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             refuse("bucket_cap_mb", "> 0")
+        if self.local_size is not None and self.local_size < 1:
+            refuse("local_size", ">= 1")
         if self.resume and self.overwrite:
             raise SetupError("--resume continues the run in OUT and --overwrite removes it: give one of them")
 
@@ -637,7 +643,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float):
 
 
 def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
-    common = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    common = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                  process_group=None if cfg.local_size is None else onebitlamb.comm.node_groups(cfg.local_size))
     if cfg.optimizer == "lamb":
         return onebitlamb.Lamb(groups, **common)
     cls = onebitlamb.OneBitLamb if cfg.optimizer == "onebitlamb" else onebitlamb.OneBitAdam

@@ -1,0 +1,52 @@
+"""1-bit LAMB's exchange in buckets (``overlap_with_backward``) and across nodes (``node_groups``)
+against the flat exchange of one buffer: convergence on the demo.
+
+    python -m benchmarks.exchange --seeds 3     # 6 demo runs on 2 cores beyond the convergence benchmark's
+
+Both change the numbers, not only the speed. With several buckets each has its own compression
+scale and its own error buffers. Across nodes, each node first averages exactly, and the 1-bit
+exchange runs between the nodes, on shards. This measures whether the demo converges as well.
+Rows: LAMB and 1-bit LAMB with the main job's defaults (the convergence benchmark's runs, reused
+from the same folders), 1-bit LAMB under the preset ``demo-buckets`` (``overlap_with_backward(
+bucket_cap_mb=1.0)``: 3 buckets on the demo's BERT; the main job clips the local gradient after the
+backward, so each bucket is exchanged again in ``step()`` and nothing overlaps, but the numbers are
+the buckets'), and under ``demo-nodes`` (the 4 workers as 2 nodes of 2, ``node_groups(2)``).
+Writes the "exchange" section of BENCHMARKS.md. Run from the repository root.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+from benchmarks import convergence
+from benchmarks.report import command_line, write_section
+from benchmarks.variants import DEFAULT, LAMB, Variant, run_variants, section, seeds_from
+
+BUCKETS = Variant(convergence.Row("1-bit LAMB, automatic freeze, 1 MiB buckets", DEFAULT.row.folder,
+                                  DEFAULT.row.flags), preset="demo-buckets")
+NODES = Variant(convergence.Row("1-bit LAMB, automatic freeze, 2 nodes of 2 ranks", DEFAULT.row.folder,
+                                DEFAULT.row.flags), preset="demo-nodes")
+VARIANTS = [LAMB, DEFAULT, BUCKETS, NODES]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.exchange", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3, help=f"how many seeds, from {convergence.FIRST_SEED} up")
+    parser.add_argument("--out", default=os.path.join("runs", "convergence"), help="the runs' folder")
+    parser.add_argument("--no-write", action="store_true", help="print only; write no file")
+    args = parser.parse_args(argv)
+    seeds = seeds_from(args.seeds)
+    results = run_variants(args.out, seeds, VARIANTS)
+    body = section("The exchange in buckets and across nodes: convergence (experiments)", command_line(argv), seeds,
+                   VARIANTS, results)
+    print("\n" + body)
+    if not args.no_write:
+        write_section("exchange", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
