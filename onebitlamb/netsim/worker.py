@@ -21,7 +21,9 @@ Jobs, in the order they run when present in the spec:
   the optimizer over the flat world group against the same optimizer over
   ``onebitlamb.comm.node_groups(local_size)`` (the hierarchical all-reduce), and a third model
   with no communication at all (each rank alone), their steps interleaved in one launch through
-  both stages (``hierarchy_steps``; also runs on loopback under ``spawn_local``);
+  both stages (``hierarchy_steps``; also runs on loopback under ``spawn_local``); ``spec["modes"]``
+  may add the flat and the hierarchical optimizer with ``overlap_with_backward`` (the serial step
+  against the one whose exchange runs behind the backward);
 - ``train``: per optimizer, timed steps of the warm-up and the compression stage of the BERT
   pretraining workload on synthetic token batches, with per-stage wire and accounted bytes; just
   before, the same steps with no communication at all (each rank alone in a one-rank group, all
@@ -295,9 +297,20 @@ def ddp_steps(rank: int, world: int, spec: dict, interface: Optional[str] = None
     return {"steps": steps, "barrier_bytes": barrier_bytes, "params": params}
 
 
-#: The three ways ``hierarchy_steps`` runs each optimizer: over the world group, over
+#: The three ways ``hierarchy_steps`` runs each optimizer by default: over the world group, over
 #: ``node_groups(local_size)``, and alone (a one-rank group: no collective, the compute-only step).
 HIERARCHY_MODES = ("flat", "hier", "solo")
+#: Every mode ``spec["modes"]`` may name: the process group each runs over, and whether its
+#: optimizer exchanges behind the backward (``overlap_with_backward``) instead of in ``step()``.
+MODE_GROUPS = {"flat": ("world", False), "hier": ("node", False), "solo": ("solo", False),
+               "overlap": ("world", True), "hier-overlap": ("node", True)}
+
+
+def _buckets_started(opt) -> int:
+    """Buckets ``overlap_with_backward`` started since the last step (0 without it): read after the
+    backward, the share of the exchange that ran behind it."""
+    overlap = getattr(opt, "_overlap", None)
+    return overlap.started if overlap is not None else 0
 
 
 def _time_calls(fn, calls: int, group) -> float:
@@ -317,18 +330,22 @@ def hierarchy_steps(rank: int, world: int, spec: dict, interface: Optional[str] 
     """The flat group against ``node_groups(local_size)``, interleaved, through the warm-up and
     the compression stage.
 
-    Per optimizer in ``spec["optimizers"]`` three models built alike: one whose optimizer has the
-    world group (the flat collectives), one with ``process_group=node_groups(L)`` (node
-    reduce-scatter, the exchange across nodes, node all-gather), and one alone in a one-rank group
-    (``solo``, created here when not given): its step is the compute-only time of a synchronous
-    step, measured in the same seconds as the other two. Every round times one step of each, in an
-    order drawn afresh each round (the same on all ranks), each after a barrier, as ``ddp_steps``
-    does. Per step: forward + backward and ``optimizer.step()`` times, the bytes ``comm_stats``
-    recorded (all, and those of the node stages, ``hierarchy.INTRA_OPS``) and, with an interface,
-    the bytes its counter saw less one bare barrier's. With several ranks per host the counter is
-    the host's (the node's), read by each of its ranks. First, once: the latency of a tiny
-    all-reduce across nodes (over ``inter``) and inside the node (over ``intra``), and the time of
-    the node reduce-scatter's all-to-all of the full fp32 gradient (the node's byte rate).
+    Per optimizer in ``spec["optimizers"]`` one model built alike per mode of ``spec["modes"]``
+    (default ``HIERARCHY_MODES``): ``flat``, whose optimizer has the world group (the flat
+    collectives); ``hier``, with ``process_group=node_groups(L)`` (node reduce-scatter, the
+    exchange across nodes, node all-gather); ``solo``, alone in a one-rank group (``solo``, created
+    here when not given): its step is the compute-only time of a synchronous step, measured in the
+    same seconds as the others; ``overlap`` and ``hier-overlap``, the flat and the hierarchical
+    one with ``overlap_with_backward(spec["bucket_cap_mb"])`` (default 1 MiB), whose buckets'
+    exchanges start during the backward. Every round times one step of each, in an order drawn
+    afresh each round (the same on all ranks), each after a barrier, as ``ddp_steps`` does. Per
+    step: forward + backward and ``optimizer.step()`` times, the buckets started during the
+    backward (and the buckets there are), the bytes ``comm_stats`` recorded (all, and those of the
+    node stages, ``hierarchy.INTRA_OPS``) and, with an interface, the bytes its counter saw less
+    one bare barrier's. With several ranks per host the counter is the host's (the node's), read
+    by each of its ranks. First, once: the latency of a tiny all-reduce across nodes (over
+    ``inter``) and inside the node (over ``intra``), and the time of the node reduce-scatter's
+    all-to-all of the full fp32 gradient (the node's byte rate).
     """
     import onebitlamb
     from onebitlamb.comm import node_groups, padded_size
@@ -344,14 +361,21 @@ def hierarchy_steps(rank: int, world: int, spec: dict, interface: Optional[str] 
     warm, comp, skip = spec["warmup_steps"], spec["compression_steps"], spec.get("skip_steps", 1)
     freeze_step = skip + warm
     modes = list(spec.get("modes", HIERARCHY_MODES))
+    unknown = [m for m in modes if m not in MODE_GROUPS]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown} (choose from {', '.join(MODE_GROUPS)})")
+    by_kind = {"world": world_group, "node": groups, "solo": solo}
     runs = []  # (optimizer name, mode, model, optimizer)
     for name in spec["optimizers"]:
         for mode in modes:
-            group = {"flat": world_group, "hier": groups, "solo": solo}[mode]
+            kind, overlapped = MODE_GROUPS[mode]
             model = build_model(cfg, seed=spec.get("seed", 0))
             model.train()
-            runs.append((name, mode, model, make_optimizer(name, model.parameters(), spec.get("lr", 1e-3),
-                                                           freeze_step, group)))
+            opt = make_optimizer(name, model.parameters(), spec.get("lr", 1e-3), freeze_step, by_kind[kind])
+            if overlapped:
+                # collective (it copies the group): every rank builds the runs in this one order
+                opt.overlap_with_backward(spec.get("bucket_cap_mb", 1.0))
+            runs.append((name, mode, model, opt))
     d = sum(p.numel() for p in runs[0][2].parameters()) if runs else 0
     tiny = torch.zeros(1)
     calls = spec.get("latency_calls", 20)
@@ -378,6 +402,7 @@ def hierarchy_steps(rank: int, world: int, spec: dict, interface: Optional[str] 
         opt.zero_grad(set_to_none=True)
         model(**batch).loss.backward()
         t1 = time.perf_counter()
+        started = _buckets_started(opt)
         opt.step()
         t2 = time.perf_counter()
         _barrier(world_group)
@@ -385,11 +410,13 @@ def hierarchy_steps(rank: int, world: int, spec: dict, interface: Optional[str] 
         if not timed:
             continue
         rec = steps.setdefault(name, {}).setdefault(mode, {}).setdefault(stage, {
-            "step_times": [], "backward_times": [], "opt_step_times": [], "bytes": [], "intra_bytes": [],
-            "wire_bytes": []})
+            "step_times": [], "backward_times": [], "opt_step_times": [], "started_in_backward": [],
+            "buckets": [], "bytes": [], "intra_bytes": [], "wire_bytes": []})
         rec["step_times"].append(t2 - t0)
         rec["backward_times"].append(t1 - t0)
         rec["opt_step_times"].append(t2 - t1)
+        rec["started_in_backward"].append(started)
+        rec["buckets"].append(len(opt.state["flat"]["buckets"]))
         rec["bytes"].append(opt.comm_stats.bytes_sent - b0)
         rec["intra_bytes"].append(intra(opt) - i0)
         rec["wire_bytes"].append(tx1 - tx0 - barrier_bytes if interface else None)
