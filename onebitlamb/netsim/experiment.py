@@ -462,19 +462,28 @@ def format_ddp_table(summary: dict) -> str:
 
 # --- the flat group against node_groups() on nodes of several ranks (``benchmarks/hierarchy.py``) ---
 
-def run_hierarchy(s: Settings, local_size: int, log=print) -> dict:
+def run_hierarchy(s: Settings, local_size: int, log=print, modes: Optional[Sequence[str]] = None,
+                  bucket_cap_mb: Optional[float] = None) -> dict:
     """Per rate, one launch on ``s.hosts`` emulated nodes of ``local_size`` workers each (the
     workers of a node share its namespace and talk over its loopback; only the links between
-    nodes are shaped) running ``worker.hierarchy_steps``: the flat group's steps, the hierarchical
-    group's and the compute-only ones, interleaved, through both stages. The launcher also reads
-    each node's interface counters before and after the launch."""
+    nodes are shaped) running ``worker.hierarchy_steps``: the steps of each of ``modes`` (default
+    the worker's: the flat group's, the hierarchical group's and the compute-only ones; the
+    overlapped ones with buckets of ``bucket_cap_mb``, default the worker's), interleaved, through
+    both stages. The launcher also reads each node's interface counters before and after the
+    launch."""
     out: dict = {"settings": {**s.__dict__, "rates": list(s.rates), "optimizers": list(s.optimizers),
-                              "local_size": local_size}, "rates": []}
+                              "local_size": local_size, "modes": None if modes is None else list(modes),
+                              "bucket_cap_mb": bucket_cap_mb}, "rates": []}
     t0 = time.monotonic()
     spec = dict(s.spec(), hierarchy=True, local_size=local_size)
+    if modes is not None:
+        spec["modes"] = list(modes)
+    if bucket_cap_mb is not None:
+        spec["bucket_cap_mb"] = bucket_cap_mb
+    what = ", ".join(modes) if modes is not None else f"flat vs node_groups({local_size})"
     for rate in s.rates:
-        log(f"[netsim hierarchy] {rate_label(rate)}: {s.hosts} nodes x {local_size} ranks, flat vs node_groups"
-            f"({local_size}), {', '.join(s.optimizers)} ({time.monotonic() - t0:.0f}s so far)")
+        log(f"[netsim hierarchy] {rate_label(rate)}: {s.hosts} nodes x {local_size} ranks, {what}, "
+            f"{', '.join(s.optimizers)} ({time.monotonic() - t0:.0f}s so far)")
         with Network(s.hosts, rate, burst_ms=s.burst_ms, ranks_per_host=local_size) as net:
             before = [net.counters(i) for i in range(s.hosts)]
             ranks = run_workers(net, spec, timeout_s=s.timeout_s)
@@ -491,15 +500,34 @@ def _quartiles(values: List[float]):
     return statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
 
 
+#: The per-step ratios ``summarise_hierarchy_rate`` forms when both modes ran: the row keys'
+#: stem, numerator mode over denominator mode (above 1: the second faster), and the key of the
+#: share of steps where the second was faster.
+HIERARCHY_RATIOS = (("ratio", "flat", "hier", "hier_faster_share"),
+                    ("overlap_ratio", "flat", "overlap", "overlap_faster_share"),
+                    ("hier_overlap_ratio", "hier", "hier-overlap", "hier_overlap_faster_share"))
+
+
+def mode_key(mode: str) -> str:
+    """The stem of a mode's row keys: ``hier-overlap`` -> ``hier_overlap`` (``hier_overlap_s``)."""
+    return mode.replace("-", "_")
+
+
 def summarise_hierarchy_rate(per_rank: List[dict], rate_bps: Optional[float] = None) -> List[dict]:
-    """One row per optimizer and stage from ``worker.hierarchy_steps``' per-rank results.
+    """One row per optimizer and stage from ``worker.hierarchy_steps``' per-rank results, with
+    the figures of every mode that ran (keys ``<mode>_...``, ``mode_key``).
 
     Step times: per step the slowest rank (a synchronous step costs its last rank's time), median
-    over steps; ``ratio``: per step flat over hierarchical, median and quartiles. Bytes per step:
-    accounted (``comm_stats``) per rank, split into the node stages (``INTRA_OPS``) and the rest,
-    and summed over a node's ranks for the bytes a node sends beyond the node stages; wire: the
-    node's interface counter (read by each of its ranks, so taken from its local rank 0), mean
-    over nodes and steps. With no interface (loopback) the wire bytes are None.
+    over steps; the ratios of ``HIERARCHY_RATIOS`` (``ratio``: flat over hierarchical,
+    ``overlap_ratio``: flat over overlapped, ``hier_overlap_ratio``: hierarchical over
+    hierarchical overlapped), per step, median and quartiles, where both modes ran. Buckets
+    started during the backward: mean over ranks and steps, beside the buckets there are. Bytes
+    per step: accounted (``comm_stats``) per rank, split into the node stages (``INTRA_OPS``) and
+    the rest, and summed over a node's ranks for the bytes a node sends beyond the node stages;
+    wire: the node's interface counter (read by each of its ranks, so taken from its local rank
+    0), mean over nodes and steps, and the time it takes at the link rate (``<mode>_wire_s``).
+    ``<mode>_ideal_s``: max(compute-only step, that wire time), the step of perfect overlap. With no
+    interface (loopback) the wire bytes are None.
     """
     first = per_rank[0]["steps"]
     L = per_rank[0]["local_size"]
@@ -507,31 +535,44 @@ def summarise_hierarchy_rate(per_rank: List[dict], rate_bps: Optional[float] = N
     rows = []
     for name in first:
         for stage in ("warmup", "compression"):
-            if stage not in first[name].get("flat", {}):
+            modes = [mode for mode, by_stage in first[name].items() if stage in by_stage]
+            if not modes:
                 continue
             row = {"rate_bps": rate_bps, "optimizer": name, "stage": stage, "local_size": L, "nodes": nodes}
-            for mode in ("flat", "hier", "solo"):
-                if mode not in first[name]:
-                    continue
+            for mode in modes:
+                k = mode_key(mode)
                 recs = [r["steps"][name][mode][stage] for r in per_rank]
                 t = _slowest(recs, "step_times")
-                row[f"{mode}_times"] = t
-                row[f"{mode}_s"] = statistics.median(t)
-                row[f"{mode}_opt_s"] = statistics.median(_slowest(recs, "opt_step_times"))
-                row[f"{mode}_backward_s"] = statistics.median(_slowest(recs, "backward_times"))
+                row[f"{k}_times"] = t
+                row[f"{k}_s"] = statistics.median(t)
+                row[f"{k}_opt_s"] = statistics.median(_slowest(recs, "opt_step_times"))
+                row[f"{k}_backward_s"] = statistics.median(_slowest(recs, "backward_times"))
+                if "started_in_backward" in recs[0]:  # not in results from before overlap_with_backward
+                    row[f"{k}_started"] = _mean(x for rec in recs for x in rec["started_in_backward"])
+                    row[f"{k}_buckets"] = max(x for rec in recs for x in rec["buckets"])
                 rank_bytes = [_mean(rec["bytes"]) for rec in recs]
                 rank_intra = [_mean(rec["intra_bytes"]) for rec in recs]
-                row[f"{mode}_rank_bytes"] = _mean(rank_bytes)
-                row[f"{mode}_rank_intra_bytes"] = _mean(rank_intra)
+                row[f"{k}_rank_bytes"] = _mean(rank_bytes)
+                row[f"{k}_rank_intra_bytes"] = _mean(rank_intra)
                 # what a node's ranks together accounted outside the node stages
-                row[f"{mode}_node_bytes"] = _mean(
-                    sum(rank_bytes[k * L + i] - rank_intra[k * L + i] for i in range(L)) for k in range(nodes))
-                wires = [w for k in range(nodes) for w in recs[k * L]["wire_bytes"] if w is not None]
-                row[f"{mode}_wire_bytes"] = _mean(wires) if wires else None
-            ratios = [a / b for a, b in zip(row["flat_times"], row["hier_times"])]
-            q = _quartiles(ratios)
-            row.update(steps=len(ratios), ratio_median=statistics.median(ratios), ratio_q1=q[0], ratio_q3=q[2],
-                       hier_faster_share=sum(x > 1 for x in ratios) / len(ratios))
+                row[f"{k}_node_bytes"] = _mean(
+                    sum(rank_bytes[j * L + i] - rank_intra[j * L + i] for i in range(L)) for j in range(nodes))
+                wires = [w for j in range(nodes) for w in recs[j * L]["wire_bytes"] if w is not None]
+                row[f"{k}_wire_bytes"] = _mean(wires) if wires else None
+            for k in [mode_key(m) for m in modes if m != "solo"]:
+                wire = row[f"{k}_wire_bytes"]
+                # unshaped: no wire time to wait for; on loopback (no counter) it is unknown
+                row[f"{k}_wire_s"] = 0.0 if rate_bps is None else (None if wire is None else 8 * wire / rate_bps)
+                if "solo_s" in row and row[f"{k}_wire_s"] is not None:
+                    row[f"{k}_ideal_s"] = max(row["solo_s"], row[f"{k}_wire_s"])
+            for stem, num, den, faster in HIERARCHY_RATIOS:
+                if num not in modes or den not in modes:
+                    continue
+                ratios = [a / b for a, b in zip(row[f"{mode_key(num)}_times"], row[f"{mode_key(den)}_times"])]
+                q = _quartiles(ratios)
+                row.update({f"{stem}_median": statistics.median(ratios), f"{stem}_q1": q[0], f"{stem}_q3": q[2],
+                            faster: sum(x > 1 for x in ratios) / len(ratios)})
+            row["steps"] = len(row[f"{mode_key(modes[0])}_times"])
             rows.append(row)
     return rows
 
@@ -572,6 +613,7 @@ def summarise_hierarchy(raw: dict) -> dict:
         rows += rate_rows
     first = raw["rates"][0]["ranks"][0] if raw["rates"] else {}
     return {"params": first.get("params", 0), "local_size": first.get("local_size", 1), "rows": rows,
+            "bucket_cap_mb": raw.get("settings", {}).get("bucket_cap_mb"),
             "qdisc_drops": {rate_label(e["rate_bps"]): e["qdisc_drops"] for e in raw["rates"]}}
 
 
@@ -631,6 +673,31 @@ def check_hierarchy_targets(summary: dict, speed_rate: float = 100e6, speed_targ
     return out
 
 
+def _rate_x(rows: List[dict]):
+    """A row's x on a log axis of link rates in Mbit/s; the unshaped network drawn to the right of
+    the fastest shaped rate."""
+    shaped = [r["rate_bps"] for r in rows if r["rate_bps"] is not None]
+    unshaped_x = max(shaped) * 5 if shaped else 1e10
+    return lambda row: (row["rate_bps"] or unshaped_x) / 1e6
+
+
+def _log_rate_axis(ax, rows: List[dict], xlabel: str) -> None:
+    """Log-log axes with one tick per measured rate (``_rate_x``), labelled with the rate."""
+    from matplotlib.ticker import NullLocator
+
+    x_of = _rate_x(rows)
+    rates = sorted({r["rate_bps"] for r in rows}, key=lambda r: math.inf if r is None else r)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks([x_of({"rate_bps": r}) for r in rates])
+    ax.set_xticklabels(["unshaped" if r is None else rate_label(r).replace(" ", "\n") for r in rates])
+    # no minor ticks between the rates (they would label rates not measured); the step-time axis
+    # keeps its own, which label a range narrower than a decade
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(xlabel)
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def plot_hierarchy(summary: dict, path) -> None:
     """Two panels against the inter-node rate: a node's wire bytes per step and the step time,
     flat vs hierarchical, warm-up and compression stage (the cost model's steps dotted)."""
@@ -640,14 +707,13 @@ def plot_hierarchy(summary: dict, path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in summary["rows"] if r["optimizer"] == "onebitlamb"]
-    shaped = sorted({r["rate_bps"] for r in rows if r["rate_bps"] is not None})
-    unshaped_x = (max(shaped) * 5) if shaped else 1e10
+    x_of = _rate_x(rows)
     fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(11, 4.6))
     styles = {("flat", "warmup"): ("C3", "s--"), ("hier", "warmup"): ("C0", "s--"),
               ("flat", "compression"): ("C3", "o-"), ("hier", "compression"): ("C0", "o-")}
     label = {"flat": "flat group", "hier": f"node_groups({summary['local_size']})"}
     for (mode, stage), (color, style) in styles.items():
-        pts = sorted(((r["rate_bps"] or unshaped_x) / 1e6, r) for r in rows if r["stage"] == stage)
+        pts = sorted(((x_of(r), r) for r in rows if r["stage"] == stage), key=lambda p: p[0])
         if not pts:
             continue
         xs = [x for x, _ in pts]
@@ -660,20 +726,12 @@ def plot_hierarchy(summary: dict, path) -> None:
         ax_t.plot(xs, [1000 * r[f"{mode}_s"] for _, r in pts], style, color=color, label=f"{label[mode]}, {stage}")
         if all(f"{mode}_pred_s" in r for _, r in pts):
             ax_t.plot(xs, [1000 * r[f"{mode}_pred_s"] for _, r in pts], ":", color=color, alpha=0.6)
-    comp = sorted(((r["rate_bps"] or unshaped_x) / 1e6, r) for r in rows if r["stage"] == "compression")
+    comp = sorted(((x_of(r), r) for r in rows if r["stage"] == "compression"), key=lambda p: p[0])
     if comp and "solo_s" in comp[0][1]:
         ax_t.plot([x for x, _ in comp], [1000 * r["solo_s"] for _, r in comp], "x-", color="grey", lw=0.8,
                   label="compute-only, compression")
-    ticks = [x / 1e6 for x in shaped] + ([unshaped_x / 1e6] if any(r["rate_bps"] is None for r in rows) else [])
     for ax in (ax_b, ax_t):
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([rate_label(x * 1e6).replace(" ", "\n") if x * 1e6 <= max(shaped or [0]) else "unshaped"
-                            for x in ticks])
-        ax.minorticks_off()
-        ax.set_xlabel("link rate between nodes")
-        ax.grid(True, which="both", alpha=0.3)
+        _log_rate_axis(ax, rows, "link rate between nodes")
     ax_b.set_ylabel("KB per step leaving one node (its tx_bytes)")
     ax_b.set_title("wire bytes across nodes (dotted: byte formulas x frame overhead)", fontsize=9)
     ax_t.set_ylabel("step ms (median of the slowest rank)")
@@ -684,6 +742,125 @@ def plot_hierarchy(summary: dict, path) -> None:
                  fontsize=10)
     ax_b.legend(fontsize=7)
     ax_t.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- the serial step against the one that exchanges behind the backward (``benchmarks/overlap.py``) ---
+# ``run_hierarchy`` with the modes flat, overlap and solo (and hier, hier-overlap on nodes of
+# several ranks), summarised by ``summarise_hierarchy``.
+
+def format_overlap_table(summary: dict) -> str:
+    """Markdown: per link, optimizer and stage, the serial step beside the overlapped one, the
+    compute-only step and the ideal (max of compute-only and wire time); the hierarchical pair
+    too where it ran."""
+    rows = [r for r in summary["rows"] if "overlap_s" in r]
+    unit = "host" if summary.get("local_size", 1) == 1 else "node"
+    hier = any("hier_overlap_s" in r for r in rows)
+    head = ["link", "optimizer", "stage", "serial step ms (fwd+bwd / step())",
+            "overlapped step ms (fwd+bwd / step())", "serial / overlapped, median (quartiles)", "compute-only ms",
+            "ideal ms: max(compute-only, wire time)", "overlapped / ideal", "buckets started in the backward",
+            f"wire KB/step per {unit}: serial / overlapped"]
+    if hier:
+        head += ["hier. serial ms", "hier. overlapped ms", "hier. serial / overlapped, median (quartiles)"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 3)]
+
+    def ms(row, key):
+        return _ms(row[key]) if row.get(key) is not None else "-"
+
+    def kb(x):
+        return "-" if x is None else _kb(x)
+
+    def ratio(row, stem):
+        return f"{row[stem + '_median']:.2f}x ({row[stem + '_q1']:.2f}-{row[stem + '_q3']:.2f})" \
+            if f"{stem}_median" in row else "-"
+
+    for r in rows:
+        ideal = r.get("overlap_ideal_s")
+        started = (f"{r['overlap_started']:.1f} of {r['overlap_buckets']}" if "overlap_started" in r else "-")
+        cells = [rate_label(r["rate_bps"]), LABELS[r["optimizer"]], r["stage"],
+                 f"{ms(r, 'flat_s')} ({ms(r, 'flat_backward_s')} / {ms(r, 'flat_opt_s')})",
+                 f"{ms(r, 'overlap_s')} ({ms(r, 'overlap_backward_s')} / {ms(r, 'overlap_opt_s')})",
+                 ratio(r, "overlap_ratio"), ms(r, "solo_s"),
+                 f"{ms(r, 'overlap_ideal_s')}" + (f" ({ms(r, 'overlap_wire_s')} on the wire)"
+                                                   if r.get("overlap_wire_s") else ""),
+                 f"{r['overlap_s'] / ideal:.2f}x" if ideal else "-", started,
+                 f"{kb(r.get('flat_wire_bytes'))} / {kb(r.get('overlap_wire_bytes'))}"]
+        if hier:
+            cells += [ms(r, "hier_s"), ms(r, "hier_overlap_s"), ratio(r, "hier_overlap_ratio")]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def check_overlap_targets(summary: dict, close_rate: float = 1e9, close_target: float = 0.10,
+                          wire_rate: float = 50e6, wire_target: float = 1.2) -> List[str]:
+    """Issue 40's targets for 1-bit LAMB's compression stage over the flat group, overlapped: at
+    ``close_rate`` its step within ``close_target`` of the compute-only step; at ``wire_rate``
+    within ``wire_target`` times max(compute-only step, wire time), the wire time being the host's
+    measured wire bytes per step x 8 / the link rate (what the link needs whatever overlaps it)."""
+    comp = {r["rate_bps"]: r for r in summary["rows"]
+            if r["stage"] == "compression" and r["optimizer"] == "onebitlamb" and "overlap_s" in r}
+    out = []
+    r = comp.get(close_rate)
+    if r is None or "solo_s" not in r:
+        out.append(f"n/a    no compression-stage row with the overlapped and the compute-only step at "
+                   f"{rate_label(close_rate)}")
+    else:
+        over = r["overlap_s"] / r["solo_s"] - 1.0
+        out.append(f"{'met   ' if over <= close_target else 'MISSED'} overlapped compression step within "
+                   f"{100 * close_target:.0f}% of compute-only at {rate_label(close_rate)}: {100 * over:+.0f}% "
+                   f"({_ms(r['overlap_s'])} vs {_ms(r['solo_s'])} ms, median of {r['steps']} steps; serial "
+                   f"{_ms(r['flat_s'])} ms)")
+    r = comp.get(wire_rate)
+    if r is None or r.get("overlap_ideal_s") is None:
+        out.append(f"n/a    no compression-stage row with the overlapped step, the compute-only step and wire "
+                   f"bytes at {rate_label(wire_rate)}")
+    else:
+        x = r["overlap_s"] / r["overlap_ideal_s"]
+        out.append(f"{'met   ' if x <= wire_target else 'MISSED'} overlapped compression step within "
+                   f"{wire_target:g}x of max(compute-only, wire time) at {rate_label(wire_rate)}: {x:.2f}x "
+                   f"({_ms(r['overlap_s'])} ms vs max({_ms(r['solo_s'])}, {_ms(r['overlap_wire_s'])}) ms, the wire "
+                   f"time from {_kb(r['overlap_wire_bytes'])} KB per step; serial {_ms(r['flat_s'])} ms)")
+    return out
+
+
+def plot_overlap(summary: dict, path) -> None:
+    """Step time against the link rate: the serial step, the overlapped one and the compute-only
+    one, warm-up and compression stage (the hierarchical pair too where it ran), and the ideal
+    max(compute-only, wire time) of the overlapped compression step, dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in summary["rows"] if r["optimizer"] == "onebitlamb"]
+    x_of = _rate_x(rows)
+    L = summary.get("local_size", 1)
+    fig, ax = plt.subplots(figsize=(7.2, 4.8))
+    label = {"flat": "serial, flat group", "overlap": "overlapped, flat group",
+             "hier": f"serial, node_groups({L})", "hier_overlap": f"overlapped, node_groups({L})"}
+    color = {"flat": "C3", "overlap": "C2", "hier": "C0", "hier_overlap": "C4"}
+    for stage, style in (("warmup", "s--"), ("compression", "o-")):
+        pts = sorted(((x_of(r), r) for r in rows if r["stage"] == stage), key=lambda p: p[0])
+        xs = [x for x, _ in pts]
+        for k in label:
+            if pts and all(f"{k}_s" in r for _, r in pts):
+                ax.plot(xs, [1000 * r[f"{k}_s"] for _, r in pts], style, color=color[k], label=f"{label[k]}, {stage}")
+        if stage == "compression" and pts and all("solo_s" in r for _, r in pts):
+            ax.plot(xs, [1000 * r["solo_s"] for _, r in pts], "x-", color="grey", lw=0.8,
+                    label="compute-only, compression")
+        if stage == "compression" and pts and all(r.get("overlap_ideal_s") for _, r in pts):
+            ax.plot(xs, [1000 * r["overlap_ideal_s"] for _, r in pts], ":", color="black", alpha=0.6,
+                    label="max(compute-only, wire time), compression")
+    _log_rate_axis(ax, rows, "link rate per host" if L == 1 else "link rate between nodes")
+    ax.set_ylabel("step ms (median of the slowest rank)")
+    nodes = rows[0]["nodes"] if rows else 0
+    cap = summary.get("bucket_cap_mb")
+    ax.set_title(f"{nodes} emulated {'hosts' if L == 1 else f'nodes x {L} ranks'}, 1-bit LAMB, small BERT "
+                 f"({summary['params'] / 1e6:.2f}M parameters): serial vs overlap_with_backward"
+                 + (f"({cap:g})" if cap else "()"), fontsize=9)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
