@@ -1,0 +1,114 @@
+"""What the benchmarks on emulated hosts share (``ddp``, ``hierarchy``, ``overlap``).
+
+Their common options (rates, optimizers, model size, steps, threads, tbf bucket, timeout, the
+files to write), the ``experiment.Settings`` those make, the check that namespaces can be made
+here, and the run itself, which SIGTERM and SIGHUP unwind like Ctrl-C so that every
+``Network``'s ``__exit__`` removes its namespaces. Each script keeps its own topology options
+(hosts, nodes, ranks) and its own section of BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Tuple
+
+from onebitlamb.netsim import experiment
+from onebitlamb.netsim.topology import NetsimUnavailable, check_available
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def add_run_options(parser: argparse.ArgumentParser, *, rates: str, warmup_steps: int, compression_steps: int,
+                    per: str, runs: str) -> None:
+    """The options every emulated-network benchmark takes; ``per`` names what one worker stands
+    for in the help ("host", "rank"), ``runs`` what is timed side by side ("usage", "group")."""
+    parser.add_argument("--rates", default=rates,
+                        help="link rates, comma-separated (10M, 1G, inf = unshaped); default %(default)s")
+    parser.add_argument("--optimizers", default="onebitlamb",
+                        help=f"comma-separated subset of {','.join(experiment.OPTIMIZERS)} (default %(default)s)")
+    parser.add_argument("--hidden", type=int, default=128, help="BERT hidden size (default %(default)s)")
+    parser.add_argument("--layers", type=int, default=2, help="BERT layers (default %(default)s)")
+    parser.add_argument("--batch", type=int, default=16, help=f"sequences per {per} per step (default %(default)s)")
+    parser.add_argument("--warmup-steps", type=int, default=warmup_steps,
+                        help=f"timed warm-up steps of each {runs} (one untimed step precedes each stage); "
+                             "default %(default)s")
+    parser.add_argument("--compression-steps", type=int, default=compression_steps,
+                        help=f"timed compression-stage steps of each {runs} (default %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default %(default)s)")
+    parser.add_argument("--burst-ms", type=float, default=4.0,
+                        help="token bucket size in milliseconds of the link rate (default %(default)s)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch (default %(default)s)")
+    parser.add_argument("--raw", default=None, help="also write the raw per-rank results and the summary (JSON) here")
+    parser.add_argument("--results", default=None, help="the BENCHMARKS.md to update (default: the repository's)")
+    parser.add_argument("--no-write", action="store_true", help="print only; write no file")
+
+
+def settings(parser: argparse.ArgumentParser, args: argparse.Namespace, hosts: int) -> experiment.Settings:
+    """The ``Settings`` of ``add_run_options``' options on ``hosts`` emulated hosts (``parser.error``
+    on an unknown optimizer or a stage without timed steps)."""
+    optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
+    unknown = [o for o in optimizers if o not in experiment.OPTIMIZERS]
+    if unknown or not optimizers:
+        parser.error(f"--optimizers: choose from {', '.join(experiment.OPTIMIZERS)} (got {args.optimizers!r})")
+    if args.warmup_steps < 1 or args.compression_steps < 1:
+        parser.error("--warmup-steps and --compression-steps must be >= 1")
+    return experiment.Settings(
+        hosts=hosts, rates=[experiment.parse_rate(r) for r in args.rates.split(",") if r.strip()],
+        optimizers=optimizers, model={"hidden": args.hidden, "layers": args.layers, "heads": max(2, args.hidden // 64),
+                                      "intermediate": 4 * args.hidden},
+        batch=args.batch, warmup_steps=args.warmup_steps, compression_steps=args.compression_steps,
+        threads=args.threads, burst_ms=args.burst_ms, timeout_s=args.timeout, paired_rounds=0)
+
+
+def unavailable(prog: str, what: str) -> bool:
+    """Whether namespaces cannot be made here (root, ``ip``, ``tc``), said on stderr."""
+    try:
+        check_available()
+    except NetsimUnavailable as e:
+        print(f"{prog}: cannot emulate {what} here: {e}", file=sys.stderr)
+        return True
+    return False
+
+
+def log(message: str) -> None:
+    """Progress on stderr: stdout carries the table only."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_unwinding(prog: str, run: Callable[[], dict]) -> Optional[Tuple[dict, str]]:
+    """``run()``'s raw results and a note on the machine's load around it ("load average 1.2 at
+    the start, 1.9 at the end": the workers share its cores with whatever else runs), or None when
+    it was interrupted (Ctrl-C, SIGTERM, SIGHUP), its namespaces removed."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
+    load_before = os.getloadavg()[0]
+    try:
+        raw = run()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; namespaces removed", file=sys.stderr)
+        return None
+    return raw, f"load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+
+
+def save_raw(path: Optional[str], raw: dict, summary: dict) -> None:
+    """The raw per-rank results and their summary as JSON, when ``--raw`` names a file."""
+    if path:
+        Path(path).write_text(json.dumps({"raw": raw, "summary": summary}, indent=1))
+
+
+def save_plot(plot: str, draw: Callable[[dict, Path], None], summary: dict) -> str:
+    """Draw ``summary`` into ``plot`` (relative to the repository root; '' for none); the sentence
+    that names it in the section (none for an absolute path, outside the repository)."""
+    if not plot:
+        return ""
+    path = Path(plot)
+    draw(summary, path if path.is_absolute() else REPO / path)
+    return "" if path.is_absolute() else f" Plot: `{plot}`."
