@@ -13,9 +13,12 @@ buckets no hook completed (a parameter without a gradient), waits for the thread
 the serial step does.
 
 A gradient that lands in a bucket already started (gradient accumulation without ``no_sync()``,
-a second backward before the step) makes the bucket stale: ``step()`` agrees on the stale buckets
-with the other ranks, undoes what their exchange did to the error buffers, and exchanges them
-again from the final gradients, so the result is that of the serial step, only slower.
+a second backward before the step), or that changes after its bucket started (clipping by the
+global norm, unscaling), makes the bucket stale: ``step()`` agrees on the stale buckets with the
+other ranks, undoes what their exchange did to the error buffers, and exchanges them again from
+the final gradients, so the result is that of the serial step. Such a loop would send every
+bucket twice at every step, so after the first stale bucket the hooks start nothing more: the
+buckets are exchanged in ``step()``, as without overlap, and a warning says why.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ class BackwardOverlap:
         self._bucket_of: Dict[int, int] = {}
         self._sizes: List[int] = []
         self._syncing = True
+        self.given_up = False  # set by give_up(): buckets start in finish() only
         self._reset()
 
     def set_buckets(self, bucket_params: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -89,7 +93,7 @@ class BackwardOverlap:
     def _on_gradient(self, param: torch.Tensor) -> None:
         k = self._bucket_of.get(id(param))
         active = self._active_ref()
-        if k is None or not self._syncing or active is None or not active():
+        if k is None or not self._syncing or self.given_up or active is None or not active():
             return
         if self._futures[k] is not None:
             self._stale[k] = True
@@ -113,6 +117,12 @@ class BackwardOverlap:
             return list(self._stale)
         finally:
             self._reset()
+
+    def give_up(self) -> None:
+        """From now on start no bucket from the backward: where the gradients change after it every
+        step (clipping, unscaling, accumulation without ``no_sync``), each exchange started early
+        is one sent twice."""
+        self.given_up = True
 
     def abandon(self) -> None:
         """Wait for what was started (its collectives pair with the other ranks') and forget it:

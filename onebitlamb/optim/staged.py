@@ -109,7 +109,6 @@ class StagedOptimizer(Optimizer):
         self._overlap: Optional[BackwardOverlap] = None
         self._exchange_group = None
         self._buckets: List[Bucket] = []
-        self._warned_stale = False
         self._exchange_failures: Dict[int, FloatingPointError] = {}  # per bucket, from the thread
         self._warmup_wire: Dict[int, torch.Tensor] = {}  # per bucket, the bf16 copy being averaged
         self._grad_marks: Dict[int, list] = {}  # per bucket, which gradients it took (_grad_marks)
@@ -352,14 +351,14 @@ class StagedOptimizer(Optimizer):
         bad_here = compressing and not locally_finite(grads)
         agreed = any_rank([bad_here, *stale_here], spanning_group(self.process_group), self.comm_stats, grads.device)
         bad, stale = agreed[0], [k for k, s in enumerate(agreed[1:]) if s]
-        if stale and not self._warned_stale:
-            self._warned_stale = True
+        if stale and not self._overlap.given_up:  # every rank alike: the stale list is agreed
+            self._overlap.give_up()
             warnings.warn(f"{owner}: the gradients of {len(stale)} of {len(self._buckets)} bucket(s) changed after "
-                          f"their exchange had started, so step() exchanged them again and overlap_with_backward "
-                          f"gained nothing: a gradient accumulation (run the backwards before the last under "
-                          f"`with optimizer.no_sync():`), or gradients changed between backward() and step() "
-                          f"(clipping by the global norm, unscaling), which the exchange behind the backward "
-                          f"cannot wait for", RuntimeWarning)
+                          f"their exchange had started, so step() exchanged them again; to send nothing twice, "
+                          f"overlap_with_backward now exchanges in step(), after the backward. The cause: a gradient "
+                          f"accumulation (run the backwards before the last under `with optimizer.no_sync():`), or "
+                          f"gradients changed between backward() and step() (clipping by the global norm, "
+                          f"unscaling), which an exchange behind the backward cannot wait for", RuntimeWarning)
         if compressing:
             if bad:
                 for b in self._buckets:
