@@ -35,30 +35,33 @@ def _held_out_loss(model, teacher):
         return torch.nn.functional.mse_loss(model(x), teacher(x)).item()
 
 
-def _make(model, bucket_cap_mb=None):
-    opt = onebitlamb.OneBitLamb(model.parameters(), lr=0.02, weight_decay=0.01, freeze_step=FREEZE)
+def _make(model, bucket_cap_mb=None, local_size=None):
+    group = onebitlamb.comm.node_groups(local_size) if local_size else None
+    opt = onebitlamb.OneBitLamb(model.parameters(), lr=0.02, weight_decay=0.01, freeze_step=FREEZE,
+                                process_group=group)
     if bucket_cap_mb is not None:
         opt.overlap_with_backward(bucket_cap_mb)
     return opt
 
 
-def _first_part(rank, n, bucket_cap_mb=None):
+def _first_part(rank, n, bucket_cap_mb=None, local_size=None):
     """Steps 1..SAVED_AT on n ranks; returns this rank's checkpoint as bytes."""
     teacher, model = _problem()
-    opt = _make(model, bucket_cap_mb)
+    opt = _make(model, bucket_cap_mb, local_size)
     _train(rank, model, teacher, opt, 1, SAVED_AT)
     blob = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, blob)
     return blob.getvalue()
 
 
-def _second_part(rank, m, blobs, bucket_cap_mb=None):
+def _second_part(rank, m, blobs, bucket_cap_mb=None, local_size=None):
     """Load the n ranks' checkpoint resharded for m ranks, train to STEPS."""
     saved = [torch.load(io.BytesIO(b), weights_only=True) for b in blobs]
     teacher, model = _problem()
     model.load_state_dict(saved[0]["model"])
-    opt = _make(model, bucket_cap_mb)
-    opt.load_state_dict(onebitlamb.reshard_state_dicts([s["optimizer"] for s in saved], m)[rank])
+    opt = _make(model, bucket_cap_mb, local_size)
+    resharded = onebitlamb.reshard_state_dicts([s["optimizer"] for s in saved], m, local_size or 1)
+    opt.load_state_dict(resharded[rank])
     _train(rank, model, teacher, opt, SAVED_AT + 1, STEPS)
     return [p.detach().clone() for p in model.parameters()], _held_out_loss(model, teacher), opt.stage
 
@@ -142,3 +145,33 @@ def test_a_run_with_several_buckets_is_resharded_bucket_by_bucket():
     assert [f["worker_error"].numel() for f in new] == [w_new] * 3
     out = spawn_local(_second_part, 3, (blobs, 1e-4), timeout_s=120, collective_timeout_s=60)
     assert out[0][2] == "compression" and all(torch.equal(a, b) for a, b in zip(out[0][0], out[2][0]))
+
+
+def test_nodes_and_flat_groups_reshard_into_each_other():
+    """A run on 2 nodes of 2 ranks (node_groups(2)) continues on a flat group of 2, and one on a flat
+    group of 2 on 2 nodes of 2. Rank (node k, local rank r) compresses chunk r of its node's average
+    with the other nodes' rank r: the correction is the mean over nodes of their errors of chunk r,
+    and its server error is their chunk k of it."""
+    d = 12 * 32 + 32 + 32 * 3 + 3  # 515
+    D, L = _padded(d, 4), 2
+    hier = spawn_local(_first_part, 4, (None, 2), timeout_s=120, collective_timeout_s=60)
+    flats = [flat_of(torch.load(io.BytesIO(b), weights_only=True)["optimizer"]) for b in hier]
+    assert [f["worker_error"].numel() for f in flats] == [D // L] * 4  # chunk r of each node's average
+    correction = torch.cat([(flats[r]["worker_error"].double() + flats[2 + r]["worker_error"].double()) / 2
+                            for r in range(L)])
+    server = torch.cat([flats[k * L + r]["server_error"] for r in range(L) for k in range(2)])
+    states = [torch.load(io.BytesIO(b), weights_only=True)["optimizer"] for b in hier]
+    flat_two = [flat_of(s) for s in onebitlamb.reshard_state_dicts(states, 2)]
+    for f in flat_two:
+        assert torch.allclose(f["worker_error"][:d].double(), correction[:d], atol=1e-7) and f["local_size"] == 1
+    assert torch.equal(torch.cat([f["server_error"] for f in flat_two])[:d], server[:d])
+    out = spawn_local(_second_part, 2, (hier,), timeout_s=120, collective_timeout_s=60)
+    assert out[0][2] == "compression" and all(torch.equal(a, b) for a, b in zip(out[0][0], out[1][0]))
+
+    flat = spawn_local(_first_part, 2, (), timeout_s=120, collective_timeout_s=60)
+    out = spawn_local(_second_part, 4, (flat, None, 2), timeout_s=120, collective_timeout_s=60)
+    assert out[0][2] == "compression" and all(torch.equal(a, b) for r in range(1, 4) for a, b in zip(out[0][0], out[r][0]))
+    initial = _held_out_loss(_problem()[1], _problem()[0])
+    assert out[0][1] < 0.5 * initial
+    with pytest.raises(ValueError, match="Invalid local_size: 3"):
+        onebitlamb.reshard_state_dicts(states, 4, 3)

@@ -12,7 +12,8 @@ on ``m`` when
   chunks again.
 
 Both are cut to the model's ``d`` elements and padded with zeros to the new ``D``: the padding
-never reaches a parameter.
+never reaches a parameter. The same holds bucket by bucket (``overlap_with_backward``) and between
+flat and hierarchical groups (``node_groups``), whose ranks hold other parts of the two vectors.
 """
 from __future__ import annotations
 
@@ -21,13 +22,16 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from onebitlamb.optim.layout import buffer_sizes, check_bucket_ranges, plan_buckets
+from onebitlamb.optim.layout import Bucket, buffer_sizes, check_bucket_ranges, plan_buckets
 from onebitlamb.optim.state_format import flat_of, to_saved
 
 
-def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int) -> List[Dict[str, Any]]:
+def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int,
+                        local_size: int = 1) -> List[Dict[str, Any]]:
     """The ``state_dict()`` of each of ``n`` ranks (in rank order) as ``world_size`` state dicts, one
-    per new rank (in rank order), for ``load_state_dict`` on a run with ``world_size`` ranks.
+    per new rank (in rank order), for ``load_state_dict`` on a run with ``world_size`` ranks;
+    ``local_size``: the new run's ranks per node when its optimizers take ``node_groups(local_size)``
+    (1: a flat group). The saved run may have had either kind of group.
 
     States without compression errors (``Lamb``, or a 1-bit optimizer before its freeze) are the
     same on every rank and load on any world size as they are; this returns copies of rank 0's.
@@ -36,18 +40,18 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int) 
         raise ValueError("reshard_state_dicts needs the state dict of every rank of the saved run, got none")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Invalid world_size: {world_size!r} (must be an integer >= 1)")
+    if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 or world_size % local_size:
+        raise ValueError(f"Invalid local_size: {local_size!r} (must be an integer >= 1 dividing world_size "
+                         f"{world_size})")
     flats = [flat_of(sd) for sd in state_dicts]
     if any(flat is None for flat in flats):
         return [copy.deepcopy(state_dicts[0]) for _ in range(world_size)]
     n = len(flats)
-    if any(flat.get("local_size", 1) != 1 for flat in flats):
-        raise ValueError("reshard_state_dicts re-shards the states of a flat process group; these were saved with "
-                         "a hierarchical one (node_groups): resume on the same nodes")
     for rank, flat in enumerate(flats):
         if flat.get("world_size", n) != n or flat.get("rank", rank) != rank:
             raise ValueError(f"state dict {rank} is rank {flat.get('rank')}'s of a run on {flat.get('world_size')} "
                              f"ranks: pass the {n} ranks' state dicts of one run, in rank order")
-        for key in ("optimizer", "step", "frozen_at", "layer_numels"):
+        for key in ("optimizer", "step", "frozen_at", "layer_numels", "local_size", "buckets"):
             if flat.get(key) != flats[0].get(key):
                 raise ValueError(f"state dicts 0 and {rank} differ in {key} ({flats[0].get(key)!r}, "
                                  f"{flat.get(key)!r}): not the ranks of one checkpoint")
@@ -55,27 +59,69 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int) 
     ranges = flats[0].get("buckets", [[0, d]])
     check_bucket_ranges(ranges, d)
     per_rank = "worker_error" in flats[0]
-    old, new = plan_buckets(ranges, n), plan_buckets(ranges, world_size)
+    old_local = flats[0].get("local_size", 1)
+    old, new = plan_buckets(ranges, n, old_local), plan_buckets(ranges, world_size, local_size)
+    if per_rank:  # bucket by bucket, each with its own padding: the two vectors, in the averaged domain
+        corrections = [_mean_worker_error(flats, b, old_local) for b in old]
+        servers = [_server_vector(flats, b, old_local) for b in old]
     out = []
     for rank in range(world_size):
         sd = copy.deepcopy({k: v for k, v in state_dicts[0].items() if k != "state"})
         flat = {k: v for k, v in flats[0].items() if k not in ("worker_error", "server_error")}
         flat = copy.deepcopy(flat)
-        flat["world_size"], flat["rank"] = world_size, rank
-        if per_rank and world_size > 1:  # bucket by bucket, each with its own padding
+        flat["world_size"], flat["rank"], flat["local_size"] = world_size, rank, local_size
+        if per_rank and world_size > 1:
             _, worker_size, server_size = buffer_sizes(new)
             device = flats[0]["worker_error"].device
             worker = torch.zeros(worker_size, dtype=torch.float32, device=device)
             server = torch.zeros(server_size, dtype=torch.float32, device=device)
-            for was, now in zip(old, new):
-                workers = torch.stack([f["worker_error"][was.worker][:was.numel].double() for f in flats])
-                worker[now.worker][:now.numel] = workers.mean(dim=0).float()
-                joined = torch.zeros(now.comm.stop - now.comm.start, dtype=torch.float32, device=device)
-                joined[:was.numel] = torch.cat([f["server_error"][was.server] for f in flats])[:was.numel]
-                server[now.server] = joined.view(world_size, -1)[rank]
+            for b, correction, vector in zip(new, corrections, servers):
+                padded = b.comm.stop - b.comm.start
+                whole, summed = torch.zeros(padded, device=device), torch.zeros(padded, device=device)
+                whole[:b.numel], summed[:b.numel] = correction[:b.numel], vector[:b.numel]
+                worker[b.worker] = _worker_part(whole, rank, local_size)
+                server[b.server] = _server_part(summed, rank, world_size, local_size)
             flat["worker_error"], flat["server_error"] = worker, server
         # every state holding errors has frozen: the saved form needs no templates
         key = next(iter(state_dicts[0]["state"]))
         sd["state"] = {key: flat if key == "flat" else to_saved(flat, compresses=False, fresh_variance=False)}
         out.append(sd)
     return out
+
+
+# Where a rank's errors sit in a bucket's padded buffer of D elements. A flat group (L = 1): each
+# worker's error covers all D, rank j's server error chunk j of D/n. A hierarchical one
+# (``comm.hierarchy``): rank (node k, local rank r) compresses chunk r (D/L) of its node's average
+# among the N ranks of local index r, its server error being their chunk k of it (D/n).
+
+def _worker_part(vector: torch.Tensor, rank: int, L: int) -> torch.Tensor:
+    chunk = vector.numel() // L
+    r = rank % L
+    return vector[r * chunk:(r + 1) * chunk]
+
+
+def _server_part(vector: torch.Tensor, rank: int, n: int, L: int) -> torch.Tensor:
+    chunk, k, r = vector.numel() // n, rank // L, rank % L
+    start = r * (vector.numel() // L) + k * chunk
+    return vector[start:start + chunk]
+
+
+def _mean_worker_error(flats: List[Dict[str, Any]], b: Bucket, L: int) -> torch.Tensor:
+    """The correction the next all-reduce adds to the average: the mean of the workers' errors over
+    the ranks that compress each element together (all ranks; with nodes, one per node)."""
+    padded = b.comm.stop - b.comm.start
+    total = torch.zeros(padded, dtype=torch.float64)
+    for rank, f in enumerate(flats):
+        chunk = padded // L
+        r = rank % L
+        total[r * chunk:(r + 1) * chunk] += f["worker_error"][b.worker].double().cpu()
+    return (total / (len(flats) // L)).float()
+
+
+def _server_vector(flats: List[Dict[str, Any]], b: Bucket, L: int) -> torch.Tensor:
+    """The servers' errors joined into one vector over the bucket's padded buffer."""
+    padded = b.comm.stop - b.comm.start
+    vector = torch.zeros(padded, dtype=torch.float32)
+    for rank, f in enumerate(flats):
+        _server_part(vector, rank, len(flats), L).copy_(f["server_error"][b.server].cpu())
+    return vector
