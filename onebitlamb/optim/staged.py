@@ -290,10 +290,8 @@ class StagedOptimizer(Optimizer):
         returns the exchange the thread runs."""
         b, lay, flat = self._buckets[k], self._layout, self._flat
         grads = self._scratch.buffer("grad", lay.numel)
-        lay.gather_grads(grads, type(self).__name__, b.start, b.end)
+        self._gather(grads, b)
         self._grad_marks[k] = _grad_marks(lay, b)
-        if self.defaults["maximize"]:
-            grads[b.start:b.end].neg_()
         if self.stage == COMPRESSION:
             buf = self._bucket_momentum(b)
             worker, server = flat["worker_error"][b.worker], flat["server_error"][b.server]
@@ -314,6 +312,14 @@ class StagedOptimizer(Optimizer):
         def average() -> None:
             allreduce_mean_(wire, self._exchange_group, self.comm_stats)
         return average
+
+    def _gather(self, grads: torch.Tensor, b: Optional[Bucket] = None) -> None:
+        """This rank's gradients (of bucket ``b``, else all) into the flat buffer, as the update
+        descends: negated under ``maximize``."""
+        start, end = (0, self._layout.numel) if b is None else (b.start, b.end)
+        self._layout.gather_grads(grads, type(self).__name__, start, end)
+        if self.defaults["maximize"]:
+            grads[start:end].neg_()
 
     def _bucket_momentum(self, b: Bucket) -> torch.Tensor:
         """This rank's new momentum of bucket ``b`` (from the local gradient), each layer scaled,
@@ -344,10 +350,7 @@ class StagedOptimizer(Optimizer):
         stale_here = [s or c for s, c in zip(stale_here, changed)]
         for k, stale in enumerate(stale_here):  # take the final gradient whole
             if stale:
-                b = self._buckets[k]
-                lay.gather_grads(grads, owner, b.start, b.end)
-                if self.defaults["maximize"]:
-                    grads[b.start:b.end].neg_()
+                self._gather(grads, self._buckets[k])
         bad_here = compressing and not locally_finite(grads)
         agreed = any_rank([bad_here, *stale_here], spanning_group(self.process_group), self.comm_stats, grads.device)
         bad, stale = agreed[0], [k for k, s in enumerate(agreed[1:]) if s]
@@ -430,9 +433,7 @@ class StagedOptimizer(Optimizer):
         """After the backward: gather the gradients and average them (the warm-up) or exchange the
         momentum bucket by bucket (stage 2); return whether every rank's gradient was finite."""
         owner = type(self).__name__
-        self._layout.gather_grads(grads, owner)
-        if self.defaults["maximize"]:
-            grads.neg_()
+        self._gather(grads)
         if self.ddp_link is None:
             if first:
                 refuse_averaged_gradients(owner, grads, spanning_group(self.process_group))
