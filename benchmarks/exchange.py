@@ -41,7 +41,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     seeds = seeds_from(args.seeds)
     results = run_variants(args.out, seeds, VARIANTS)
     body = section("The exchange in buckets and across nodes: convergence (experiments)", command_line(argv), seeds,
-                   VARIANTS, results)
+                   VARIANTS, results, note=" A rank's bytes on 2 nodes of 2 include the node stages' float32 (the "
+                   "reduce-scatter and all-gather inside a node, on its fast links); what crosses between nodes "
+                   "is in the hierarchy section.")
     print("\n" + body)
     if not args.no_write:
         write_section("exchange", body)
