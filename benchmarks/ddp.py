@@ -19,7 +19,7 @@ import sys
 from typing import Optional, Sequence
 
 from benchmarks import emulated
-from benchmarks.report import command_line, heading, write_section
+from benchmarks.report import command_line, heading
 from onebitlamb.netsim import experiment
 
 
@@ -49,7 +49,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     emulated.save_raw(args.raw, raw, summary)
     m = s.model
     cap = "DDP's default buckets" if args.bucket_cap_mb is None else f"bucket_cap_mb={args.bucket_cap_mb:g}"
-    body = "\n".join([
+    lines = [
         *heading("DDP: plain usage vs DistributedDataParallel + register_ddp on emulated hosts",
                  command_line(argv if argv is not None else None),
                  f". Run as root. {s.hosts} hosts (network namespaces on a bridge, tbf on both ends of every link, bucket "
@@ -70,12 +70,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "`tx_bytes` per step (TCP/IP headers, ACKs, DDP's buffer broadcast and gloo's own messages "
         "included; one bare barrier's bytes subtracted), mean over ranks. Qdisc drops per rate: "
         + ", ".join(f"{k} {v}" for k, v in summary["qdisc_drops"].items()) + ".",
-        "",
-        table,
-    ])
-    path = write_section("ddp", body, args.results)
-    print(f"\nwrote {path}" + (f", {args.raw}" if args.raw else ""), file=sys.stderr)
-    return 0
+    ]
+    return emulated.write_report("ddp", lines, table, None, [], args)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
+from benchmarks.report import write_section
 from onebitlamb.netsim import experiment
 from onebitlamb.netsim.topology import NetsimUnavailable, check_available
 
@@ -112,3 +113,16 @@ def save_plot(plot: str, draw: Callable[[dict, Path], None], summary: dict) -> s
     path = Path(plot)
     draw(summary, path if path.is_absolute() else REPO / path)
     return "" if path.is_absolute() else f" Plot: `{plot}`."
+
+
+def write_report(name: str, lines: List[str], table: str, targets_title: Optional[str], targets: List[str],
+                 args: argparse.Namespace) -> int:
+    """The section ``name`` of the results file: ``lines``, the table and, under ``targets_title``,
+    the targets; then say on stderr what was written."""
+    body = [*lines, "", table]
+    if targets_title:
+        body += ["", targets_title, "", *[f"- {t.strip()}" for t in targets]]
+    path = write_section(name, "\n".join(body), args.results)
+    plot = getattr(args, "plot", "")
+    print(f"\nwrote {path}" + (f", {plot}" if plot else "") + (f", {args.raw}" if args.raw else ""), file=sys.stderr)
+    return 0

@@ -15,39 +15,24 @@ Writes the "exchange" section of BENCHMARKS.md. Run from the repository root.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from typing import Optional, Sequence
 
 from benchmarks import convergence
-from benchmarks.report import command_line, write_section
-from benchmarks.variants import DEFAULT, LAMB, Variant, run_variants, section, seeds_from
+from benchmarks.variants import DEFAULT, LAMB, Variant, main_for
 
 BUCKETS = Variant(convergence.Row("1-bit LAMB, automatic freeze, 1 MiB buckets", DEFAULT.row.folder,
                                   DEFAULT.row.flags), preset="demo-buckets")
 NODES = Variant(convergence.Row("1-bit LAMB, automatic freeze, 2 nodes of 2 ranks", DEFAULT.row.folder,
                                 DEFAULT.row.flags), preset="demo-nodes")
 VARIANTS = [LAMB, DEFAULT, BUCKETS, NODES]
+NOTE = (" A rank's bytes on 2 nodes of 2 include the node stages' float32 (the reduce-scatter and all-gather "
+        "inside a node, on its fast links); what crosses between nodes is in the hierarchy section.")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.exchange", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=3, help=f"how many seeds, from {convergence.FIRST_SEED} up")
-    parser.add_argument("--out", default=os.path.join("runs", "convergence"), help="the runs' folder")
-    parser.add_argument("--no-write", action="store_true", help="print only; write no file")
-    args = parser.parse_args(argv)
-    seeds = seeds_from(args.seeds)
-    results = run_variants(args.out, seeds, VARIANTS)
-    body = section("The exchange in buckets and across nodes: convergence (experiments)", command_line(argv), seeds,
-                   VARIANTS, results, note=" A rank's bytes on 2 nodes of 2 include the node stages' float32 (the "
-                   "reduce-scatter and all-gather inside a node, on its fast links); what crosses between nodes "
-                   "is in the hierarchy section.")
-    print("\n" + body)
-    if not args.no_write:
-        write_section("exchange", body)
-    return 0
+    return main_for("benchmarks.exchange", __doc__, "The exchange in buckets and across nodes: convergence (experiments)",
+                    "exchange", VARIANTS, argv, NOTE)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import sys
 from typing import Optional, Sequence
 
 from benchmarks import emulated
-from benchmarks.report import command_line, heading, write_section
+from benchmarks.report import command_line, heading
 from onebitlamb.netsim import experiment
 
 DEFAULT_PLOT = "docs/netsim_hierarchy.png"
@@ -64,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         calib = (f" Measured in each launch and used by the model: alpha {1000 * r0['alpha_s']:.2f} ms across nodes, "
                  f"{1000 * r0['alpha_intra_s']:.2f} ms inside a node, a node's loopback moving "
                  f"{r0['host_Bps'] / 1e6:.0f} MB/s per rank (first rate's launch).")
-    body = "\n".join([
+    lines = [
         *heading("Hierarchical compressed all-reduce: flat group vs node_groups() on emulated nodes",
                  command_line(argv if argv is not None else None),
                  f". Run as root. {s.hosts} nodes x {L} ranks: each node a network namespace holding {L} workers "
@@ -93,17 +93,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "maths only. Qdisc drops per rate (tail drops in the 256 KB queue when a node's ranks fill it at once; "
         "TCP retransmits them): "
         + ", ".join(f"{k} {v}" for k, v in summary["qdisc_drops"].items()) + "." + calib,
-        "",
-        table,
-        "",
-        "Against issue 40's targets (compression stage):",
-        "",
-        *[f"- {t.strip()}" for t in targets],
-    ])
-    path = write_section("hierarchy", body, args.results)
-    print(f"\nwrote {path}" + (f", {args.plot}" if args.plot else "") + (f", {args.raw}" if args.raw else ""),
-          file=sys.stderr)
-    return 0
+    ]
+    return emulated.write_report("hierarchy", lines, table, "Against issue 40's targets (compression stage):",
+                                 targets, args)
 
 
 if __name__ == "__main__":

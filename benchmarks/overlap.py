@@ -22,7 +22,7 @@ import sys
 from typing import Optional, Sequence
 
 from benchmarks import emulated
-from benchmarks.report import command_line, heading, write_section
+from benchmarks.report import command_line, heading
 from onebitlamb.netsim import experiment
 
 DEFAULT_PLOT = "docs/netsim_overlap.png"
@@ -71,7 +71,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"{s.hosts} nodes x {L} ranks (each node a namespace holding {L} workers, whose traffic to each "
                 f"other stays on its loopback)")
     hier = (f", the same two over `node_groups({L})`" if L > 1 else "")
-    body = "\n".join([
+    lines = [
         *heading("Overlap: the serial step vs overlap_with_backward() on emulated hosts",
                  command_line(argv if argv is not None else None),
                  f". Run as root. {topology}, on a bridge with tbf on both ends of every link (bucket "
@@ -98,17 +98,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"step (TCP/IP headers, ACKs and gloo's own messages included, one bare barrier's bytes subtracted), mean "
         f"over {unit}s. Qdisc drops per rate: "
         + ", ".join(f"{k} {v}" for k, v in summary["qdisc_drops"].items()) + ".",
-        "",
-        table,
-        "",
-        "Against issue 40's targets (1-bit LAMB's compression stage, flat group):",
-        "",
-        *[f"- {t.strip()}" for t in targets],
-    ])
-    path = write_section("overlap", body, args.results)
-    print(f"\nwrote {path}" + (f", {args.plot}" if args.plot else "") + (f", {args.raw}" if args.raw else ""),
-          file=sys.stderr)
-    return 0
+    ]
+    return emulated.write_report("overlap", lines, table,
+                                 "Against issue 40's targets (1-bit LAMB's compression stage, flat group):", targets, args)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,13 @@ the rows LAMB and the default come from the convergence benchmark's runs when th
 """
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
-from typing import Dict, List, NamedTuple, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from benchmarks import convergence
-from benchmarks.report import heading, table_row
+from benchmarks.report import command_line, heading, table_row, write_section
 
 
 class Variant(NamedTuple):
@@ -73,3 +74,20 @@ def section(title: str, command: str, seeds: Sequence[int], variants: Sequence[V
                                 ", ".join(str(m["freeze_step"]) for m in runs) if v is not variants[0] else "-",
                                 f"{ratio:.2f}x"]))
     return "\n".join(lines)
+
+
+def main_for(prog: str, doc: str, title: str, name: str, variants: Sequence[Variant],
+             argv: Optional[Sequence[str]], note: str = "") -> int:
+    """An experiment's command line: run (or read back) its variants and write its section ``name``."""
+    parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3, help=f"how many seeds, from {convergence.FIRST_SEED} up")
+    parser.add_argument("--out", default=os.path.join("runs", "convergence"), help="the runs' folder")
+    parser.add_argument("--no-write", action="store_true", help="print only; write no file")
+    args = parser.parse_args(argv)
+    seeds = seeds_from(args.seeds)
+    body = section(title, command_line(argv), seeds, variants, run_variants(args.out, seeds, variants), note)
+    print("\n" + body)
+    if not args.no_write:
+        write_section(name, body)
+    return 0

@@ -11,14 +11,11 @@ the repository root.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from typing import Optional, Sequence
 
 from benchmarks import convergence
-from benchmarks.report import command_line, write_section
-from benchmarks.variants import DEFAULT, LAMB, Variant, run_variants, section, seeds_from
+from benchmarks.variants import DEFAULT, LAMB, Variant, main_for
 from onebitlamb.optim.staged import WARMUP_DTYPE_VARIABLE
 
 BF16 = Variant(convergence.Row("1-bit LAMB, automatic freeze, bfloat16 warm-up average", "onebitlamb-auto-bf16warmup",
@@ -27,19 +24,7 @@ VARIANTS = [LAMB, DEFAULT, BF16]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.warmup_precision", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=3, help=f"how many seeds, from {convergence.FIRST_SEED} up")
-    parser.add_argument("--out", default=os.path.join("runs", "convergence"), help="the runs' folder")
-    parser.add_argument("--no-write", action="store_true", help="print only; write no file")
-    args = parser.parse_args(argv)
-    seeds = seeds_from(args.seeds)
-    results = run_variants(args.out, seeds, VARIANTS)
-    body = section("Warm-up average in bfloat16 (an experiment)", command_line(argv), seeds, VARIANTS, results)
-    print("\n" + body)
-    if not args.no_write:
-        write_section("warmup-precision", body)
-    return 0
+    return main_for("benchmarks.warmup_precision", __doc__, "Warm-up average in bfloat16 (an experiment)", "warmup-precision", VARIANTS, argv)
 
 
 if __name__ == "__main__":
