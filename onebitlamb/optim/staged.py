@@ -179,8 +179,9 @@ class StagedOptimizer(Optimizer):
                 "hyper-parameters": sorted((k, v) for k, v in self.defaults.items() if k not in ("lr", "weight_decay")),
                 "freeze_step": repr(self._schedule),
                 "warm-up average sent as": str(self.warmup_dtype or torch.float32),
-                "overlap_with_backward": self._overlap is not None,
-                "buckets (flat ranges)": self._flat["buckets"],
+                # the buckets follow from the parameter sizes and this cap, or after a freeze from the state
+                "overlap_with_backward (bucket elements)": self._bucket_cap if self._overlap is not None else None,
+                **({"buckets of the state": self._flat["buckets"]} if self._flat["frozen_at"] is not None else {}),
                 "state (step, frozen_at)": (self._flat["step"], self._flat["frozen_at"]),
                 "parameter values (crc32 of each tensor)": [parameter_checksum(p) for p in layout.params]}
 
