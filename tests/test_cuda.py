@@ -128,3 +128,28 @@ def test_compressed_allreduce_and_onebit_lamb_on_cuda_through_gloo():
     assert torch.equal(results[0]["cuda"][0], results[1]["cuda"][0])
     assert torch.equal(results[0]["params"], results[1]["params"])  # bit-identical across ranks
     assert results[0]["stage"] == "compression"
+
+
+def _gloo_cuda_overlap_worker(rank, world, bucket_cap_mb):
+    """1-bit LAMB on CUDA across the ranks, exchanging in step() or behind the backward (whose
+    hooks run on autograd's device thread, and whose exchange on the optimizer's thread)."""
+    model = _mlp("cuda")
+    opt = onebitlamb.OneBitLamb(model.parameters(), lr=1e-2, freeze_step=5)
+    if bucket_cap_mb is not None:
+        opt.overlap_with_backward(bucket_cap_mb)
+    return _train(model, opt, 12, 3 + rank, "cuda"), opt.stage
+
+
+def test_overlap_with_backward_on_cuda_through_gloo():
+    """One bucket: the serial run bit for bit; 4 buckets (each parameter alone): the ranks agree."""
+    try:
+        serial = spawn_local(_gloo_cuda_overlap_worker, 2, (None,), timeout_s=300)
+    except WorkerError as exc:  # an old gloo build without CUDA all-to-all
+        if "not supported" in str(exc) or "Unsupported" in str(exc):
+            pytest.skip(f"this torch's gloo cannot run all-to-all on CUDA tensors: {str(exc).splitlines()[-1]}")
+        raise
+    one = spawn_local(_gloo_cuda_overlap_worker, 2, (1000.0,), timeout_s=300)
+    several = spawn_local(_gloo_cuda_overlap_worker, 2, (1e-3,), timeout_s=300)
+    for (s, _), (o, stage) in zip(serial, one):
+        assert torch.equal(s, o) and stage == "compression"
+    assert torch.equal(several[0][0], several[1][0]) and several[0][1] == "compression"
