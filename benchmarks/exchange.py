@@ -31,8 +31,8 @@ NOTE = (" A rank's bytes on 2 nodes of 2 include the node stages' float32 (the r
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return main_for("benchmarks.exchange", __doc__, "The exchange in buckets and across nodes: convergence (experiments)",
-                    "exchange", VARIANTS, argv, NOTE)
+    title = "The exchange in buckets and across nodes: convergence (experiments)"
+    return main_for("benchmarks.exchange", __doc__, title, "exchange", VARIANTS, argv, NOTE)
 
 
 if __name__ == "__main__":

@@ -99,8 +99,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"over {unit}s. Qdisc drops per rate: "
         + ", ".join(f"{k} {v}" for k, v in summary["qdisc_drops"].items()) + ".",
     ]
-    return emulated.write_report("overlap", lines, table,
-                                 "Against issue 40's targets (1-bit LAMB's compression stage, flat group):", targets, args)
+    title = "Against issue 40's targets (1-bit LAMB's compression stage, flat group):"
+    return emulated.write_report("overlap", lines, table, title, targets, args)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ VARIANTS = [LAMB, DEFAULT, BF16]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return main_for("benchmarks.warmup_precision", __doc__, "Warm-up average in bfloat16 (an experiment)", "warmup-precision", VARIANTS, argv)
+    title = "Warm-up average in bfloat16 (an experiment)"
+    return main_for("benchmarks.warmup_precision", __doc__, title, "warmup-precision", VARIANTS, argv)
 
 
 if __name__ == "__main__":

@@ -170,7 +170,8 @@ def test_nodes_and_flat_groups_reshard_into_each_other():
 
     flat = spawn_local(_first_part, 2, (), timeout_s=120, collective_timeout_s=60)
     out = spawn_local(_second_part, 4, (flat, None, 2), timeout_s=120, collective_timeout_s=60)
-    assert out[0][2] == "compression" and all(torch.equal(a, b) for r in range(1, 4) for a, b in zip(out[0][0], out[r][0]))
+    assert out[0][2] == "compression"
+    assert all(torch.equal(a, b) for r in range(1, 4) for a, b in zip(out[0][0], out[r][0]))
     initial = _held_out_loss(_problem()[1], _problem()[0])
     assert out[0][1] < 0.5 * initial
     with pytest.raises(ValueError, match="Invalid local_size: 3"):

@@ -36,8 +36,9 @@ def _optimizer(kind, params, group=None):
 def _run(rank, n, kind, cap, accumulate="one", nan_at=None, switch_at=None, local_size=None, resume_cap=None):
     """Train STEPS steps; ``cap``: overlap_with_backward's bucket_cap_mb (None: serial).
     ``accumulate``: "one" micro-batch, "no_sync" (two, the first under no_sync), "forgot" (two,
-    without it), "clip" (one, its gradient clipped after the backward). ``nan_at``: rank 1's gradient is NaN at that step. ``switch_at``: at that step the
-    state moves, through state_dict(), into a new optimizer (overlapped if ``resume_cap``)."""
+    without it), "clip" (one, its gradient clipped after the backward). ``nan_at``: rank 1's
+    gradient is NaN at that step. ``switch_at``: at that step the state moves, through
+    state_dict(), into a new optimizer (overlapped if ``resume_cap``)."""
     group = onebitlamb.comm.node_groups(local_size) if local_size else None
     model = _model()
     opt = _optimizer(kind, model.parameters(), group)

@@ -56,8 +56,7 @@ class BackwardOverlap:
     def set_buckets(self, bucket_params: Sequence[Sequence[torch.Tensor]]) -> None:
         """The parameters of each bucket, in the order the buckets are exchanged (hooks on them)."""
         self.abandon()
-        for handle in self._handles:
-            handle.remove()
+        _remove_all(self._handles)
         # the hooks hold this object weakly: a dropped optimizer must not go on exchanging
         this = weakref.ref(self)
 
@@ -65,7 +64,7 @@ class BackwardOverlap:
             overlap = this()
             if overlap is not None:
                 overlap._on_gradient(param)
-        self._handles[:] = [p.register_post_accumulate_grad_hook(on_gradient) for ps in bucket_params for p in ps]
+        self._handles.extend(p.register_post_accumulate_grad_hook(on_gradient) for ps in bucket_params for p in ps)
         self._bucket_of = {id(p): k for k, ps in enumerate(bucket_params) for p in ps}
         self._sizes = [len(ps) for ps in bucket_params]
         self._reset()
