@@ -3,16 +3,10 @@ ranks on loopback, no root needed; the end-to-end run on emulated hosts is marke
 import pytest
 
 from onebitlamb.netsim import experiment
-from onebitlamb.netsim.topology import NetsimUnavailable, check_available
+from netns import needs_netns
 
 TINY = {"hidden": 32, "layers": 1, "heads": 2, "intermediate": 64}
 WARM, COMP = 2, 3
-
-try:
-    check_available()
-    _REASON = None
-except NetsimUnavailable as e:
-    _REASON = str(e)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +65,7 @@ def test_summary_rows_compare_each_steps_slowest_rank(per_rank):
 
 
 @pytest.mark.netns
-@pytest.mark.skipif(_REASON is not None, reason=f"netns test: {_REASON}")
+@needs_netns
 def test_benchmark_writes_its_section_on_emulated_hosts(tmp_path):
     from benchmarks import ddp
 

@@ -6,16 +6,11 @@ import pytest
 from onebitlamb.comm import padded_size
 from onebitlamb.comm.stats import all_to_all_bytes, allreduce_bytes
 from onebitlamb.netsim import costmodel, experiment
-from onebitlamb.netsim.topology import Network, NetsimUnavailable, check_available
+from onebitlamb.netsim.topology import Network
+from netns import needs_netns
 
 TINY = {"hidden": 32, "layers": 1, "heads": 2, "intermediate": 64}
 WARM, COMP, N, L = 2, 3, 2, 2
-
-try:
-    check_available()
-    _REASON = None
-except NetsimUnavailable as e:
-    _REASON = str(e)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +124,7 @@ def test_network_places_consecutive_ranks_on_one_host():
 
 
 @pytest.mark.netns
-@pytest.mark.skipif(_REASON is not None, reason=f"netns test: {_REASON}")
+@needs_netns
 def test_benchmark_on_emulated_nodes_counts_only_cross_node_bytes(tmp_path):
     from benchmarks import hierarchy
     from onebitlamb.netsim import topology

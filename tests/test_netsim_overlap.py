@@ -5,15 +5,9 @@ needed), and the end-to-end run on emulated hosts (marked ``netns``)."""
 import pytest
 
 from onebitlamb.netsim import experiment
-from onebitlamb.netsim.topology import NetsimUnavailable, check_available
+from netns import needs_netns
 
 TINY = {"hidden": 32, "layers": 1, "heads": 2, "intermediate": 64}
-
-try:
-    check_available()
-    _REASON = None
-except NetsimUnavailable as e:
-    _REASON = str(e)
 
 
 def _rec(times, wire=None, started=None, buckets=1):
@@ -172,7 +166,7 @@ def test_worker_starts_the_overlapped_buckets_in_the_backward():
 
 
 @pytest.mark.netns
-@pytest.mark.skipif(_REASON is not None, reason=f"netns test: {_REASON}")
+@needs_netns
 def test_benchmark_on_emulated_hosts(tmp_path, capsys):
     from benchmarks import overlap
     from onebitlamb.netsim import topology

@@ -9,18 +9,12 @@ import pytest
 
 from onebitlamb.netsim import topology
 from onebitlamb.netsim.topology import Network, NetsimUnavailable, check_available
-
-try:
-    check_available()
-    _REASON = None
-except NetsimUnavailable as e:
-    _REASON = str(e)
-
+from netns import needs_netns
 
 
 def netns(test):
     """Needs root, ip and tc: marked ``netns``, skipped with the reason where unavailable."""
-    return pytest.mark.skipif(_REASON is not None, reason=f"netns test: {_REASON}")(pytest.mark.netns(test))
+    return needs_netns(pytest.mark.netns(test))
 
 
 def _ours(net: Network):

@@ -7,17 +7,12 @@ signs per call) so that TCP/IP headers, ACKs and gloo's small control messages s
 import pytest
 
 from onebitlamb.netsim.runner import run_workers
-from onebitlamb.netsim.topology import Network, NetsimUnavailable, check_available
-
-try:
-    check_available()
-    _REASON = None
-except NetsimUnavailable as e:
-    _REASON = str(e)
+from onebitlamb.netsim.topology import Network
+from netns import needs_netns
 
 
 @pytest.mark.netns
-@pytest.mark.skipif(_REASON is not None, reason=f"netns test: {_REASON}")
+@needs_netns
 def test_wire_bytes_match_the_library_accounting_and_the_rate_holds():
     rate = 40e6
     with Network(2, rate) as net:
@@ -44,7 +39,7 @@ def test_wire_bytes_match_the_library_accounting_and_the_rate_holds():
 
 
 @pytest.mark.netns
-@pytest.mark.skipif(_REASON is not None, reason=f"netns test: {_REASON}")
+@needs_netns
 def test_netsim_command_end_to_end_on_a_tiny_model(tmp_path, capsys):
     import json
 
