@@ -11,22 +11,9 @@ import onebitlamb
 from onebitlamb.comm import node_groups
 from onebitlamb.comm.hierarchy import INTRA_OPS
 from onebitlamb.comm.launch import spawn_local
+from toy import classifier, train
 
 STEPS, FREEZE, SAVE_AT = 10, 3, 6
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
-
-
-def _train(model, opt, rank, steps):
-    for step in steps:
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
 
 
 def _cross_node_bytes(opt):
@@ -41,12 +28,12 @@ def _run(rank, n):
     groups = node_groups(2)
     out = {}
     for name, group in (("flat", None), ("nodes", groups)):
-        model = _model()
+        model = classifier(hidden=32)
         opt = onebitlamb.OneBitLamb(model.parameters(), lr=0.02, freeze_step=FREEZE, process_group=group)
-        _train(model, opt, rank, range(SAVE_AT))
+        train(model, opt, rank, range(SAVE_AT))
         saved, at_save = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]
         before = _cross_node_bytes(opt)
-        _train(model, opt, rank, range(SAVE_AT, STEPS))
+        train(model, opt, rank, range(SAVE_AT, STEPS))
         out[name] = {"params": [p.detach().clone() for p in model.parameters()],
                      "compression_bytes": _cross_node_bytes(opt) - before, "saved": saved}
         with torch.no_grad():
@@ -54,15 +41,15 @@ def _run(rank, n):
                 p.copy_(s)
         resumed = onebitlamb.OneBitLamb(model.parameters(), lr=0.02, freeze_step=FREEZE, process_group=group)
         resumed.load_state_dict(saved)
-        _train(model, resumed, rank, range(SAVE_AT, STEPS))
+        train(model, resumed, rank, range(SAVE_AT, STEPS))
         out[name]["resumed"] = [p.detach().clone() for p in model.parameters()]
-    model = _model()
-    _train(model, onebitlamb.Lamb(model.parameters(), lr=0.02), rank, range(STEPS))
+    model = classifier(hidden=32)
+    train(model, onebitlamb.Lamb(model.parameters(), lr=0.02), rank, range(STEPS))
     out["lamb"] = [p.detach().clone() for p in model.parameters()]
-    wrong = onebitlamb.OneBitLamb(_model().parameters(), lr=0.02, freeze_step=FREEZE)  # the flat group
+    wrong = onebitlamb.OneBitLamb(classifier(hidden=32).parameters(), lr=0.02, freeze_step=FREEZE)  # the flat group
     wrong.load_state_dict(out["nodes"]["saved"])
     try:
-        _train(_model(), wrong, rank, range(1))
+        train(classifier(hidden=32), wrong, rank, range(1))
     except ValueError as exc:
         out["refused"] = str(exc)
     return out

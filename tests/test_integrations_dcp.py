@@ -10,22 +10,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import onebitlamb
 from onebitlamb.comm.launch import spawn_local
 from onebitlamb.optim.state_format import flat_of
+from toy import classifier, train
 
 STEPS, FREEZE, SAVE_AT = 8, 3, 5
-
-
-def _model(seed):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def _train(model, opt, rank, steps):
-    for step in steps:
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
 
 
 def _optimizer(kind, model, bucket_cap_mb):
@@ -36,17 +23,17 @@ def _optimizer(kind, model, bucket_cap_mb):
 
 
 def _run(rank, n, kind, folder, bucket_cap_mb=None):
-    model = _model(0)
+    model = classifier(0)
     opt = _optimizer(kind, model, bucket_cap_mb)
-    _train(model, opt, rank, range(SAVE_AT))
+    train(model, opt, rank, range(SAVE_AT))
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
     saved = flat_of(opt.state_dict())
-    _train(model, opt, rank, range(SAVE_AT, STEPS))
+    train(model, opt, rank, range(SAVE_AT, STEPS))
     uninterrupted = [p.detach().clone() for p in model.parameters()]
 
     # a new process would start like this: another initialisation, a new optimizer as template
-    model = _model(rank + 7)
+    model = classifier(rank + 7)
     opt = _optimizer(kind, model, bucket_cap_mb)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
@@ -54,7 +41,7 @@ def _run(rank, n, kind, folder, bucket_cap_mb=None):
     loaded = flat_of(opt.state_dict())
     same_state = all(torch.equal(loaded[k], v) if isinstance(v, torch.Tensor) else loaded[k] == v
                       for k, v in saved.items()) and loaded.keys() == saved.keys()
-    _train(model, opt, rank, range(SAVE_AT, STEPS))
+    train(model, opt, rank, range(SAVE_AT, STEPS))
     resumed = [p.detach().clone() for p in model.parameters()]
     return saved["worker_error"], same_state, uninterrupted, resumed
 
