@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
 from benchmarks.report import write_section
 from onebitlamb.netsim import experiment
@@ -24,9 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def add_run_options(parser: argparse.ArgumentParser, *, rates: str, warmup_steps: int, compression_steps: int,
-                    per: str, runs: str) -> None:
+                    per: str, runs: str, plot: Optional[str] = None) -> None:
     """The options every emulated-network benchmark takes; ``per`` names what one worker stands
-    for in the help ("host", "rank"), ``runs`` what is timed side by side ("usage", "group")."""
+    for in the help ("host", "rank"), ``runs`` what is timed side by side ("usage", "group");
+    ``plot``: the default PNG of a benchmark that draws one (and takes a ``--note``)."""
     parser.add_argument("--rates", default=rates,
                         help="link rates, comma-separated (10M, 1G, inf = unshaped); default %(default)s")
     parser.add_argument("--optimizers", default="onebitlamb",
@@ -46,6 +47,10 @@ def add_run_options(parser: argparse.ArgumentParser, *, rates: str, warmup_steps
     parser.add_argument("--raw", default=None, help="also write the raw per-rank results and the summary (JSON) here")
     parser.add_argument("--results", default=None, help="the BENCHMARKS.md to update (default: the repository's)")
     parser.add_argument("--no-write", action="store_true", help="print only; write no file")
+    if plot is not None:
+        parser.add_argument("--plot", default=plot, help="the PNG to write, relative to the repository root "
+                                                         "(default %(default)s; '' for none)")
+        parser.add_argument("--note", default="", help="a sentence added to the section (e.g. what else ran)")
 
 
 def settings(parser: argparse.ArgumentParser, args: argparse.Namespace, hosts: int) -> experiment.Settings:
@@ -126,3 +131,31 @@ def write_report(name: str, lines: List[str], table: str, targets_title: Optiona
     plot = getattr(args, "plot", "")
     print(f"\nwrote {path}" + (f", {plot}" if plot else "") + (f", {args.raw}" if args.raw else ""), file=sys.stderr)
     return 0
+
+
+class Measured(NamedTuple):
+    raw: dict
+    load: str
+    summary: dict
+    table: str
+    targets: List[str]
+    plot_note: str
+
+
+def measure(prog: str, args: argparse.Namespace, run: Callable[[], dict], summarise: Callable[[dict], dict],
+            table_of: Callable[[dict], str], targets_of: Callable[[dict], List[str]],
+            draw: Callable[[dict, Path], None]) -> Union[int, Measured]:
+    """Run, summarise, print the table and the targets; unless ``--no-write``, save the raw results
+    and the plot. An exit code where the script ends here (interrupted: 130; ``--no-write``: 0)."""
+    done = run_unwinding(prog, run)
+    if done is None:
+        return 130
+    raw, load = done
+    summary = summarise(raw)
+    table, targets = table_of(summary), targets_of(summary)
+    print(table)
+    print("\n".join(["", *targets]))
+    if args.no_write:
+        return 0
+    save_raw(args.raw, raw, summary)
+    return Measured(raw, load, summary, table, targets, save_plot(args.plot, draw, summary))

@@ -32,10 +32,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--ranks-per-node", type=int, default=2,
                         help="workers per node, L of node_groups(L) (default %(default)s)")
     emulated.add_run_options(parser, rates="10M,50M,100M,1G", warmup_steps=12, compression_steps=16, per="rank",
-                             runs="group")
-    parser.add_argument("--plot", default=DEFAULT_PLOT,
-                        help="the PNG to write, relative to the repository root (default %(default)s; '' for none)")
-    parser.add_argument("--note", default="", help="a sentence added to the section (e.g. what else ran)")
+                             runs="group", plot=DEFAULT_PLOT)
     args = parser.parse_args(argv)
     if args.nodes < 2 or args.ranks_per_node < 2:
         parser.error("--nodes and --ranks-per-node must be >= 2 (else there is nothing to compare)")
@@ -43,19 +40,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if emulated.unavailable("benchmarks.hierarchy", "nodes"):
         return 3
     L = args.ranks_per_node
-    done = emulated.run_unwinding("benchmarks.hierarchy", lambda: experiment.run_hierarchy(s, L, log=emulated.log))
-    if done is None:
-        return 130
-    raw, load = done
-    summary = experiment.summarise_hierarchy(raw)
-    table = experiment.format_hierarchy_table(summary)
-    targets = experiment.check_hierarchy_targets(summary)
-    print(table)
-    print("\n".join(["", *targets]))
-    if args.no_write:
-        return 0
-    emulated.save_raw(args.raw, raw, summary)
-    plot_note = emulated.save_plot(args.plot, experiment.plot_hierarchy, summary)
+    measured = emulated.measure(
+        "benchmarks.hierarchy", args, lambda: experiment.run_hierarchy(s, L, log=emulated.log),
+        experiment.summarise_hierarchy, experiment.format_hierarchy_table, experiment.check_hierarchy_targets,
+        experiment.plot_hierarchy)
+    if isinstance(measured, int):
+        return measured
+    raw, load, summary, table, targets, plot_note = measured
     rows = summary["rows"]
     r0 = rows[0] if rows else {}
     m = s.model

@@ -37,10 +37,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--bucket-cap-mb", type=float, default=1.0,
                         help="overlap_with_backward's bucket_cap_mb (default %(default)s)")
     emulated.add_run_options(parser, rates="10M,50M,200M,1G", warmup_steps=12, compression_steps=16, per="rank",
-                             runs="mode")
-    parser.add_argument("--plot", default=DEFAULT_PLOT,
-                        help="the PNG to write, relative to the repository root (default %(default)s; '' for none)")
-    parser.add_argument("--note", default="", help="a sentence added to the section (e.g. what else ran)")
+                             runs="mode", plot=DEFAULT_PLOT)
     args = parser.parse_args(argv)
     if args.hosts < 2 or args.ranks_per_host < 1:
         parser.error("--hosts must be >= 2 and --ranks-per-host >= 1")
@@ -51,20 +48,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 3
     L = args.ranks_per_host
     modes = ["flat", "overlap", "solo"] + (["hier", "hier-overlap"] if L > 1 else [])
-    done = emulated.run_unwinding("benchmarks.overlap", lambda: experiment.run_hierarchy(
-        s, L, log=emulated.log, modes=modes, bucket_cap_mb=args.bucket_cap_mb))
-    if done is None:
-        return 130
-    raw, load = done
-    summary = experiment.summarise_hierarchy(raw)
-    table = experiment.format_overlap_table(summary)
-    targets = experiment.check_overlap_targets(summary)
-    print(table)
-    print("\n".join(["", *targets]))
-    if args.no_write:
-        return 0
-    emulated.save_raw(args.raw, raw, summary)
-    plot_note = emulated.save_plot(args.plot, experiment.plot_overlap, summary)
+    measured = emulated.measure(
+        "benchmarks.overlap", args, lambda: experiment.run_hierarchy(
+            s, L, log=emulated.log, modes=modes, bucket_cap_mb=args.bucket_cap_mb),
+        experiment.summarise_hierarchy, experiment.format_overlap_table, experiment.check_overlap_targets,
+        experiment.plot_overlap)
+    if isinstance(measured, int):
+        return measured
+    raw, load, summary, table, targets, plot_note = measured
     m, cap = s.model, args.bucket_cap_mb
     unit = "host" if L == 1 else "node"
     topology = (f"{s.hosts} hosts, one worker each" if L == 1 else
