@@ -67,13 +67,15 @@ class FlatLayout:
     def param_norms(self) -> torch.Tensor:
         return F.norms(self.params)
 
+    def params_in(self, start: int, end: int) -> List[Tuple[torch.Tensor, slice]]:
+        """The parameters (with their slices) whose elements begin in ``start:end``: a bucket's,
+        whose bounds are parameter bounds."""
+        return [(p, s) for p, s in zip(self.params, self.slices) if start <= s.start < end]
+
     def gather_grads(self, out: torch.Tensor, owner: str, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
         """This rank's gradients in the flat layout, float32; ``None`` counts as zero. With
         ``start``/``end`` (a bucket's bounds): only the parameters in that range."""
-        end = self.numel if end is None else end
-        for p, s in zip(self.params, self.slices):
-            if not start <= s.start < end:
-                continue
+        for p, s in self.params_in(start, self.numel if end is None else end):
             if p.grad is None:
                 out[s].zero_()
             elif p.grad.is_sparse:

@@ -71,7 +71,7 @@ def _grad_marks(layout: FlatLayout, bucket: Bucket) -> list:
     """Which gradient tensors, at which in-place version, the bucket's parameters hold: any change
     (a later backward, clipping, ``p.grad = ...``) changes the marks, without a pass over the data."""
     return [None if p.grad is None else (id(p.grad), p.grad._version)
-            for p, s in zip(layout.params, layout.slices) if bucket.start <= s.start < bucket.end]
+            for p, _ in layout.params_in(bucket.start, bucket.end)]
 
 
 class StagedOptimizer(Optimizer):
@@ -168,8 +168,7 @@ class StagedOptimizer(Optimizer):
         lay = self._layout
         self._buckets = plan_buckets(self._flat["buckets"], world_size_of(self.process_group), self._local_size())
         if self._overlap is not None:
-            self._overlap.set_buckets([[p for p, s in zip(lay.params, lay.slices) if b.start <= s.start < b.end]
-                                       for b in self._buckets])
+            self._overlap.set_buckets([[p for p, _ in lay.params_in(b.start, b.end)] for b in self._buckets])
 
     def _setup(self, layout: FlatLayout) -> Dict[str, Any]:
         """What every rank must have alike (``checks.agree_on_setup``)."""
@@ -294,15 +293,16 @@ class StagedOptimizer(Optimizer):
         self._gather(grads, b)
         self._grad_marks[k] = _grad_marks(lay, b)
         if self.stage == COMPRESSION:
-            buf = self._bucket_momentum(b)
-            worker, server = flat["worker_error"][b.worker], flat["server_error"][b.server]
-            self._scratch.buffer("worker_backup", flat["worker_error"].numel())[b.worker].copy_(worker)
-            self._scratch.buffer("server_backup", flat["server_error"].numel())[b.server].copy_(server)
+            buf = self._bucket_momentum(b)  # formed here, on the hook's thread; sent on the exchange thread
+            self._scratch.buffer("worker_backup", flat["worker_error"].numel())[b.worker].copy_(
+                flat["worker_error"][b.worker])
+            self._scratch.buffer("server_backup", flat["server_error"].numel())[b.server].copy_(
+                flat["server_error"][b.server])
             failures = self._exchange_failures
 
             def exchange() -> None:
                 try:
-                    compressed_allreduce(buf, worker, server, self._exchange_group, self.comm_stats)
+                    self._exchange_bucket(b, buf, self._exchange_group)
                 except FloatingPointError as e:  # on every rank alike; step() skips or raises it
                     failures[k] = e
             return exchange
@@ -334,6 +334,12 @@ class StagedOptimizer(Optimizer):
         mine.mul_(scale[b.start:b.end])
         buf[b.numel:].zero_()  # the padding: the previous result left values there
         return buf
+
+    def _exchange_bucket(self, b: Bucket, momentum: torch.Tensor, group) -> None:
+        """The compressed all-reduce of bucket ``b``'s momentum (``_bucket_momentum``) over ``group``,
+        with the bucket's regions of the error buffers."""
+        compressed_allreduce(momentum, self._flat["worker_error"][b.worker], self._flat["server_error"][b.server],
+                             group, self.comm_stats)
 
     def _restore_errors(self, b: Bucket) -> None:
         flat, scratch = self._flat, self._scratch.buffers
@@ -370,11 +376,10 @@ class StagedOptimizer(Optimizer):
                 self._exchange_failures.clear()
                 return False
             for k in stale:
-                self._exchange_failures.pop(k, None)
-                self._restore_errors(self._buckets[k])
                 b = self._buckets[k]
-                compressed_allreduce(self._bucket_momentum(b), self._flat["worker_error"][b.worker],
-                                     self._flat["server_error"][b.server], self._exchange_group, self.comm_stats)
+                self._exchange_failures.pop(k, None)
+                self._restore_errors(b)
+                self._exchange_bucket(b, self._bucket_momentum(b), self._exchange_group)
             if self._exchange_failures:
                 failure = next(iter(self._exchange_failures.values()))
                 self._exchange_failures.clear()
@@ -449,10 +454,8 @@ class StagedOptimizer(Optimizer):
         # in the warm-up the average shows any rank's NaN; in stage 2 one flag is agreed on first
         finite = agreed_finite(grads, spanning_group(self.process_group), self.comm_stats, averaged=not compressing)
         if finite and compressing and world_size_of(self.process_group) > 1:
-            flat = self._flat
             for b in self._buckets:
-                compressed_allreduce(self._bucket_momentum(b), flat["worker_error"][b.worker],
-                                     flat["server_error"][b.server], self.process_group, self.comm_stats)
+                self._exchange_bucket(b, self._bucket_momentum(b), self.process_group)
         return finite
 
     def _skip(self) -> None:
