@@ -71,16 +71,17 @@ def launch(command: List[str]) -> None:
     subprocess.run(command, check=True)
 
 
-def run_one(folder: str, args: List[str], cache_dir: str) -> dict:
+def run_one(folder: str, args: List[str], cache_dir: str, program: Sequence[str] = ("onebitlamb",)) -> dict:
     """The metrics of one run: read when it finished before, else trained (resumed when interrupted).
-    ``cache_dir``: the tokenized corpus, shared by the runs (it does not change their numbers)."""
+    ``cache_dir``: the tokenized corpus, shared by the runs (it does not change their numbers);
+    ``program``: the module (and its first arguments) that takes ``onebitlamb``'s command line."""
     state = run_state(folder)
     if state != "finished":
-        command = [sys.executable, "-m", "onebitlamb", *args, "--out", folder, "--cache-dir", cache_dir,
-                   "--no-progress"]
+        tail = [*args, "--out", folder, "--cache-dir", cache_dir, "--no-progress"]
         if state != "to run":
-            command.append("--resume")
-        print(f"\n$ onebitlamb {shlex.join(command[3:])}", flush=True)
+            tail.append("--resume")
+        command = [sys.executable, "-m", *program, *tail]
+        print(f"\n$ python -m {shlex.join([*program, *tail])}", flush=True)
         launch(command)
         if run_state(folder) != "finished":
             raise RuntimeError(f"{folder}: the run ended without metrics.json; the same command continues it")

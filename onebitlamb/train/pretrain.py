@@ -64,10 +64,6 @@ PRESETS = {
     "b512": dict(global_batch=512, steps=128, eval_every=16),
     "b1024": dict(global_batch=1024, steps=400, eval_every=50),
     "b4096": dict(global_batch=4096, steps=100, eval_every=20),
-    # demo with the exchange in buckets started behind the backward (the bucket study's)
-    "demo-buckets": dict(bucket_cap_mb=1.0),
-    # demo with its 4 workers as 2 nodes of 2 (node_groups(2), the hierarchy study's)
-    "demo-nodes": dict(local_size=2),
     # a larger model and corpus, meant for GPUs under torchrun
     "large": dict(stdlib_tests=True, vocab_size=8192, seq_len=128, hidden=256, layers=4, heads=4,
                   intermediate=1024, workers=8, micro_batch=32, global_batch=2048, steps=1000, eval_every=50,
@@ -106,9 +102,7 @@ class TrainConfig:
 
     preset: str = field(default="demo", metadata={
         "help": "base settings; the defaults below are demo's. tiny: the tests' few seconds, b512/b1024/b4096: "
-                "demo at larger global batches, demo-buckets: demo with the 1-bit exchange in 1 MiB buckets "
-                "(the optimizer's overlap_with_backward), demo-nodes: demo's 4 workers as 2 nodes of 2 "
-                "(process_group=node_groups(2)), large: a larger model and corpus for GPUs",
+                "demo at larger global batches, large: a larger model and corpus for GPUs",
         "choices": list(PRESETS)})
     optimizer: str = field(default="onebitlamb", metadata={"help": "what trains the model", "choices": OPTIMIZERS})
     out: str = field(default="", metadata={"help": "output folder: metrics, checkpoints, plots", "required": True})
@@ -151,6 +145,7 @@ class TrainConfig:
 
     # preset-only; the model's defaults are ModelConfig's
     heldout_fraction: float = 0.05
+    # for benchmarks/exchange.py's studies (no preset sets them: they measured no better than the defaults)
     bucket_cap_mb: Optional[float] = None  # the optimizer's overlap_with_backward (None: not called)
     local_size: Optional[int] = None  # ranks per node: process_group=node_groups(local_size) (None: flat)
     vocab_size: int = ModelConfig.vocab_size
