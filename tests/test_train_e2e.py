@@ -1,6 +1,6 @@
 """End to end: `onebitlamb compare --preset tiny` on 2 local workers (the three optimizers, crossing
 the freeze), its files, an exact `--resume` of an interrupted 1-bit LAMB run, and the two main-job
-runs pinned before the API change (issue 37), bit for bit."""
+runs pinned before the API change (issue 37), within stated rounding tolerances."""
 import hashlib
 import json
 import os
@@ -121,6 +121,11 @@ with open(os.path.join(ROOT, "tests", "data", "pinned_runs.json")) as _f:
     PINS = json.load(_f)
 # the flags of the runs pinned before the API change, and what they are now
 NEW_FLAGS = {"--freeze-frac 0.35": ["--freeze", "0.35"], "--auto-freeze --freeze-frac 0.75": ["--freeze", "auto"]}
+# Rounding alone (ONEBITLAMB_NATIVE=0 here, another machine of the same kind in issue 46) left the held-out
+# losses of the warm-up unchanged and moved the final one by at most 1.2e-4 of its value (5.82622 against
+# 5.82666 and 5.82691); ten times that still tells apart a freeze moved by 24 steps (0.8%).
+WARMUP_EVAL_RTOL = 1e-5
+FINAL_EVAL_RTOL = 1.2e-3
 
 
 @pytest.fixture(scope="module")
@@ -137,12 +142,18 @@ def main_job_runs(tmp_path_factory, corpus_dir, compared):
 
 
 def test_main_job_same_as_before_the_api_change(main_job_runs):
+    """The freeze step exactly; the held-out losses within the rounding tolerances above, tight for the
+    evaluations of the warm-up (uncompressed LAMB) and looser for the final one, after the 1-bit stage."""
     for name, pin in PINS["main_job_runs"].items():
-        out = main_job_runs[name]
-        with open(out / "metrics.json") as f:
+        with open(main_job_runs[name] / "metrics.json") as f:
             m = json.load(f)
-        got = (m["freeze_step"], m["final_eval_loss"], _model_sha256(out / "model_final.pt"))
-        assert got == (pin["freeze_step"], pin["final_eval_loss"], pin["model_sha256"]), name
+        assert m["freeze_step"] == pin["freeze_step"], name
+        samples_per_step = m["eval_curve"][-1][0] / m["steps"]
+        for (samples, got), (pinned_samples, pinned) in zip(m["eval_curve"], pin["eval_curve"]):
+            assert samples == pinned_samples, name
+            in_warmup = samples / samples_per_step <= pin["freeze_step"]
+            assert got == pytest.approx(pinned, rel=WARMUP_EVAL_RTOL if in_warmup else FINAL_EVAL_RTOL), (name, samples)
+        assert len(m["eval_curve"]) == len(pin["eval_curve"]), name
 
 
 def test_the_automatic_freeze_records_every_step_and_plots_its_decision(main_job_runs):
@@ -177,14 +188,14 @@ def test_the_automatic_freeze_records_every_step_and_plots_its_decision(main_job
 
 def test_resume_of_the_automatic_freeze_is_bit_identical(main_job_runs, tmp_path, corpus_dir, compared):
     """The automatic freeze's history lives in the optimizer's state: a run stopped in the middle
-    of the warm-up's window ends as the pinned uninterrupted run."""
+    of the warm-up's window ends as the uninterrupted run of the same machine, bit for bit."""
     _, cache, _ = compared
     common = PINS["main_job_common_flags"].split(" --corpus ")[0].split()
     flags = [*common, "--freeze", "auto", "--corpus", corpus_dir, "--out", str(tmp_path), "--cache-dir", str(cache),
              "--no-progress"]
     _cli(*flags, "--stop-after-steps", "25")
     _cli(*flags, "--resume")
-    assert _model_sha256(tmp_path / "model_final.pt") == PINS["main_job_runs"]["auto"]["model_sha256"]
+    assert _model_sha256(tmp_path / "model_final.pt") == _model_sha256(main_job_runs["auto"] / "model_final.pt")
     with open(tmp_path / "metrics.json") as f:
         resumed = json.load(f)
     with open(main_job_runs["auto"] / "metrics.json") as f:
