@@ -16,7 +16,6 @@ from typing import Optional, Sequence
 COMMANDS = {
     "pretrain": ("onebitlamb.train.pretrain", "pretrain a small BERT with one optimizer"),
     "compare": ("onebitlamb.train.compare", "LAMB, 1-bit LAMB and 1-bit Adam side by side"),
-    "netsim": ("onebitlamb.netsim.cli", "training on emulated hosts behind a slow network"),
 }
 
 

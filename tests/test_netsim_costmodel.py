@@ -3,9 +3,9 @@ import math
 
 import pytest
 
-from onebitlamb.netsim import costmodel
-from onebitlamb.netsim.experiment import parse_rate, rate_label
-from onebitlamb.netsim.topology import tbf_params
+from benchmarks.netsim.topology import tbf_params
+from onebitlamb.comm import costmodel
+from onebitlamb.comm.costmodel import parse_rate, rate_label
 
 
 def test_collective_bytes_two_and_four_ranks():
@@ -90,7 +90,7 @@ def test_rate_parsing():
 
 
 def test_synchronous_compute_is_the_median_of_the_slowest_rank():
-    from onebitlamb.netsim.experiment import synchronous_compute_s
+    from benchmarks.network import synchronous_compute_s
 
     # per step the slower rank: 0.3, 0.2, 0.4 -> median 0.3 (each rank's own median is 0.2)
     assert synchronous_compute_s([[0.1, 0.2, 0.4], [0.3, 0.2, 0.1]]) == pytest.approx(0.3)

@@ -17,10 +17,13 @@
 
 Every link is full duplex and each rank's bytes leave on its own link, so a collective's time is
 one rank's bytes over one link: a ring all-reduce of ``B`` bytes takes ``2 (n-1)/n B / R``.
+
+The benchmarks on emulated hosts set it beside every step they measure (docs/netsim.md).
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -185,3 +188,28 @@ def predict_node_step(compute_s: float, collectives: List[NodeCollective], link:
         alpha = link.alpha_s if not c.intra or alpha_intra_s is None else alpha_intra_s
         total += alpha + c.node_bytes * link_beta + c.rank_bytes * host_beta
     return total
+
+
+# --- link rates as the benchmarks read and print them ----------------------------------------
+
+_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
+
+
+def parse_rate(text: str) -> Optional[float]:
+    """``10M``, ``200mbit``, ``1G``, ``1.5e8`` -> bits per second; ``inf`` / ``unlimited`` -> None."""
+    t = text.strip().lower()
+    if t in ("inf", "unlimited", "none", "0"):
+        return None
+    m = re.fullmatch(r"([0-9.e+]+)\s*([kmg]?)(?:bit|bps|b)?(?:/s)?", t)
+    if not m:
+        raise ValueError(f"cannot read a rate from {text!r} (examples: 10M, 200mbit, 1G, inf)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def rate_label(rate_bps: Optional[float]) -> str:
+    if rate_bps is None:
+        return "unshaped"
+    if rate_bps >= 1e9:
+        return f"{rate_bps / 1e9:g} Gbit/s"
+    return f"{rate_bps / 1e6:g} Mbit/s"
+
