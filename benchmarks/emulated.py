@@ -1,24 +1,111 @@
-"""What the benchmarks on emulated hosts share (``ddp``, ``hierarchy``, ``overlap``).
+"""What the benchmarks on emulated hosts share (``network``, ``ddp``, ``hierarchy``, ``overlap``).
 
-Their common options (rates, optimizers, model size, steps, threads, tbf bucket, timeout, the
-files to write), the ``experiment.Settings`` those make, the check that namespaces can be made
-here, and the run itself, which SIGTERM and SIGHUP unwind like Ctrl-C so that every
-``Network``'s ``__exit__`` removes its namespaces. Each script keeps its own topology options
-(hosts, nodes, ranks) and its own section of BENCHMARKS.md.
+The ``Settings`` of a run (hosts, rates, optimizers, model, steps) and how a rate is read and
+named; the common options of ``ddp``, ``hierarchy`` and ``overlap`` and the ``Settings`` those
+make; the check that namespaces can be made here, and the run itself, which SIGTERM and SIGHUP
+unwind like Ctrl-C so that every ``Network``'s ``__exit__`` removes its namespaces; the figures'
+formats and the log-rate axis of the plots. The machinery (namespaces, launcher, worker) is
+``benchmarks.netsim``; each script keeps its own experiment, its own topology options (hosts,
+nodes, ranks) and its own section of BENCHMARKS.md.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
+import statistics
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
+from benchmarks.netsim.topology import NetsimUnavailable, check_available
 from benchmarks.report import write_section
-from onebitlamb.netsim import experiment
-from onebitlamb.netsim.topology import NetsimUnavailable, check_available
+from onebitlamb.comm.costmodel import parse_rate, rate_label
+
+OPTIMIZERS = ("lamb", "onebitlamb", "onebitadam")
+LABELS = {"lamb": "LAMB", "onebitlamb": "1-bit LAMB", "onebitadam": "1-bit Adam"}
+
+
+@dataclass
+class Settings:
+    """One run on emulated hosts; ``spec()`` is the part its workers read."""
+
+    hosts: int = 2
+    rates: Sequence[Optional[float]] = (10e6, 50e6, 200e6, 1e9, None)
+    optimizers: Sequence[str] = OPTIMIZERS
+    model: Dict[str, int] = field(default_factory=dict)
+    batch: int = 16
+    warmup_steps: int = 3
+    compression_steps: int = 8
+    skip_steps: int = 1
+    threads: int = 1
+    burst_ms: float = 4.0
+    warmup_fraction: float = 0.2
+    timeout_s: float = 900.0
+    paired_rounds: int = 100
+
+    def spec(self) -> dict:
+        return {"model": dict(self.model), "batch": self.batch, "optimizers": list(self.optimizers),
+                "warmup_steps": self.warmup_steps, "compression_steps": self.compression_steps,
+                "skip_steps": self.skip_steps, "threads": self.threads}
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def slowest(per_rank: List[dict], key: str) -> List[float]:
+    """Per step, the slowest rank's value: a synchronous step costs what its last rank spends."""
+    return [max(v) for v in zip(*(r[key] for r in per_rank))]
+
+
+def quartiles(values: List[float]):
+    values = sorted(values)
+    return statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+
+
+def ms(x: float) -> str:
+    """Milliseconds for a table: three significant figures or so."""
+    return f"{1000 * x:.0f}" if x >= 0.1 else f"{1000 * x:.1f}"
+
+
+def kb(x: Optional[float]) -> str:
+    """Kilobytes for a table; "-" where there is no figure (no interface counter on loopback)."""
+    if x is None:
+        return "-"
+    return f"{x / 1024:.0f}" if x >= 10240 else f"{x / 1024:.1f}"
+
+
+def rate_x(rows: List[dict]):
+    """A row's x on a log axis of link rates in Mbit/s; the unshaped network drawn to the right of
+    the fastest shaped rate."""
+    shaped = [r["rate_bps"] for r in rows if r["rate_bps"] is not None]
+    unshaped_x = max(shaped) * 5 if shaped else 1e10
+    return lambda row: (row["rate_bps"] or unshaped_x) / 1e6
+
+
+def log_rate_axis(ax, rows: List[dict], xlabel: str) -> None:
+    """Log-log axes with one tick per measured rate (``rate_x``), labelled with the rate."""
+    from matplotlib.ticker import NullLocator
+
+    x_of = rate_x(rows)
+    rates = sorted({r["rate_bps"] for r in rows}, key=lambda r: math.inf if r is None else r)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks([x_of({"rate_bps": r}) for r in rates])
+    ax.set_xticklabels(["unshaped" if r is None else rate_label(r).replace(" ", "\n") for r in rates])
+    # no minor ticks between the rates (they would label rates not measured); the step-time axis
+    # keeps its own, which label a range narrower than a decade
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(xlabel)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +118,7 @@ def add_run_options(parser: argparse.ArgumentParser, *, rates: str, warmup_steps
     parser.add_argument("--rates", default=rates,
                         help="link rates, comma-separated (10M, 1G, inf = unshaped); default %(default)s")
     parser.add_argument("--optimizers", default="onebitlamb",
-                        help=f"comma-separated subset of {','.join(experiment.OPTIMIZERS)} (default %(default)s)")
+                        help=f"comma-separated subset of {','.join(OPTIMIZERS)} (default %(default)s)")
     parser.add_argument("--hidden", type=int, default=128, help="BERT hidden size (default %(default)s)")
     parser.add_argument("--layers", type=int, default=2, help="BERT layers (default %(default)s)")
     parser.add_argument("--batch", type=int, default=16, help=f"sequences per {per} per step (default %(default)s)")
@@ -53,17 +140,17 @@ def add_run_options(parser: argparse.ArgumentParser, *, rates: str, warmup_steps
         parser.add_argument("--note", default="", help="a sentence added to the section (e.g. what else ran)")
 
 
-def settings(parser: argparse.ArgumentParser, args: argparse.Namespace, hosts: int) -> experiment.Settings:
+def settings(parser: argparse.ArgumentParser, args: argparse.Namespace, hosts: int) -> Settings:
     """The ``Settings`` of ``add_run_options``' options on ``hosts`` emulated hosts (``parser.error``
     on an unknown optimizer or a stage without timed steps)."""
     optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
-    unknown = [o for o in optimizers if o not in experiment.OPTIMIZERS]
+    unknown = [o for o in optimizers if o not in OPTIMIZERS]
     if unknown or not optimizers:
-        parser.error(f"--optimizers: choose from {', '.join(experiment.OPTIMIZERS)} (got {args.optimizers!r})")
+        parser.error(f"--optimizers: choose from {', '.join(OPTIMIZERS)} (got {args.optimizers!r})")
     if args.warmup_steps < 1 or args.compression_steps < 1:
         parser.error("--warmup-steps and --compression-steps must be >= 1")
-    return experiment.Settings(
-        hosts=hosts, rates=[experiment.parse_rate(r) for r in args.rates.split(",") if r.strip()],
+    return Settings(
+        hosts=hosts, rates=[parse_rate(r) for r in args.rates.split(",") if r.strip()],
         optimizers=optimizers, model={"hidden": args.hidden, "layers": args.layers, "heads": max(2, args.hidden // 64),
                                       "intermediate": 4 * args.hidden},
         batch=args.batch, warmup_steps=args.warmup_steps, compression_steps=args.compression_steps,

@@ -1,50 +1,406 @@
 """Network benchmark: LAMB, 1-bit LAMB and 1-bit Adam pretraining a small BERT on emulated hosts.
 
     sudo .venv/bin/python -m benchmarks.network      # from the repository root; default: 2 hosts, 10M..1G + unshaped
+    sudo .venv/bin/python -m benchmarks.network --rates 10M,1G --hosts 4 --no-write   # print the tables only
+    sudo .venv/bin/python -m benchmarks.network --cleanup   # remove namespaces a kill -9 left
 
 Every host is a network namespace on a bridge, every link shaped by a token bucket (see
-``onebitlamb.netsim``). For each rate: step time in the warm-up and in the compression stage,
-LAMB's share of a step spent communicating, the compression-stage and end-to-end speed-up, the
-bytes each host's interface counted per step, and the alpha-beta cost model's prediction beside
-every measured step. Writes the "network" section of BENCHMARKS.md, a PNG of speed-up against
-link rate and the raw results (JSON) next to it. Same options as ``onebitlamb netsim``.
+``benchmarks.netsim``). One unshaped launch first measures what does not depend on the rate: the
+latency of a tiny collective, the hosts' own byte rate and the 1-bit codec's cost. Then one
+launch per rate trains every optimizer through its stages, each right after the same steps with
+no communication (all hosts computing at once, as they share the CPUs): the compute-only time
+the cost model (``onebitlamb.comm.costmodel``) starts from, measured minutes apart from the step
+it predicts on a machine whose load varies. For each rate: step time in the warm-up and in the
+compression stage, LAMB's share of a step spent communicating, the compression-stage and
+end-to-end speed-up, the bytes each host's interface counted per step, and the cost model's
+prediction beside every measured step. Last, on plain loopback, LAMB's and the 1-bit steps
+interleaved in one launch. Writes the "network" section of BENCHMARKS.md, a PNG of speed-up
+against link rate and the raw results (JSON) next to it.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import math
+import statistics
 import sys
+import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
+from benchmarks import emulated
+from benchmarks.emulated import LABELS, OPTIMIZERS, Settings, kb, mean, ms, parse_rate, quartiles, rate_label, slowest
+from benchmarks.netsim.runner import run_workers
+from benchmarks.netsim.topology import Network, cleanup_stale
 from benchmarks.report import command_line, machine_line, write_section
-from onebitlamb.netsim import cli, experiment
+from onebitlamb.comm import costmodel
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def run_experiment(s: Settings, log=print) -> dict:
+    """Measure everything; returns the raw per-rank results (JSON-serialisable)."""
+    out: dict = {"settings": {**s.__dict__, "rates": list(s.rates), "optimizers": list(s.optimizers)},
+                 "rates": []}
+    t0 = time.monotonic()
+    log(f"[netsim] calibration on {s.hosts} unshaped hosts: alpha, host byte rate, codec")
+    with Network(s.hosts, None, burst_ms=s.burst_ms) as net:
+        out["baseline"] = run_workers(net, dict(s.spec(), probe={"latency_calls": 30, "bandwidth_calls": 5}),
+                                      timeout_s=s.timeout_s)
+    for rate in s.rates:
+        log(f"[netsim] {rate_label(rate)}: {', '.join(s.optimizers)}  ({time.monotonic() - t0:.0f}s so far)")
+        with Network(s.hosts, rate, burst_ms=s.burst_ms) as net:
+            before = [net.counters(i) for i in range(s.hosts)]
+            ranks = run_workers(net, dict(s.spec(), train=True, probe={"latency_calls": 30}),
+                                timeout_s=s.timeout_s)
+            after = [net.counters(i) for i in range(s.hosts)]
+            out["rates"].append({"rate_bps": rate, "tbf": net.tbf, "ranks": ranks,
+                                 "qdisc_drops": net.qdisc_drops(),
+                                 "launch_tx_bytes": [(a - b).tx_bytes for a, b in zip(after, before)]})
+    if s.paired_rounds:
+        log(f"[netsim] loopback, interleaved: {s.paired_rounds} rounds of one step per optimizer")
+        out["paired"] = run_paired(s)
+    out["elapsed_s"] = time.monotonic() - t0
+    return out
+
+
+def run_paired(s: Settings) -> List[dict]:
+    """Per rank: LAMB's and the 1-bit optimizers' compression-stage steps, interleaved on loopback
+    (``worker.paired_steps``)."""
+    from onebitlamb.comm.launch import spawn_local
+    from benchmarks.netsim.worker import paired_steps
+
+    spec = dict(s.spec(), rounds=s.paired_rounds)
+    return spawn_local(paired_steps, s.hosts, (spec,), timeout_s=s.timeout_s,
+                       threads_per_worker=s.threads)
+
+
+def summarise_paired(per_rank: List[dict]) -> List[dict]:
+    """Per 1-bit optimizer: the median over rounds of LAMB's step time over its own (a step costs
+    what its slowest rank spends), with the quartiles of that ratio and the median times."""
+    times = [r["step_times"] for r in per_rank]
+    opt_times = [r["opt_step_times"] for r in per_rank]
+    lamb = slowest(times, "lamb")
+    out = []
+    for name in per_rank[0]["step_times"]:
+        if name == "lamb":
+            continue
+        onebit = slowest(times, name)
+        ratios = sorted(a / b for a, b in zip(lamb, onebit))
+        q = quartiles(ratios)
+        out.append({"optimizer": name, "rounds": len(ratios), "lamb_s": statistics.median(lamb),
+                    "onebit_s": statistics.median(onebit),
+                    "lamb_opt_s": statistics.median(slowest(opt_times, "lamb")),
+                    "onebit_opt_s": statistics.median(slowest(opt_times, name)),
+                    "speedup_median": statistics.median(ratios),
+                    "speedup_q1": q[0], "speedup_q3": q[2],
+                    "faster_share": sum(r > 1 for r in ratios) / len(ratios),
+                    "lamb_bytes": per_rank[0]["step_bytes"]["lamb"],
+                    "onebit_bytes": per_rank[0]["step_bytes"][name]})
+    return out
+
+
+def synchronous_compute_s(per_rank_times: List[List[float]]) -> float:
+    """Compute-only time of a synchronous step: the median over steps of the slowest rank.
+
+    Every collective waits for the last rank to arrive, so when the ranks' compute times vary
+    (two workers and whatever else runs on shared cores) a step costs the maximum over ranks,
+    which is more than any one rank's median.
+    """
+    steps = min(len(t) for t in per_rank_times)
+    return statistics.median(max(t[i] for t in per_rank_times) for i in range(steps))
+
+
+def summarise(raw: dict) -> dict:
+    """Rows of measured and predicted figures, and the rate-independent calibration."""
+    s = raw["settings"]
+    n = s["hosts"]
+    base = raw["baseline"]
+    d = base[0]["probe"]["params"]
+    alpha_unl = mean(r["probe"]["alpha_s"] for r in base)
+    ar_s = mean(r["probe"]["allreduce_s"] for r in base)
+    car_s = mean(r["probe"]["compressed_s"] for r in base)
+    lamb_bytes = costmodel.lamb_collectives(d, n)
+    onebit_bytes = costmodel.onebit_collectives(d, n)
+    host_Bps = sum(lamb_bytes) / max(ar_s - alpha_unl, 1e-6)
+    codec_s = max(0.0, car_s - len(onebit_bytes) * alpha_unl - sum(onebit_bytes) / host_Bps)
+    calib = {"params": d, "hosts": n, "alpha_unshaped_s": alpha_unl,
+             "allreduce_unshaped_s": ar_s, "compressed_unshaped_s": car_s, "host_Bps": host_Bps,
+             "codec_s": codec_s, "lamb_bytes": lamb_bytes, "onebit_bytes": onebit_bytes}
+    rows = []
+    for entry in raw["rates"]:
+        rate = entry["rate_bps"]
+        ranks = entry["ranks"]
+        alpha = mean(r["probe"]["alpha_s"] for r in ranks)
+        link = costmodel.Link(rate, alpha, host_Bps=host_Bps)
+        for name in ranks[0]["train"]:
+            for stage in ("warmup", "compression"):
+                if stage not in ranks[0]["train"][name]:
+                    continue
+                per = [r["train"][name][stage] for r in ranks]
+                measured = mean(p["median_s"] for p in per)
+                comp = synchronous_compute_s([r["compute_only"][name][stage]["step_times"] for r in ranks])
+                if stage == "compression":
+                    predicted = costmodel.predict_step(comp, onebit_bytes + costmodel.finite_flag_collectives(n),
+                                                       link, codec_s)
+                else:
+                    predicted = costmodel.predict_step(comp, lamb_bytes, link)
+                rows.append({
+                    "rate_bps": rate, "optimizer": name, "stage": stage, "measured_s": measured,
+                    "predicted_s": predicted, "compute_s": comp, "alpha_s": alpha,
+                    "comm_fraction": costmodel.comm_fraction(measured, comp),
+                    "wire_bytes": mean(p["wire_bytes_per_step"] for p in per),
+                    "accounted_bytes": mean(p["accounted_bytes_per_step"] for p in per),
+                    "spread_s": max(max(p["step_times"]) - min(p["step_times"]) for p in per),
+                    "qdisc_drops": entry["qdisc_drops"],
+                })
+    return {"calibration": calib, "rows": rows, "summary": _speedups(rows, s["warmup_fraction"]),
+            "paired": summarise_paired(raw["paired"]) if raw.get("paired") else []}
+
+
+def _speedups(rows: List[dict], w: float) -> List[dict]:
+    by = {(r["rate_bps"], r["optimizer"], r["stage"]): r for r in rows}
+    rates = []
+    for r in rows:
+        if r["rate_bps"] not in rates:
+            rates.append(r["rate_bps"])
+    out = []
+    for rate in rates:
+        lamb = by.get((rate, "lamb", "warmup"))
+        if lamb is None:
+            continue
+        for name in ("onebitlamb", "onebitadam"):
+            warm, comp = by.get((rate, name, "warmup")), by.get((rate, name, "compression"))
+            if warm is None or comp is None:
+                continue
+            out.append({
+                "rate_bps": rate, "optimizer": name, "lamb_s": lamb["measured_s"],
+                "lamb_comm_fraction": lamb["comm_fraction"], "warmup_s": warm["measured_s"],
+                "compression_s": comp["measured_s"], "compute_s": comp["compute_s"],
+                "step_speedup": lamb["measured_s"] / comp["measured_s"],
+                "end_to_end_speedup": costmodel.end_to_end_speedup(
+                    lamb["measured_s"], warm["measured_s"], comp["measured_s"], w),
+                "predicted_step_speedup": lamb["predicted_s"] / comp["predicted_s"],
+                "predicted_end_to_end_speedup": costmodel.end_to_end_speedup(
+                    lamb["predicted_s"], warm["predicted_s"], comp["predicted_s"], w),
+                "wire_reduction": lamb["wire_bytes"] / comp["wire_bytes"] if comp["wire_bytes"] else math.inf,
+                "over_compute_only": comp["measured_s"] / comp["compute_s"] - 1.0,
+            })
+    return out
+
+
+def format_tables(summary: dict, w: float) -> str:
+    """Markdown: the speed-up table, the per-stage table (measured beside predicted), calibration."""
+    c = summary["calibration"]
+    lines = [f"Speed-up ({int(round(100 * w))}% warm-up for end-to-end; LAMB's communication share = "
+             f"1 - compute-only / step):", "",
+             "| link | optimizer | LAMB step ms | LAMB comm share | warm-up step ms | compression step ms "
+             "| step speed-up (pred.) | end-to-end speed-up (pred.) | wire bytes vs LAMB | over compute-only |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in summary["summary"]:
+        lines.append(
+            f"| {rate_label(r['rate_bps'])} | {LABELS[r['optimizer']]} | {ms(r['lamb_s'])} "
+            f"| {100 * r['lamb_comm_fraction']:.0f}% | {ms(r['warmup_s'])} | {ms(r['compression_s'])} "
+            f"| {r['step_speedup']:.1f}x ({r['predicted_step_speedup']:.1f}x) "
+            f"| {r['end_to_end_speedup']:.2f}x ({r['predicted_end_to_end_speedup']:.2f}x) "
+            f"| {r['wire_reduction']:.1f}x fewer | {100 * r['over_compute_only']:+.0f}% |")
+    lines += ["", "Every measured step beside the cost model's prediction (median over the timed steps, "
+              "mean over ranks; bytes are what one rank sent per step):", "",
+              "| link | optimizer | stage | measured ms | predicted ms | diff | compute-only ms | alpha ms "
+              "| wire KB/step | accounted KB/step | wire/accounted |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in summary["rows"]:
+        diff = r["predicted_s"] / r["measured_s"] - 1.0
+        flag = " **" if abs(diff) > 0.2 else ""
+        ratio = r["wire_bytes"] / r["accounted_bytes"] if r["accounted_bytes"] else float("nan")
+        lines.append(
+            f"| {rate_label(r['rate_bps'])} | {LABELS[r['optimizer']]} | {r['stage']} | {ms(r['measured_s'])} "
+            f"| {ms(r['predicted_s'])} | {100 * diff:+.0f}%{flag} | {ms(r['compute_s'])} | {1000 * r['alpha_s']:.2f} "
+            f"| {kb(r['wire_bytes'])} | {kb(r['accounted_bytes'])} | {ratio:.3f} |")
+    lines += ["", f"Calibration (unshaped network, {c['hosts']} hosts, d = {c['params']:,} parameters): "
+              f"alpha {1000 * c['alpha_unshaped_s']:.2f} ms; "
+              f"host byte rate {c['host_Bps'] / 1e6:.0f} MB/s (fp32 all-reduce {ms(c['allreduce_unshaped_s'])} ms); "
+              f"1-bit codec {ms(c['codec_s'])} ms (compressed all-reduce {ms(c['compressed_unshaped_s'])} ms). "
+              f"Diffs beyond 20% are marked **."]
+    if summary.get("paired"):
+        lines += ["", "Loopback, interleaved (one launch; each round one step of every optimizer in an order "
+                  "drawn afresh, each after a barrier; a round's step is its slowest rank's): LAMB's step time over "
+                  "the 1-bit optimizer's compression-stage step, per round:", "",
+                  "| optimizer | rounds | LAMB step ms (optimizer.step) | compression step ms (optimizer.step) "
+                  "| speed-up median (quartiles) | rounds faster than LAMB | bytes per step vs LAMB |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for p in summary["paired"]:
+            lines.append(f"| {LABELS[p['optimizer']]} | {p['rounds']} | {ms(p['lamb_s'])} ({ms(p['lamb_opt_s'])}) "
+                         f"| {ms(p['onebit_s'])} ({ms(p['onebit_opt_s'])}) "
+                         f"| {p['speedup_median']:.3f}x ({p['speedup_q1']:.3f}-{p['speedup_q3']:.3f}) "
+                         f"| {100 * p['faster_share']:.0f}% | {p['lamb_bytes'] / max(p['onebit_bytes'], 1):.1f}x fewer |")
+    return "\n".join(lines)
+
+
+def check_targets(summary: dict) -> List[str]:
+    """The issue's targets, each as a line saying met or missed with the figure."""
+    out = []
+    rows = summary["summary"]
+    lamb_ob = [r for r in rows if r["optimizer"] == "onebitlamb"]
+    slow = [r for r in lamb_ob if r["lamb_comm_fraction"] >= 0.9]
+    if slow:
+        r = max(slow, key=lambda r: r["rate_bps"] or math.inf)
+        lbl = rate_label(r["rate_bps"])
+        out.append(f"{'met ' if r['step_speedup'] >= 10 else 'MISSED'} compression step >= 10x LAMB at {lbl} "
+                   f"(LAMB comm share {100 * r['lamb_comm_fraction']:.0f}%): {r['step_speedup']:.1f}x")
+        out.append(f"{'met ' if r['end_to_end_speedup'] >= 3.5 else 'MISSED'} end-to-end >= 3.5x at {lbl}: "
+                   f"{r['end_to_end_speedup']:.2f}x")
+    else:
+        out.append("n/a    no rate where LAMB spends >= 90% of its step communicating")
+    for r in lamb_ob:
+        if r["rate_bps"] is not None and r["wire_reduction"] < 25:
+            out.append(f"MISSED wire bytes >= 25x fewer at {rate_label(r['rate_bps'])}: {r['wire_reduction']:.1f}x")
+    if lamb_ob:
+        worst = min(r["wire_reduction"] for r in lamb_ob)
+        out.append(f"{'met ' if worst >= 25 else 'MISSED'} wire bytes in compression >= 25x fewer than LAMB: "
+                   f"at least {worst:.1f}x")
+    for r in lamb_ob:
+        if r["rate_bps"] == 1e9:
+            out.append(f"{'met ' if r['over_compute_only'] <= 0.25 else 'MISSED'} compression step within 25% of "
+                       f"compute-only at 1 Gbit/s: {100 * r['over_compute_only']:+.0f}%")
+    for p in summary.get("paired", []):
+        out.append(f"{'met ' if p['speedup_median'] >= 1.0 else 'MISSED'} {LABELS[p['optimizer']]} compression "
+                   f"step not slower than LAMB on loopback (interleaved, median of {p['rounds']} rounds): "
+                   f"{p['speedup_median']:.3f}x")
+    for r in rows:
+        if r["step_speedup"] < 1.0:
+            out.append(f"MISSED {LABELS[r['optimizer']]} compression step slower than LAMB at "
+                       f"{rate_label(r['rate_bps'])}: {r['step_speedup']:.2f}x")
+    if all(r["step_speedup"] >= 1.0 for r in rows):
+        out.append("met  compression step never slower than LAMB, at every rate measured")
+    return out
+
+
+def plot(summary: dict, path) -> None:
+    """Step and end-to-end speed-up against link rate (the unshaped network drawn at the right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["summary"]
+    shaped = sorted({r["rate_bps"] for r in rows if r["rate_bps"] is not None})
+    unshaped_x = (max(shaped) * 5) if shaped else 1e10
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, color in (("onebitlamb", "C0"), ("onebitadam", "C1")):
+        pts = sorted(((r["rate_bps"] or unshaped_x) / 1e6, r) for r in rows if r["optimizer"] == name)
+        if not pts:
+            continue
+        xs = [x for x, _ in pts]
+        ax.plot(xs, [r["step_speedup"] for _, r in pts], "o-", color=color,
+                label=f"{LABELS[name]}: compression-stage step")
+        ax.plot(xs, [r["end_to_end_speedup"] for _, r in pts], "s--", color=color,
+                label=f"{LABELS[name]}: end-to-end, 20% warm-up")
+        ax.plot(xs, [r["predicted_step_speedup"] for _, r in pts], ":", color=color, alpha=0.6,
+                label=f"{LABELS[name]}: step, cost model")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ticks = [x / 1e6 for x in shaped] + [unshaped_x / 1e6]
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([rate_label(x * 1e6).replace(" ", "\n") for x in ticks[:-1]] + ["unshaped"])
+    ax.set_xlabel("link rate per host")
+    ax.set_ylabel("speed-up over LAMB")
+    ax.set_title(f"{summary['calibration']['hosts']} emulated hosts, small BERT "
+                 f"({summary['calibration']['params'] / 1e6:.2f}M parameters)")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = Settings()
+    parser.add_argument("--hosts", type=int, default=d.hosts, help="emulated hosts, one worker each (default %(default)s)")
+    parser.add_argument("--rates", default="10M,50M,200M,1G,inf",
+                        help="link rates, comma-separated (10M, 1G, inf = unshaped); default %(default)s")
+    parser.add_argument("--optimizers", default=",".join(d.optimizers),
+                        help="comma-separated subset of lamb,onebitlamb,onebitadam (default: all)")
+    parser.add_argument("--hidden", type=int, default=128, help="BERT hidden size (default %(default)s)")
+    parser.add_argument("--layers", type=int, default=2, help="BERT layers (default %(default)s)")
+    parser.add_argument("--heads", type=int, default=None, help="attention heads (default hidden/64, at least 2)")
+    parser.add_argument("--intermediate", type=int, default=None, help="feed-forward width (default 4*hidden)")
+    parser.add_argument("--batch", type=int, default=d.batch, help="sequences per host per step (default %(default)s)")
+    parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                        help="timed warm-up steps (one untimed step precedes each stage); default %(default)s")
+    parser.add_argument("--compression-steps", type=int, default=d.compression_steps,
+                        help="timed compression-stage steps (default %(default)s)")
+    parser.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker (default %(default)s)")
+    parser.add_argument("--burst-ms", type=float, default=d.burst_ms,
+                        help="token bucket size in milliseconds of the link rate (default %(default)s)")
+    parser.add_argument("--warmup-fraction", type=float, default=d.warmup_fraction,
+                        help="share of warm-up steps for the end-to-end figure (default %(default)s)")
+    parser.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per launch (default %(default)s)")
+    parser.add_argument("--paired-rounds", type=int, default=d.paired_rounds,
+                        help="rounds of the interleaved loopback comparison, one step of every optimizer "
+                             "each (0: skip it); default %(default)s")
+    parser.add_argument("--cleanup", action="store_true",
+                        help="only remove namespaces left by killed runs (whose process is gone), then exit")
+    parser.add_argument("--plot", default=str(DOCS / "netsim_speedup.png"), help="PNG to write (default %(default)s)")
+    parser.add_argument("--raw", default=str(DOCS / "netsim_results.json"), help="raw results (default %(default)s)")
+    parser.add_argument("--results", default=None, help="the BENCHMARKS.md to update (default: the repository's)")
+    parser.add_argument("--no-write", action="store_true", help="print only; write no file")
+
+
+def settings_from_args(args) -> Settings:
+    optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
+    unknown = [o for o in optimizers if o not in OPTIMIZERS]
+    if unknown:
+        raise ValueError(f"unknown optimizer(s) {unknown}; choose from {', '.join(OPTIMIZERS)}")
+    if "lamb" not in optimizers:
+        raise ValueError("the comparison needs lamb among --optimizers (it is the baseline)")
+    if args.hosts < 2:
+        raise ValueError(f"--hosts must be >= 2 (there is nothing to communicate with one), got {args.hosts}")
+    if args.warmup_steps < 1 or args.compression_steps < 1:
+        raise ValueError("--warmup-steps and --compression-steps must be >= 1")
+    if args.paired_rounds < 0:
+        raise ValueError(f"--paired-rounds must be >= 0, got {args.paired_rounds}")
+    heads = args.heads or max(2, args.hidden // 64)
+    if args.hidden % heads:
+        raise ValueError(f"--hidden {args.hidden} is not divisible by {heads} heads")
+    model = {"hidden": args.hidden, "layers": args.layers, "heads": heads,
+             "intermediate": args.intermediate or 4 * args.hidden}
+    return Settings(
+        hosts=args.hosts, rates=[parse_rate(r) for r in args.rates.split(",") if r.strip()],
+        optimizers=optimizers, model=model, batch=args.batch, warmup_steps=args.warmup_steps,
+        compression_steps=args.compression_steps, threads=args.threads, burst_ms=args.burst_ms,
+        warmup_fraction=args.warmup_fraction, timeout_s=args.timeout, paired_rounds=args.paired_rounds)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.network",
                                      description=__doc__.splitlines()[0])
-    cli.add_arguments(parser)
-    parser.add_argument("--plot", default=str(DOCS / "netsim_speedup.png"), help="PNG to write (default %(default)s)")
-    parser.add_argument("--raw", default=str(DOCS / "netsim_results.json"), help="raw results (default %(default)s)")
-    parser.add_argument("--results", default=None, help="the BENCHMARKS.md to update (default: the repository's)")
-    parser.add_argument("--no-write", action="store_true", help="print only; write no file")
+    add_arguments(parser)
     args = parser.parse_args(argv)
-    res = cli.execute(args)
-    if isinstance(res, int):
-        return res
-    s, raw, summary = res
-    tables = experiment.format_tables(summary, s.warmup_fraction)
-    targets = experiment.check_targets(summary)
+    if emulated.unavailable("benchmarks.network", "hosts"):
+        return 3
+    if args.cleanup:
+        removed = cleanup_stale()
+        print(f"removed {len(removed)} stale namespace(s): {' '.join(removed) or '-'}")
+        return 0
+    try:
+        s = settings_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    done = emulated.run_unwinding("benchmarks.network", lambda: run_experiment(s, log=emulated.log))
+    if done is None:
+        return 130
+    raw, _ = done
+    summary = summarise(raw)
+    tables = format_tables(summary, s.warmup_fraction)
+    targets = check_targets(summary)
     print(tables)
     print()
     print("\n".join(targets))
     if args.no_write:
         return 0
-    Path(args.raw).write_text(json.dumps({"raw": raw, "summary": summary}, indent=1))
-    experiment.plot(summary, args.plot)
+    emulated.save_raw(args.raw, raw, summary)
+    plot(summary, args.plot)
     m = s.model
     body = "\n".join([
         "## Network: LAMB vs 1-bit LAMB / 1-bit Adam on emulated hosts",

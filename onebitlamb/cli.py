@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 COMMANDS = {
     "pretrain": ("onebitlamb.train.pretrain", "pretrain a small BERT with one optimizer"),
     "compare": ("onebitlamb.train.compare", "LAMB, 1-bit LAMB and 1-bit Adam side by side"),
-    "netsim": ("onebitlamb.netsim.cli", "training on emulated hosts behind a slow network"),
+    "estimate": ("onebitlamb.comm.costmodel", "the speed-up over LAMB to expect for a model size, ranks and link rate"),
 }
 
 

@@ -2,7 +2,7 @@
 why, where it cannot."""
 import pytest
 
-from onebitlamb.netsim.topology import NetsimUnavailable, check_available
+from benchmarks.netsim.topology import NetsimUnavailable, check_available
 
 try:
     check_available()

@@ -1,5 +1,6 @@
 """The documentation stays a user guide: its sizes, one section per benchmark, commands that exist,
 and no lab results in the package's code (they belong to the docs)."""
+import ast
 import os
 import re
 
@@ -47,4 +48,27 @@ def test_the_package_code_carries_no_lab_results():
                     for number, line in enumerate(f, start=1):
                         if re.search(r"seeds? 1\d{3}|\bb(512|1024|4096) seed", line):
                             offenders.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_package_holds_no_benchmark_harness():
+    """The installed package is what a user of the optimizer runs. The emulated hosts (network
+    namespaces, tbf) live in benchmarks/, which is not installed: no package module drives ``ip
+    netns`` or imports ``benchmarks`` (it would fail wherever the package is installed)."""
+    offenders = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "onebitlamb")):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                text = f.read()
+            where = os.path.relpath(path, ROOT)
+            if re.search(r"\bnetns\b", text):
+                offenders.append(f"{where}: network namespaces")
+            for node in ast.walk(ast.parse(text)):
+                modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                           else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                if any(m.split(".")[0] == "benchmarks" for m in modules):
+                    offenders.append(f"{where}:{node.lineno}: imports {', '.join(modules)}")
     assert not offenders, "\n".join(offenders)

@@ -3,9 +3,9 @@ import math
 
 import pytest
 
-from onebitlamb.netsim import costmodel
-from onebitlamb.netsim.experiment import parse_rate, rate_label
-from onebitlamb.netsim.topology import tbf_params
+from benchmarks.netsim.topology import tbf_params
+from onebitlamb.comm import costmodel
+from onebitlamb.comm.costmodel import parse_rate, rate_label
 
 
 def test_collective_bytes_two_and_four_ranks():
@@ -90,8 +90,58 @@ def test_rate_parsing():
 
 
 def test_synchronous_compute_is_the_median_of_the_slowest_rank():
-    from onebitlamb.netsim.experiment import synchronous_compute_s
+    from benchmarks.network import synchronous_compute_s
 
     # per step the slower rank: 0.3, 0.2, 0.4 -> median 0.3 (each rank's own median is 0.2)
     assert synchronous_compute_s([[0.1, 0.2, 0.4], [0.3, 0.2, 0.1]]) == pytest.approx(0.3)
     assert synchronous_compute_s([[0.5]]) == pytest.approx(0.5)
+
+
+def _estimate_rows(argv, capsys):
+    from onebitlamb.cli import main
+
+    assert main(["estimate", *argv]) == 0
+    rows = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "Mbit/s" in line]
+    return {row[1]: row for row in rows}
+
+
+def test_estimate_command_gives_the_alpha_beta_steps_by_hand(capsys):
+    # 2^20 parameters on 2 ranks at 10 Mbit/s, 100 ms compute, alpha 1 ms, frames 1514 B per 1448 B
+    rows = _estimate_rows(["--params", "1048576", "--ranks", "2", "--rates", "10M", "--compute-ms", "100",
+                           "--alpha-ms", "1"], capsys)
+    beta = 8 * (1514 / 1448) / 10e6
+    lamb = 0.1 + 0.001 + 4 * 2**20 * beta  # one ring all-reduce of 4d bytes: 2 (n-1)/n * 4d
+    m = 2**20 // 16 + 4  # one message: D/(8n) sign bytes and a float32 scale
+    onebit = 0.1 + 3 * 0.001 + (m + m + 4) * beta  # all-to-all, all-gather, the 4-byte finite flag
+    (row,) = rows.values()
+    assert row[1] == "world group"
+    assert float(row[2]) == pytest.approx(1e3 * lamb, abs=0.05)
+    assert float(row[3]) == pytest.approx(1e3 * lamb, abs=0.05)  # the warm-up averages as LAMB does
+    assert float(row[4]) == pytest.approx(1e3 * onebit, abs=0.05)
+    assert float(row[5].rstrip("x")) == pytest.approx(lamb / onebit, abs=0.005)
+    assert float(row[6].rstrip("x")) == pytest.approx(lamb / (0.2 * lamb + 0.8 * onebit), abs=0.005)
+
+
+def test_estimate_on_nodes_sends_fewer_bytes_across_them_over_node_groups():
+    # 2 nodes x 2 ranks, d = 2^20: messages of m = D/32 + 4 bytes. Flat: the all-to-all sends
+    # L^2 (N-1) m across a node's card, the ring all-gather (n-1) m; node_groups: L (N-1) m in each
+    # of its two collectives; the finite flag's 6 bytes a rank from both of the node's ranks.
+    m = 2**20 // 32 + 4
+    flat = costmodel.estimate(2**20, 4, 1e9, 0.1, ranks_per_node=2)
+    hier = costmodel.estimate(2**20, 4, 1e9, 0.1, ranks_per_node=2, node_groups=True)
+    assert flat["compression_node_bytes"] == 4 * m + 3 * m + 12
+    assert hier["compression_node_bytes"] == 2 * m + 2 * m + 12
+    assert hier["compression_s"] < flat["compression_s"] < flat["lamb_s"]
+
+
+def test_estimate_refuses_what_it_cannot_model(capsys):
+    from onebitlamb.cli import main
+
+    base = ["estimate", "--params", "1M", "--compute-ms", "10"]
+    assert main([*base, "--ranks", "3", "--ranks-per-node", "2", "--rates", "1G"]) == 2
+    assert "ranks (3) must be >= 2 and a multiple of ranks_per_node (2)" in capsys.readouterr().err
+    assert main([*base, "--ranks", "4", "--rates", "fast"]) == 2
+    assert "cannot read a rate from 'fast'" in capsys.readouterr().err
+    assert main([*base, "--ranks", "4", "--rates", "1G", "--warmup-fraction", "1.5"]) == 2
+    assert "warmup_fraction must be in [0, 1], got 1.5" in capsys.readouterr().err

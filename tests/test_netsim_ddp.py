@@ -2,7 +2,7 @@
 ranks on loopback, no root needed; the end-to-end run on emulated hosts is marked ``netns``."""
 import pytest
 
-from onebitlamb.netsim import experiment
+from benchmarks import ddp
 from netns import needs_netns
 
 TINY = {"hidden": 32, "layers": 1, "heads": 2, "intermediate": 64}
@@ -12,7 +12,7 @@ WARM, COMP = 2, 3
 @pytest.fixture(scope="module")
 def per_rank():
     from onebitlamb.comm.launch import spawn_local
-    from onebitlamb.netsim.worker import ddp_steps
+    from benchmarks.netsim.worker import ddp_steps
 
     spec = {"model": TINY, "batch": 2, "optimizers": ["onebitlamb", "lamb"], "warmup_steps": WARM,
             "compression_steps": COMP, "skip_steps": 1}
@@ -47,28 +47,26 @@ def test_ddp_averages_the_warmup_in_the_backward_and_sends_nothing_after_the_fre
 
 
 def test_summary_rows_compare_each_steps_slowest_rank(per_rank):
-    rows = experiment.summarise_ddp_rate(per_rank, 50e6)
+    rows = ddp.summarise_ddp_rate(per_rank, 50e6)
     assert [(r["optimizer"], r["stage"]) for r in rows] == [
         ("onebitlamb", "warmup"), ("onebitlamb", "compression"), ("lamb", "warmup")]
     comp = rows[1]
     plain = [max(a, b) for a, b in zip(*(r["steps"]["onebitlamb"]["plain"]["compression"]["step_times"]
                                          for r in per_rank))]
-    ddp = [max(a, b) for a, b in zip(*(r["steps"]["onebitlamb"]["ddp"]["compression"]["step_times"]
-                                       for r in per_rank))]
-    ratios = sorted(a / b for a, b in zip(plain, ddp))
+    wrapped = [max(a, b) for a, b in zip(*(r["steps"]["onebitlamb"]["ddp"]["compression"]["step_times"]
+                                           for r in per_rank))]
+    ratios = sorted(a / b for a, b in zip(plain, wrapped))
     assert comp["ratio_median"] == pytest.approx(ratios[len(ratios) // 2])
     assert comp["ratio_q1"] <= comp["ratio_median"] <= comp["ratio_q3"]
     assert comp["ddp_backward_bytes"] == 0 and comp["ddp_step_bytes"] == comp["plain_step_bytes"] > 0
     assert comp["plain_wire_bytes"] is None
-    table = experiment.format_ddp_table({"rows": rows})
+    table = ddp.format_ddp_table({"rows": rows})
     assert len(table.splitlines()) == 2 + len(rows) and "| 50 Mbit/s | 1-bit LAMB | compression |" in table
 
 
 @pytest.mark.netns
 @needs_netns
 def test_benchmark_writes_its_section_on_emulated_hosts(tmp_path):
-    from benchmarks import ddp
-
     results = tmp_path / "BENCHMARKS.md"
     argv = ["--hosts", "2", "--rates", "50M", "--hidden", "32", "--layers", "1", "--batch", "2",
             "--warmup-steps", "2", "--compression-steps", "2", "--results", str(results)]

@@ -5,8 +5,9 @@ import pytest
 
 from onebitlamb.comm import padded_size
 from onebitlamb.comm.stats import all_to_all_bytes, allreduce_bytes
-from onebitlamb.netsim import costmodel, experiment
-from onebitlamb.netsim.topology import Network
+from benchmarks import hierarchy
+from benchmarks.netsim.topology import Network
+from onebitlamb.comm import costmodel
 from netns import needs_netns
 
 TINY = {"hidden": 32, "layers": 1, "heads": 2, "intermediate": 64}
@@ -16,7 +17,7 @@ WARM, COMP, N, L = 2, 3, 2, 2
 @pytest.fixture(scope="module")
 def per_rank():
     from onebitlamb.comm.launch import spawn_local
-    from onebitlamb.netsim.worker import hierarchy_steps
+    from benchmarks.netsim.worker import hierarchy_steps
 
     spec = {"model": TINY, "batch": 2, "optimizers": ["onebitlamb"], "warmup_steps": WARM,
             "compression_steps": COMP, "skip_steps": 1, "local_size": L, "latency_calls": 3}
@@ -62,7 +63,7 @@ def test_node_groups_halve_the_bytes_a_node_sends_to_the_other_node(per_rank):
 
 
 def test_summary_rows_tables_and_targets(per_rank):
-    rows = experiment.summarise_hierarchy_rate(per_rank, 100e6)
+    rows = hierarchy.summarise_hierarchy_rate(per_rank, 100e6)
     assert [(r["optimizer"], r["stage"]) for r in rows] == [("onebitlamb", "warmup"), ("onebitlamb", "compression")]
     comp = rows[1]
     flat = [max(ts) for ts in zip(*(r["steps"]["onebitlamb"]["flat"]["compression"]["step_times"] for r in per_rank))]
@@ -75,17 +76,17 @@ def test_summary_rows_tables_and_targets(per_rank):
     m = padded_size(per_rank[0]["params"], N * L) // (8 * N * L) + 4
     assert comp["hier_node_bytes"] == L * (2 * (N - 1) * m + allreduce_bytes(4, N * L))
     assert comp["flat_wire_bytes"] is None and comp["local_size"] == L and comp["nodes"] == N
-    experiment.predict_hierarchy_rows(rows, [r["probe"] for r in per_rank], per_rank[0]["params"])
+    hierarchy.predict_hierarchy_rows(rows, [r["probe"] for r in per_rank], per_rank[0]["params"])
     assert comp["solo_s"] < comp["flat_pred_s"] and comp["flat_pred_node_bytes"] > comp["hier_pred_node_bytes"]
     summary = {"params": per_rank[0]["params"], "local_size": L, "rows": rows}
-    table = experiment.format_hierarchy_table(summary)
+    table = hierarchy.format_hierarchy_table(summary)
     assert len(table.splitlines()) == 2 + len(rows) and "| 100 Mbit/s | 1-bit LAMB | compression |" in table
     # targets from the wire bytes: L x fewer per node, and the speed-up at 100 Mbit/s
     fake = dict(comp, flat_wire_bytes=2000.0, hier_wire_bytes=1000.0, ratio_median=1.9)
-    lines = experiment.check_hierarchy_targets({"local_size": L, "rows": [fake]})
+    lines = hierarchy.check_hierarchy_targets({"local_size": L, "rows": [fake]})
     assert lines[0].startswith("met") and "2.00x" in lines[0] and lines[1].startswith("met")
     fake.update(hier_wire_bytes=1100.0, ratio_median=1.1)
-    lines = experiment.check_hierarchy_targets({"local_size": L, "rows": [fake]})
+    lines = hierarchy.check_hierarchy_targets({"local_size": L, "rows": [fake]})
     assert lines[0].startswith("MISSED") and lines[1].startswith("MISSED")
 
 
@@ -126,8 +127,7 @@ def test_network_places_consecutive_ranks_on_one_host():
 @pytest.mark.netns
 @needs_netns
 def test_benchmark_on_emulated_nodes_counts_only_cross_node_bytes(tmp_path):
-    from benchmarks import hierarchy
-    from onebitlamb.netsim import topology
+    from benchmarks.netsim import topology
 
     results = tmp_path / "BENCHMARKS.md"
     before = set(topology.list_namespaces())

@@ -4,7 +4,8 @@ results worked out by hand, the worker's modes on 2 real gloo ranks on loopback 
 needed), and the end-to-end run on emulated hosts (marked ``netns``)."""
 import pytest
 
-from onebitlamb.netsim import experiment
+from benchmarks import overlap
+from benchmarks.hierarchy import summarise_hierarchy_rate
 from netns import needs_netns
 
 TINY = {"hidden": 32, "layers": 1, "heads": 2, "intermediate": 64}
@@ -38,7 +39,7 @@ TWO_HOSTS = {
 
 
 def test_overlap_ratio_ideal_step_and_buckets_by_hand():
-    row, = experiment.summarise_hierarchy_rate(_ranks(TWO_HOSTS), 50e6)
+    row, = summarise_hierarchy_rate(_ranks(TWO_HOSTS), 50e6)
     assert row["flat_s"] == pytest.approx(0.45) and row["overlap_s"] == pytest.approx(0.325)
     assert row["solo_s"] == pytest.approx(0.225)
     # per step serial / overlapped: 2.0 1.6 1.0 1.5, sorted 1.0 1.5 1.6 2.0; quartiles (exclusive
@@ -56,19 +57,19 @@ def test_overlap_ratio_ideal_step_and_buckets_by_hand():
     assert row["overlap_started"] == pytest.approx(31 / 8) and row["overlap_buckets"] == 4
     assert row["flat_started"] == 0 and row["flat_buckets"] == 1
     # at 1 Gbit/s the same bytes take 20 ms: the compute-only step is the ideal
-    fast, = experiment.summarise_hierarchy_rate(_ranks(TWO_HOSTS), 1e9)
+    fast, = summarise_hierarchy_rate(_ranks(TWO_HOSTS), 1e9)
     assert fast["overlap_wire_s"] == pytest.approx(0.02) and fast["overlap_ideal_s"] == pytest.approx(0.225)
     # unshaped: nothing to wait for on the wire
-    free, = experiment.summarise_hierarchy_rate(_ranks(TWO_HOSTS), None)
+    free, = summarise_hierarchy_rate(_ranks(TWO_HOSTS), None)
     assert free["overlap_wire_s"] == 0.0 and free["overlap_ideal_s"] == pytest.approx(0.225)
 
 
 def test_results_from_before_overlap_still_summarise():
     old = {mode: [{k: v for k, v in rec.items() if k not in ("started_in_backward", "buckets")} for rec in recs]
            for mode, recs in TWO_HOSTS.items()}
-    row, = experiment.summarise_hierarchy_rate(_ranks(old), 50e6)
+    row, = summarise_hierarchy_rate(_ranks(old), 50e6)
     assert "overlap_started" not in row and row["overlap_ratio_median"] == pytest.approx(1.55)
-    assert "| - |" in experiment.format_overlap_table({"rows": [row], "local_size": 1, "params": 1000})
+    assert "| - |" in overlap.format_overlap_table({"rows": [row], "local_size": 1, "params": 1000})
 
 
 def test_hierarchical_pair_on_nodes_of_two_by_hand():
@@ -87,7 +88,7 @@ def test_hierarchical_pair_on_nodes_of_two_by_hand():
                "overlap": recs([0.5, 0.5, 0.4], wire=[1100.0, 3100.0], started=[2, 2, 1], buckets=2),
                "hier-overlap": recs([0.2, 0.25, 0.25], wire=[600.0, 800.0], started=[2, 2, 2], buckets=2),
                "solo": recs([0.1, 0.1, 0.1])}
-    row, = experiment.summarise_hierarchy_rate(_ranks(by_mode, local_size=2), 8e6)
+    row, = summarise_hierarchy_rate(_ranks(by_mode, local_size=2), 8e6)
     assert row["nodes"] == 2 and row["local_size"] == 2 and row["steps"] == 3
     # three steps: the quartiles (exclusive method) are the smallest and the largest ratio
     # flat / hier: 2.0 1.0 2.0
@@ -103,7 +104,7 @@ def test_hierarchical_pair_on_nodes_of_two_by_hand():
     assert row["overlap_wire_bytes"] == pytest.approx(2100.0) and row["hier_overlap_wire_bytes"] == pytest.approx(700.0)
     assert row["overlap_wire_s"] == pytest.approx(0.0021) and row["hier_overlap_ideal_s"] == pytest.approx(0.1)
     assert row["overlap_started"] == pytest.approx(5 / 3) and row["hier_overlap_started"] == 2
-    table = experiment.format_overlap_table({"rows": [row], "local_size": 2, "params": 1000})
+    table = overlap.format_overlap_table({"rows": [row], "local_size": 2, "params": 1000})
     lines = table.splitlines()
     assert len(lines) == 3 and "wire KB/step per node" in lines[0] and "hier. overlapped ms" in lines[0]
     cells = lines[2].strip("| ").split(" | ")
@@ -112,31 +113,31 @@ def test_hierarchical_pair_on_nodes_of_two_by_hand():
 
 
 def test_targets_table_and_plot(tmp_path):
-    rows = [experiment.summarise_hierarchy_rate(_ranks(TWO_HOSTS), rate)[0] for rate in (50e6, 1e9)]
+    rows = [summarise_hierarchy_rate(_ranks(TWO_HOSTS), rate)[0] for rate in (50e6, 1e9)]
     summary = {"rows": rows, "local_size": 1, "params": 1000, "bucket_cap_mb": 1.0}
-    lines = experiment.check_overlap_targets(summary)
+    lines = overlap.check_overlap_targets(summary)
     # 1 Gbit/s: 325 ms against the compute-only 225 ms is 44% over; 50 Mbit/s: 325 ms against
     # max(225, 400) ms is 0.81x
     assert lines[0].startswith("MISSED") and "+44%" in lines[0] and "1 Gbit/s" in lines[0]
     assert lines[1].startswith("met") and "0.81x" in lines[1] and "50 Mbit/s" in lines[1]
     near = [dict(rows[0], overlap_s=0.5), dict(rows[1], overlap_s=0.24)]  # 1.25x; +7%
-    lines = experiment.check_overlap_targets(dict(summary, rows=near))
+    lines = overlap.check_overlap_targets(dict(summary, rows=near))
     assert lines[0].startswith("met") and "+7%" in lines[0]
     assert lines[1].startswith("MISSED") and "1.25x" in lines[1]
-    lines = experiment.check_overlap_targets(dict(summary, rows=[dict(rows[0], overlap_wire_bytes=None,
+    lines = overlap.check_overlap_targets(dict(summary, rows=[dict(rows[0], overlap_wire_bytes=None,
                                                                       overlap_ideal_s=None)]))
     assert all(line.startswith("n/a") for line in lines)
-    table = experiment.format_overlap_table(summary)
+    table = overlap.format_overlap_table(summary)
     assert len(table.splitlines()) == 2 + len(rows) and "hier." not in table
     row = next(line for line in table.splitlines() if line.startswith("| 50 Mbit/s | 1-bit LAMB | compression |"))
     assert "| 400 (400 on the wire) | 0.81x | 3.9 of 4 |" in row and "1.55x (1.12-1.90)" in row
-    experiment.plot_overlap(summary, tmp_path / "o.png")
+    overlap.plot_overlap(summary, tmp_path / "o.png")
     assert (tmp_path / "o.png").stat().st_size > 0
 
 
 def _two_ranks_on_loopback():
     from onebitlamb.comm.launch import spawn_local
-    from onebitlamb.netsim.worker import hierarchy_steps
+    from benchmarks.netsim.worker import hierarchy_steps
 
     spec = {"model": TINY, "batch": 2, "optimizers": ["onebitlamb"], "warmup_steps": 2, "compression_steps": 2,
             "skip_steps": 1, "local_size": 1, "latency_calls": 2, "bucket_cap_mb": 0.01,
@@ -160,7 +161,7 @@ def test_worker_starts_the_overlapped_buckets_in_the_backward():
                 assert ob[mode][stage]["started_in_backward"] == [0] * steps
                 assert ob[mode][stage]["buckets"] == [1] * steps
         assert ob["solo"]["compression"]["bytes"] == [0, 0] and min(ob["overlap"]["compression"]["bytes"]) > 0
-    rows = experiment.summarise_hierarchy_rate(per_rank, None)
+    rows = summarise_hierarchy_rate(per_rank, None)
     assert [r["stage"] for r in rows] == ["warmup", "compression"]
     assert all("overlap_ratio_median" in r and "ratio_median" not in r for r in rows)
 
@@ -168,8 +169,7 @@ def test_worker_starts_the_overlapped_buckets_in_the_backward():
 @pytest.mark.netns
 @needs_netns
 def test_benchmark_on_emulated_hosts(tmp_path, capsys):
-    from benchmarks import overlap
-    from onebitlamb.netsim import topology
+    from benchmarks.netsim import topology
 
     before = set(topology.list_namespaces())
     argv = ["--rates", "1G", "--hidden", "32", "--layers", "1", "--batch", "2", "--warmup-steps", "1",

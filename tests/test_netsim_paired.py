@@ -4,15 +4,16 @@ import statistics
 
 import pytest
 
-from onebitlamb.netsim import experiment
+from benchmarks import network
+from benchmarks.emulated import Settings
 
 TINY = {"hidden": 32, "layers": 1, "heads": 2, "intermediate": 64}
 
 
 @pytest.fixture(scope="module")
 def paired():
-    s = experiment.Settings(hosts=2, model=TINY, batch=2, paired_rounds=4, timeout_s=120)
-    return experiment.run_paired(s)
+    s = Settings(hosts=2, model=TINY, batch=2, paired_rounds=4, timeout_s=120)
+    return network.run_paired(s)
 
 
 def test_every_round_times_each_optimizer_in_its_stage(paired):
@@ -32,7 +33,7 @@ def test_every_round_times_each_optimizer_in_its_stage(paired):
 
 
 def test_summary_is_the_median_of_per_round_ratios_of_the_slowest_rank(paired):
-    rows = {r["optimizer"]: r for r in experiment.summarise_paired(paired)}
+    rows = {r["optimizer"]: r for r in network.summarise_paired(paired)}
     assert set(rows) == {"onebitlamb", "onebitadam"}
     slowest = {name: [max(a, b) for a, b in zip(paired[0]["step_times"][name], paired[1]["step_times"][name])]
                for name in ("lamb", "onebitlamb")}
@@ -41,5 +42,5 @@ def test_summary_is_the_median_of_per_round_ratios_of_the_slowest_rank(paired):
     assert row["speedup_median"] == pytest.approx(statistics.median(ratios))
     assert row["speedup_q1"] <= row["speedup_median"] <= row["speedup_q3"]
     assert row["faster_share"] == sum(r > 1 for r in ratios) / 4
-    lines = experiment.check_targets({"summary": [], "paired": list(rows.values())})
+    lines = network.check_targets({"summary": [], "paired": list(rows.values())})
     assert any("1-bit LAMB compression step not slower than LAMB on loopback" in line for line in lines)

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from onebitlamb.netsim import topology
-from onebitlamb.netsim.topology import Network, NetsimUnavailable, check_available
+from benchmarks.netsim import topology
+from benchmarks.netsim.topology import Network, NetsimUnavailable, check_available
 from netns import needs_netns
 
 
@@ -104,9 +104,9 @@ def test_refuses_clearly_without_root(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(NetsimUnavailable, match="needs root"):
         check_available()
-    from onebitlamb.cli import main
+    from benchmarks import network
 
-    assert main(["netsim", "--rates", "10M"]) != 0
+    assert network.main(["--rates", "10M"]) != 0
     assert "needs root" in capsys.readouterr().err
 
 

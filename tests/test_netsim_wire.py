@@ -6,8 +6,8 @@ signs per call) so that TCP/IP headers, ACKs and gloo's small control messages s
 """
 import pytest
 
-from onebitlamb.netsim.runner import run_workers
-from onebitlamb.netsim.topology import Network
+from benchmarks.netsim.runner import run_workers
+from benchmarks.netsim.topology import Network
 from netns import needs_netns
 
 
@@ -40,15 +40,16 @@ def test_wire_bytes_match_the_library_accounting_and_the_rate_holds():
 
 @pytest.mark.netns
 @needs_netns
-def test_netsim_command_end_to_end_on_a_tiny_model(tmp_path, capsys):
+def test_network_benchmark_end_to_end_on_a_tiny_model(tmp_path, capsys):
     import json
 
-    from onebitlamb.cli import main
+    from benchmarks import network
 
     out = tmp_path / "netsim.json"
-    code = main(["netsim", "--rates", "20M", "--optimizers", "lamb,onebitlamb", "--hidden", "64",
-                 "--layers", "1", "--batch", "4", "--warmup-steps", "1", "--compression-steps", "2",
-                 "--json", str(out), "--timeout", "120"])
+    code = network.main(["--rates", "20M", "--optimizers", "lamb,onebitlamb", "--hidden", "64",
+                         "--layers", "1", "--batch", "4", "--warmup-steps", "1", "--compression-steps", "2",
+                         "--raw", str(out), "--plot", str(tmp_path / "speedup.png"),
+                         "--results", str(tmp_path / "BENCHMARKS.md"), "--timeout", "120"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "| 20 Mbit/s | 1-bit LAMB | compression |" in printed

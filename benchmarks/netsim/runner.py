@@ -1,6 +1,6 @@
 """Run one worker per emulated host and gather their results.
 
-``run_workers(net, spec)`` writes the spec, starts ``python -m onebitlamb.netsim.worker`` in every
+``run_workers(net, spec)`` writes the spec, starts ``python -m benchmarks.netsim.worker`` in every
 host's namespace (``net.ranks_per_host`` of them in each, consecutive ranks on one host, with
 torchrun's ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` set; gloo bound to the host's interface, rendezvous at host 0), waits with a
 deadline, and returns the per-rank results; if a worker fails or the deadline passes, the others
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import List
 
-from onebitlamb.netsim.topology import Network
+from benchmarks.netsim.topology import Network
 
 #: Any port is free in a namespace created a moment ago, so no search is needed.
 RENDEZVOUS_PORT = 29500
@@ -45,7 +45,7 @@ def run_workers(net: Network, spec: dict, timeout_s: float = 600.0) -> List[dict
                        PYTHONPATH=os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p))
             log = open(os.path.join(tmp, f"log.{rank}"), "w+")
             logs.append(log)
-            procs.append(net.popen(net.host_of(rank), [sys.executable, "-m", "onebitlamb.netsim.worker", spec_path],
+            procs.append(net.popen(net.host_of(rank), [sys.executable, "-m", "benchmarks.netsim.worker", spec_path],
                                    env=env, stdout=log, stderr=subprocess.STDOUT))
         try:
             deadline = time.monotonic() + timeout_s

@@ -1,6 +1,6 @@
-"""One training worker on one emulated host: ``python -m onebitlamb.netsim.worker SPEC_JSON``.
+"""One training worker on one emulated host: ``python -m benchmarks.netsim.worker SPEC_JSON``.
 
-Started by ``onebitlamb.netsim.runner`` inside a host's namespace (``ip netns exec``), so its
+Started by ``benchmarks.netsim.runner`` inside a host's namespace (``ip netns exec``), so its
 ``/sys/class/net/<if>/statistics`` are that host's link counters. The spec (a JSON file) says what
 to run; the result is written as JSON to ``spec["out"]``, one file per rank.
 

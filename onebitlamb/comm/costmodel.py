@@ -17,12 +17,19 @@
 
 Every link is full duplex and each rank's bytes leave on its own link, so a collective's time is
 one rank's bytes over one link: a ring all-reduce of ``B`` bytes takes ``2 (n-1)/n B / R``.
+
+``onebitlamb estimate`` puts it to use: the speed-up over LAMB to expect for a model size, a
+number of ranks and a link rate, from a step's compute time (``estimate``); the benchmarks on
+emulated hosts set it beside every step they measure (docs/netsim.md).
 """
 from __future__ import annotations
 
+import argparse
 import math
+import re
+import sys
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from onebitlamb.comm.collectives import padded_size
 from onebitlamb.comm.stats import all_gather_bytes, all_to_all_bytes, allreduce_bytes
@@ -185,3 +192,121 @@ def predict_node_step(compute_s: float, collectives: List[NodeCollective], link:
         alpha = link.alpha_s if not c.intra or alpha_intra_s is None else alpha_intra_s
         total += alpha + c.node_bytes * link_beta + c.rank_bytes * host_beta
     return total
+
+
+# --- the ``onebitlamb estimate`` command --------------------------------------------------------
+
+_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
+
+
+def parse_rate(text: str) -> Optional[float]:
+    """``10M``, ``200mbit``, ``1G``, ``1.5e8`` -> bits per second; ``inf`` / ``unlimited`` -> None."""
+    t = text.strip().lower()
+    if t in ("inf", "unlimited", "none", "0"):
+        return None
+    m = re.fullmatch(r"([0-9.e+]+)\s*([kmg]?)(?:bit|bps|b)?(?:/s)?", t)
+    if not m:
+        raise ValueError(f"cannot read a rate from {text!r} (examples: 10M, 200mbit, 1G, inf)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def rate_label(rate_bps: Optional[float]) -> str:
+    if rate_bps is None:
+        return "unshaped"
+    if rate_bps >= 1e9:
+        return f"{rate_bps / 1e9:g} Gbit/s"
+    return f"{rate_bps / 1e6:g} Mbit/s"
+
+
+def estimate(params: int, ranks: int, rate_bps: Optional[float], compute_s: float, *, ranks_per_node: int = 1,
+             node_groups: bool = False, warmup_fraction: float = 0.2, alpha_s: float = 2e-4,
+             codec_s: float = 0.0) -> Dict[str, float]:
+    """The model's step times for ``params`` parameters on ``ranks`` ranks, ``ranks_per_node`` of
+    them sharing each node's link of ``rate_bps`` (None: no limit but alpha), when a step's forward,
+    backward and optimizer maths take ``compute_s`` on one rank.
+
+    LAMB averages the gradient with one fp32 ring all-reduce over the world; a 1-bit optimizer does
+    the same in its warm-up and then exchanges its 1-bit momentum, over the world group or, with
+    ``node_groups``, over ``onebitlamb.comm.node_groups(ranks_per_node)``. Returns the step times
+    (``lamb_s``, ``warmup_s``, ``compression_s``), the bytes leaving one node per step (LAMB's and
+    the compression stage's) and the speed-ups: the compression step's, and the whole run's with a
+    fraction ``warmup_fraction`` of its steps in the warm-up. ``alpha_s``: one collective's fixed
+    cost (a tiny all-reduce); ``codec_s``: the 1-bit path's local work per step (default 0: not
+    modelled).
+    """
+    if ranks < 2 or ranks_per_node < 1 or ranks % ranks_per_node:
+        raise ValueError(f"ranks ({ranks}) must be >= 2 and a multiple of ranks_per_node ({ranks_per_node})")
+    nodes, d = ranks // ranks_per_node, params
+    link = Link(rate_bps, alpha_s)
+    lamb = node_warmup_collectives(d, nodes, ranks_per_node, hierarchical=False)
+    warmup = node_warmup_collectives(d, nodes, ranks_per_node, node_groups)
+    compression = node_onebit_collectives(d, nodes, ranks_per_node, node_groups)
+    lamb_s = predict_node_step(compute_s, lamb, link)
+    warmup_s = predict_node_step(compute_s, warmup, link)
+    compression_s = predict_node_step(compute_s, compression, link, codec_s=codec_s)
+    return {"lamb_s": lamb_s, "warmup_s": warmup_s, "compression_s": compression_s,
+            "lamb_node_bytes": sum(c.node_bytes for c in lamb),
+            "compression_node_bytes": sum(c.node_bytes for c in compression),
+            "step_speedup": lamb_s / compression_s,
+            "end_to_end_speedup": end_to_end_speedup(lamb_s, warmup_s, compression_s, warmup_fraction)}
+
+
+def _count(text: str) -> int:
+    """``110M``, ``1.5G``, ``350k``, ``124439808`` -> a number of parameters."""
+    m = re.fullmatch(r"([0-9.e+]+)\s*([kmg]?)", text.strip().lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"cannot read a parameter count from {text!r} (examples: 110M, 1.5G, 350000)")
+    return int(round(float(m.group(1)) * _UNITS[m.group(2)]))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", type=_count, required=True, help="parameters of the model (110M, 1.5G, ...)")
+    parser.add_argument("--ranks", type=int, required=True, help="ranks (GPUs or processes) in all")
+    parser.add_argument("--rates", required=True,
+                        help="link rates per node, comma-separated (10G, 100G, 400mbit, inf = no limit)")
+    parser.add_argument("--compute-ms", type=float, required=True,
+                        help="one step's forward, backward and optimizer maths on one rank, without "
+                             "communication (time a few steps with a world of one)")
+    parser.add_argument("--ranks-per-node", type=int, default=1,
+                        help="ranks sharing one node's link; above 1 the 1-bit optimizer over "
+                             "node_groups(L) is estimated too (default %(default)s)")
+    parser.add_argument("--warmup-fraction", type=float, default=0.2,
+                        help="share of the steps in the uncompressed warm-up (default %(default)s)")
+    parser.add_argument("--alpha-ms", type=float, default=0.2,
+                        help="fixed cost of one collective: time a one-element all-reduce (default %(default)s)")
+    parser.add_argument("--codec-ms", type=float, default=0.0,
+                        help="the 1-bit path's local work per step: compress, unpack, error updates "
+                             "(default %(default)s: not modelled)")
+
+
+def run(args: argparse.Namespace) -> int:
+    L = args.ranks_per_node
+    exchanges = [("world group", False)] + ([(f"node_groups({L})", True)] if L > 1 else [])
+    try:
+        if args.params < 1:
+            raise ValueError(f"--params must be >= 1, got {args.params}")
+        if min(args.compute_ms, args.alpha_ms, args.codec_ms) < 0:
+            raise ValueError("--compute-ms, --alpha-ms and --codec-ms must be >= 0")
+        rates = [parse_rate(r) for r in args.rates.split(",") if r.strip()]
+        rows = [(rate, name, estimate(args.params, args.ranks, rate, args.compute_ms / 1e3, ranks_per_node=L,
+                                      node_groups=hier, warmup_fraction=args.warmup_fraction,
+                                      alpha_s=args.alpha_ms / 1e3, codec_s=args.codec_ms / 1e3))
+                for rate in rates for name, hier in exchanges]
+    except ValueError as e:
+        print(f"onebitlamb estimate: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.params:,} parameters on {args.ranks} ranks ({args.ranks // L} node(s) of {L}), "
+          f"{args.compute_ms:g} ms compute per step, alpha {args.alpha_ms:g} ms, "
+          f"{100 * args.warmup_fraction:g}% of the steps in the warm-up:\n")
+    print("| link | 1-bit exchange over | LAMB step ms | 1-bit warm-up step ms | 1-bit compression step ms "
+          "| step speed-up | whole-run speed-up | MB/step leaving a node: LAMB / 1-bit |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for rate, name, e in rows:
+        print(f"| {rate_label(rate) if rate else 'no limit'} | {name} | {1e3 * e['lamb_s']:.1f} "
+              f"| {1e3 * e['warmup_s']:.1f} | {1e3 * e['compression_s']:.1f} | {e['step_speedup']:.2f}x "
+              f"| {e['end_to_end_speedup']:.2f}x "
+              f"| {e['lamb_node_bytes'] / 1e6:.2f} / {e['compression_node_bytes'] / 1e6:.3f} |")
+    print("\nAn alpha-beta model (onebitlamb.comm.costmodel): each collective costs alpha plus its bytes "
+          "at the link rate with TCP/IP framing; links are full duplex, a node's ranks share its link. "
+          "It ignores overlap with the backward and the links' contention beyond that.")
+    return 0
