@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -18,6 +19,11 @@ COMMANDS = {
     "compare": ("onebitlamb.train.compare", "LAMB, 1-bit LAMB and 1-bit Adam side by side"),
     "estimate": ("onebitlamb.comm.costmodel", "the speed-up over LAMB to expect for a model size, ranks and link rate"),
 }
+
+# name -> the extra of pyproject.toml whose packages the sub-command imports (by import name; the
+# same as the distribution names there, which tests/test_packaging.py checks)
+EXTRAS = {"pretrain": "example", "compare": "example"}
+EXTRA_MODULES = {"example": ("transformers", "tokenizers", "matplotlib", "tqdm")}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -31,12 +37,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     name = argv[0]
+    missing = missing_extra(name)
+    if missing:  # before anything starts: a bare `pip install onebitlamb` has the optimizers only
+        print(f"onebitlamb {name}: error: needs the packages of the '{EXTRAS[name]}' extra (missing: "
+              f"{', '.join(missing)}); install them with: pip install 'onebitlamb[{EXTRAS[name]}]'",
+              file=sys.stderr, flush=True)
+        return 2
     module = importlib.import_module(COMMANDS[name][0])
     cmd_parser = argparse.ArgumentParser(prog=f"onebitlamb {name}", description=COMMANDS[name][1])
     module.add_arguments(cmd_parser)
     code = int(module.run(cmd_parser.parse_args(argv[1:])) or 0)
     _leave_process_group(code)
     return code
+
+
+def missing_extra(command: str) -> List[str]:
+    """The packages of ``command``'s extra that cannot be imported (looked up, not imported)."""
+    extra = EXTRAS.get(command)
+    return [m for m in EXTRA_MODULES.get(extra, ()) if importlib.util.find_spec(m) is None]
 
 
 def _leave_process_group(code: int) -> None:

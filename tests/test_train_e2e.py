@@ -4,6 +4,7 @@ runs pinned before the API change (issue 37), within stated rounding tolerances.
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -81,6 +82,67 @@ def test_compare_writes_table_metrics_and_plots(compared):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_run_writes_its_curves_and_a_csv_and_announces_the_freeze(compared):
+    """Each run's OUT/log.csv (a row per step, the held-out loss where evaluated) and curves.png;
+    the freeze announced without a progress bar; plain lines in a log that is not a terminal."""
+    import csv
+    import importlib.util
+
+    out, _, proc = compared
+    for name in ("lamb", "onebitlamb", "onebitadam"):
+        with open(out / name / "metrics.json") as f:
+            m = json.load(f)
+        with open(out / name / "log.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert list(rows[0]) == ["step", "loss", "heldout_loss", "bytes", "collectives", "lr", "stage"]
+        assert [int(r["step"]) for r in rows] == list(range(9))
+        assert [float(r["loss"]) for r in rows[1:]] == m["train_loss"]
+        assert [[int(r["step"]) * 16, float(r["heldout_loss"])] for r in rows if r["heldout_loss"]] == m["eval_curve"]
+        assert [[int(r["step"]), int(r["bytes"])] for r in rows[1:]] == m["bytes_curve"]
+        assert [r["stage"] for r in rows[1:]] == m["stage"]
+        collectives = [int(r["collectives"]) for r in rows]
+        assert collectives[0] == 0 and all(a < b for a, b in zip(collectives, collectives[1:]))
+        # the learning rate each step trained with: the peak after the one warm-up step, not yet 0 at the last
+        lrs = [float(r["lr"]) for r in rows[1:]]
+        assert lrs[0] == pytest.approx(m["config"]["lr"]) and 0 < lrs[-1] < lrs[0]
+        assert (out / name / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (f"[{name}] step 3: the freeze" in proc.stderr) == (name != "lamb")
+        for step in (4, 8):
+            assert re.search(rf"^\[{name}\] step {step}: held-out loss [0-9.]+ \| train loss [0-9.]+, "
+                             rf"[0-9.]+ MB sent, [0-9]+ samples/s, \w+, {step}/8$", proc.stderr, re.M), proc.stderr
+    assert "\r" not in proc.stderr  # --no-progress: no bar
+    if importlib.util.find_spec("tensorboard") is None:  # optional: nothing about it, nothing written
+        assert "tensorboard" not in proc.stderr.lower() and not (out / "onebitlamb" / "tensorboard").exists()
+
+
+def test_compare_png_tells_the_one_bit_curves_apart(compared):
+    """The two 1-bit optimizers send the same bytes: their curves differ in line style and marker,
+    the markers are shifted, the later one is drawn on top and its label says the curves coincide."""
+    from onebitlamb.train import plots
+
+    out, _, _ = compared
+    runs = {}
+    for name in ("lamb", "onebitlamb", "onebitadam"):
+        with open(out / name / "metrics.json") as f:
+            runs[name] = json.load(f)
+    assert runs["onebitlamb"]["bytes_curve"] == runs["onebitadam"]["bytes_curve"]  # what hid one curve
+    fig = plots.compare_figure(runs)
+    try:
+        for ax in fig.axes:
+            lines = {line.get_label().split(" (")[0]: line for line in ax.get_lines()
+                     if line.get_label().startswith("1-bit")}
+            lamb1, adam1 = lines["1-bit LAMB"], lines["1-bit Adam"]
+            assert (lamb1.get_linestyle(), lamb1.get_marker()) != (adam1.get_linestyle(), adam1.get_marker())
+        lamb1, adam1 = (next(line for line in fig.axes[1].get_lines() if line.get_label().startswith(label))
+                        for label in ("1-bit LAMB", "1-bit Adam"))
+        assert lamb1.get_markevery() != adam1.get_markevery()
+        assert adam1.get_zorder() > lamb1.get_zorder() and "same bytes as 1-bit LAMB" in adam1.get_label()
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
 def test_resume_is_bit_identical(compared, tmp_path, corpus_dir):
     out, cache, _ = compared
     common = ["--preset", "tiny", "--optimizer", "onebitlamb", "--freeze", "0.35", "--out", str(tmp_path),
@@ -106,6 +168,8 @@ def test_resume_is_bit_identical(compared, tmp_path, corpus_dir):
         b = json.load(f)
     assert a["eval_curve"] == b["eval_curve"]
     assert a["bytes_curve"] == b["bytes_curve"] and a["train_loss"] == b["train_loss"]
+    # the resumed run rewrote its log up to the checkpoint: the same rows as the uninterrupted run's
+    assert (tmp_path / "log.csv").read_text() == (out / "onebitlamb" / "log.csv").read_text()
 
 
 def _model_sha256(path):

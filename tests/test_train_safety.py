@@ -32,6 +32,7 @@ def _write(path, text="x"):
 def _earlier_run(out):
     """An OUT as a run leaves it, plus a user's own files among them."""
     for name in ("checkpoint.json", "metrics.json", "model_final.pt", "config.json", "freeze.png",
+                 "curves.png", "log.csv", "tensorboard/events.out.tfevents.1700000000.host.42.0",
                  "metrics.json.tmp", "ckpt-0000002/model.pt", "ckpt-0000002/trainer.pt", "ckpt-0000002/rank0.pt",
                  "ckpt-0000002/rank1.pt", "ckpt-0000004/rank0.pt.tmp.4242",  # an interrupted write
                  "ckpt-0000006/model.pt", "ckpt-0000006/notes.txt",  # a user's file in a checkpoint folder

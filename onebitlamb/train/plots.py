@@ -8,6 +8,9 @@ from typing import Dict, List, Optional
 
 LABELS = {"lamb": "LAMB", "onebitlamb": "1-bit LAMB", "onebitadam": "1-bit Adam"}
 COLORS = {"lamb": "tab:blue", "onebitlamb": "tab:orange", "onebitadam": "tab:green"}
+# line and marker per optimizer, so that curves can be told apart where they overlap (the two
+# 1-bit optimizers send the same bytes) and in grey print
+STYLES = {"lamb": ("-", "o"), "onebitlamb": ("--", "s"), "onebitadam": ("-.", "^")}
 
 
 def _plt():
@@ -21,17 +24,32 @@ def _plt():
 
 def plot_compare(runs: Dict[str, dict], path: str) -> None:
     """Left: held-out MLM loss vs samples. Right: cumulative bytes sent per worker vs step."""
+    fig = compare_figure(runs)
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+
+
+def compare_figure(runs: Dict[str, dict]):
+    """``plot_compare``'s figure. Each optimizer has its own line style and marker; the markers of
+    curves that coincide are shifted against each other, each later curve is drawn above the
+    earlier ones, and a curve equal to an earlier one says so in the legend."""
     plt = _plt()
     fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, m in runs.items():
+    drawn: Dict[str, list] = {}
+    for i, (name, m) in enumerate(runs.items()):
         label, color = LABELS.get(name, name), COLORS.get(name)
+        ls, marker = STYLES.get(name, ("-", "."))
         xs, ys = zip(*m["eval_curve"])
-        ax_loss.plot(xs, ys, marker=".", label=label, color=color)
+        ax_loss.plot(xs, ys, ls=ls, marker=marker, label=label, color=color, zorder=2 + i)
         steps, cum = zip(*([[0, 0]] + list(m["bytes_curve"])))
-        ax_bytes.plot(steps, [b / 1e6 for b in cum], label=label, color=color)
+        same = [LABELS.get(n, n) for n, other in drawn.items() if other == list(cum)]
+        drawn[name] = list(cum)
+        every = max(len(runs), len(steps) // 8)  # about 8 markers a curve, each curve's at other steps
+        ax_bytes.plot(steps, [b / 1e6 for b in cum], ls=ls, marker=marker, color=color, zorder=2 + i,
+                      markevery=(i * every // len(runs), every),
+                      label=label + (f" (same bytes as {' and '.join(same)})" if same else ""))
         if m.get("freeze_step"):
-            for ax in (ax_bytes,):
-                ax.axvline(m["freeze_step"], color=color, ls=":", lw=1)
+            ax_bytes.axvline(m["freeze_step"], color=color, ls=":", lw=1)
     ax_loss.set(xlabel="samples", ylabel="held-out MLM loss", title="convergence (equal samples)")
     ax_bytes.set(xlabel="step", ylabel="MB sent per worker (cumulative)",
                  title="communication volume (dotted: freeze step)")
@@ -39,8 +57,38 @@ def plot_compare(runs: Dict[str, dict], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
+
+
+def plot_run(metrics: dict, path: str) -> bool:
+    """One run's curves, from its ``metrics.json``. Left: the training loss of every step and the
+    held-out loss at each evaluation. Right: the cumulative MB this worker sent. Both against the
+    step, the freeze step dotted."""
+    plt = _plt()
+    name = metrics["optimizer"]
+    label, color = LABELS.get(name, name), COLORS.get(name)
+    batch = metrics["samples"] / metrics["steps"]
+    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    train = metrics["train_loss"]
+    ax_loss.plot(range(1, len(train) + 1), train, color=color, alpha=0.45, lw=1, label="training loss (rank 0)")
+    xs, ys = zip(*metrics["eval_curve"])
+    ax_loss.plot([x / batch for x in xs], ys, color=color, marker="o", label="held-out loss")
+    steps, cum = zip(*([[0, 0]] + list(metrics["bytes_curve"])))
+    ax_bytes.plot(steps, [b / 1e6 for b in cum], color=color)
+    freeze = metrics.get("freeze_step")
+    if freeze:
+        for ax in (ax_loss, ax_bytes):
+            ax.axvline(freeze, color="0.4", ls=":", lw=1.2, label=f"freeze (step {freeze})")
+    ax_loss.set(xlabel="step", ylabel="MLM loss", title=f"{label}: loss")
+    ax_bytes.set(xlabel="step", ylabel="MB sent per worker (cumulative)",
+                 title=f"{label}: communication volume ({metrics['world_size']} workers)")
+    for ax in (ax_loss, ax_bytes):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def _pick_layers(names: List[str], k: int = 3) -> List[str]:

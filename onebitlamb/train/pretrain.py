@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 import onebitlamb
-from onebitlamb.train import data
+from onebitlamb.train import data, plots, runlog
 from onebitlamb.train.data import atomic_save
 from onebitlamb.train.model import ModelConfig, build_model, mlm_loss
 
@@ -136,7 +136,8 @@ class TrainConfig:
     cache_dir: str = field(default="", metadata={
         "help": "where the tokenized corpus is cached (default: OUT/cache)", "metavar": "DIR"})
     threads: int = field(default=1, metadata={"help": "torch threads per local worker"})
-    progress: bool = field(default=True, metadata={"help": "no progress bar"})
+    progress: bool = field(default=True, metadata={
+        "help": "one plain line per report instead of a progress bar (as when the output is not a terminal)"})
     stop_after_steps: int = field(default=0, metadata={
         "help": "checkpoint and stop once N steps are done (0: run to the end)", "metavar": "N"})
     timeout: float = field(default=600.0, metadata={
@@ -518,7 +519,7 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
               f"{_freeze_banner(optimizer)}" + (f", resuming at step {start_step}" if start_step else ""),
               file=sys.stderr, flush=True)
 
-    bar = _progress_bar(cfg, start_step) if master and cfg.progress else None
+    log = runlog.RunLog(cfg, start_step, history) if master else None  # console, log.csv, TensorBoard
 
     def evaluate(step: int) -> Optional[str]:
         """The held-out loss (the same number on every rank); a message when it is not finite."""
@@ -526,19 +527,15 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
         if not math.isfinite(loss):
             return f"the held-out loss is {loss} after step {step}"
         history["eval"].append([step * cfg.global_batch, loss])
-        if master:
-            line = f"[{cfg.optimizer}] step {step}: held-out loss {loss:.4f}"
-            if bar is not None:
-                bar.write(line, file=sys.stderr)  # above the bar
-            else:
-                print(line, file=sys.stderr, flush=True)
         return None
 
     # the loop; a non-finite loss or parameter stops it on every rank alike (`error`), before
     # anything of that step is applied or saved
     error = evaluate(0) if start_step == 0 else None
+    if start_step == 0 and error is None and log is not None:
+        log.report(0, history)
     done, stopped_by, t_wall0 = start_step, None, time.perf_counter()
-    wall_before, train_before = history["wall_time_s"], history["train_time_s"]
+    wall_before = history["wall_time_s"]
     for step in range(start_step, cfg.steps if error is None else start_step):
         phase.now = f"step {step + 1} (its agreement on a finite loss, or the optimizer's collectives)"
         t0 = time.perf_counter()
@@ -565,19 +562,16 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
         diagnose = master and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
         before = [p.detach().clone() for p in names.values()] if diagnose else None
         stage = optimizer.stage  # the stage this step runs in (a freeze happens at the end of a step)
+        lr = scheduler.get_last_lr()[0]  # this step's (the scheduler's step below sets the next one's)
         optimizer.step()
         scheduler.step()
         history["train_time_s"] += time.perf_counter() - t0
 
-        history["steps"].append({"loss": loss_sum, "bytes": optimizer.comm_stats.bytes_sent, "stage": stage,
-                                 "lr": scheduler.get_last_lr()[0], "freeze": _freeze_stats(optimizer)})
+        history["steps"].append({"loss": loss_sum, "bytes": optimizer.comm_stats.bytes_sent,
+                                 "collectives": optimizer.comm_stats.calls, "stage": stage,
+                                 "lr": lr, "freeze": _freeze_stats(optimizer)})
         if diagnose:
             history["diagnostics"].append(layer_report(step + 1, stage, names, before, optimizer))
-        if bar is not None:
-            bar.update(1)
-            sps = (step + 1 - start_step) * cfg.global_batch / max(history["train_time_s"] - train_before, 1e-9)
-            bar.set_postfix(loss=f"{loss_sum:.3f}", sps=f"{sps:.0f}", stage=stage,
-                            MB=f"{optimizer.comm_stats.bytes_sent / 1e6:.1f}", refresh=False)
 
         # evaluation, checkpoint, stop
         done = step + 1
@@ -586,6 +580,8 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
             error = evaluate(done)
             if error is not None:
                 break
+        if log is not None:
+            log.report(done, history)
         history["wall_time_s"] = wall_before + time.perf_counter() - t_wall0
         phase.now = f"the agreement to go on after step {done}"
         stop, nonfinite = _agree_any([stop_requested(), not _all_finite(names.values())], device)
@@ -602,8 +598,8 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
             last_saved = done
         if stop:
             break
-    if bar is not None:
-        bar.close()
+    if log is not None:
+        log.close()
     phase.now = "the end of the run (byte counts, metrics)"
 
     if error is not None:
@@ -740,13 +736,6 @@ def _gather_bytes(nbytes: int, world: int, device) -> List[int]:
     return [int(v) for v in t.tolist()]
 
 
-def _progress_bar(cfg: TrainConfig, start: int):
-    from tqdm import tqdm
-
-    return tqdm(total=cfg.steps, initial=start, desc=cfg.optimizer, unit="step", dynamic_ncols=True,
-                file=sys.stderr, mininterval=0.5)
-
-
 # ----------------------------------------------------------------------------------------------
 # Checkpoints: OUT/ckpt-<step>/{model.pt, trainer.pt, rank<r>.pt}, OUT/checkpoint.json names the last
 #
@@ -762,8 +751,10 @@ POINTER = "checkpoint.json"
 CKPT_FOLDER = re.compile(r"ckpt-[0-9]{7,}")
 # what a run writes into OUT (with the temporary names it writes them under first) and into a
 # checkpoint folder: --overwrite removes these and nothing else
-RUN_FILE = re.compile(r"(checkpoint|metrics)\.json(\.tmp)?|config\.json|freeze\.png|model_final\.pt(\.tmp\.[0-9]+)?")
+RUN_FILE = re.compile(r"(checkpoint|metrics)\.json(\.tmp)?|config\.json|(freeze|curves)\.png|log\.csv"
+                      r"|model_final\.pt(\.tmp\.[0-9]+)?")
 CKPT_FILE = re.compile(r"(model|trainer|rank[0-9]+)\.pt(\.tmp\.[0-9]+)?")
+EVENTS_FILE = re.compile(r"events\.out\.tfevents\..+")  # in OUT/tensorboard (runlog.py)
 RANK_FILE = re.compile(r"rank([0-9]+)\.pt")
 
 
@@ -806,7 +797,8 @@ def prepare_out_dir(cfg: TrainConfig, remove: bool = True) -> None:
 
 def remove_run_files(out: str, keep=()) -> Tuple[List[str], List[str]]:
     """Remove the files a run writes into ``out``: its pointer, results, and every checkpoint folder
-    that holds nothing else. Returns (removed, left in place); links are never followed."""
+    (and its TensorBoard folder) that holds nothing else. Returns (removed, left in place); links
+    are never followed."""
     keep = {os.path.abspath(k) for k in keep if k}
     removed, left = [], []
     for name in sorted(os.listdir(out)):
@@ -818,8 +810,8 @@ def remove_run_files(out: str, keep=()) -> Tuple[List[str], List[str]]:
         elif os.path.isfile(path) and RUN_FILE.fullmatch(name):
             os.remove(path)
             removed.append(name)
-        elif os.path.isdir(path) and CKPT_FOLDER.fullmatch(name):
-            others = _remove_checkpoint_folder(path)
+        elif os.path.isdir(path) and (CKPT_FOLDER.fullmatch(name) or name == runlog.TENSORBOARD_DIR):
+            others = _remove_checkpoint_folder(path, CKPT_FILE if CKPT_FOLDER.fullmatch(name) else EVENTS_FILE)
             if others:
                 left.append(f"{name}/ (also holds {', '.join(others)})")
             else:
@@ -829,12 +821,12 @@ def remove_run_files(out: str, keep=()) -> Tuple[List[str], List[str]]:
     return removed, left
 
 
-def _remove_checkpoint_folder(folder: str) -> List[str]:
-    """Remove a checkpoint folder if it holds only the files a run writes there; otherwise remove
-    nothing and return the other entries."""
+def _remove_checkpoint_folder(folder: str, files: re.Pattern = CKPT_FILE) -> List[str]:
+    """Remove a checkpoint folder (or another folder of a run's ``files``) if it holds only the
+    files a run writes there; otherwise remove nothing and return the other entries."""
     names = os.listdir(folder)
     others = sorted(n for n in names
-                    if not CKPT_FILE.fullmatch(n) or os.path.islink(os.path.join(folder, n))
+                    if not files.fullmatch(n) or os.path.islink(os.path.join(folder, n))
                     or not os.path.isfile(os.path.join(folder, n)))
     if others:
         return others
@@ -1088,7 +1080,7 @@ def _set_rng_state(state: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The run's results: OUT/metrics.json, OUT/model_final.pt, OUT/freeze.png
+# The run's results: OUT/metrics.json, OUT/model_final.pt, OUT/curves.png, OUT/freeze.png
 
 
 def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List[int], layers: List[str],
@@ -1127,13 +1119,13 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
     with open(tmp, "w") as f:
         json.dump(metrics, f)
     os.replace(tmp, os.path.join(cfg.out, "metrics.json"))
-    try:  # after the metrics are safe: a figure that fails to draw must not fail the run
-        from onebitlamb.train.plots import plot_freeze
-
-        if plot_freeze(metrics, os.path.join(cfg.out, "freeze.png")):
-            print(f"[{cfg.optimizer}] how the automatic freeze decided: {cfg.out}/freeze.png", file=sys.stderr)
-    except Exception as exc:  # noqa: BLE001 (matplotlib's errors have no common type)
-        print(f"[{cfg.optimizer}] freeze.png not drawn: {exc!r}", file=sys.stderr)
+    for png, draw, what in (("curves.png", plots.plot_run, "loss and bytes"),
+                            ("freeze.png", plots.plot_freeze, "how the automatic freeze decided")):
+        try:  # after the metrics are safe: a figure that fails to draw must not fail the run
+            if draw(metrics, os.path.join(cfg.out, png)):
+                print(f"[{cfg.optimizer}] {what}: {cfg.out}/{png}", file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 (matplotlib's errors have no common type)
+            print(f"[{cfg.optimizer}] {png} not drawn: {exc!r}", file=sys.stderr)
     print(f"[{cfg.optimizer}] done: held-out loss {metrics['final_eval_loss']:.4f} after {samples} samples, "
           f"{metrics['bytes_sent_per_rank'] / 1e6:.1f} MB sent per worker, {metrics['wall_time_s']:.0f} s "
           f"({metrics['samples_per_s']:.0f} samples/s)", file=sys.stderr, flush=True)

@@ -1,0 +1,131 @@
+"""What a user gets from `pip install`: the built wheel holds the package alone (with its license),
+its dependency ranges admit the pinned versions the suite runs with, and the bare install's
+`onebitlamb` command names the extra it lacks. Offline: nothing is downloaded."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+
+import pytest
+
+from onebitlamb import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# what is not the package: never copied into the build (a build writes build/ and *.egg-info there)
+NOT_SOURCE = (".git", ".venv", "runs", "out", "build", "dist", "__pycache__", ".pytest_cache", "*.egg-info")
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def _pins() -> dict:
+    pins = {}
+    with open(os.path.join(ROOT, "requirements-dev.txt")) as f:
+        for line in f:
+            name, _, version = line.strip().partition("==")
+            if version:
+                pins[_normal(name)] = version
+    return pins
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirements(project: dict) -> list:
+    return project["dependencies"] + [r for reqs in project["optional-dependencies"].values() for r in reqs]
+
+
+def test_every_dependency_has_a_tested_upper_bound():
+    """Each range has an upper bound and admits the version requirements-dev.txt pins (the one the
+    suite runs with): a bound below the tested release, or none at all, fails here."""
+    from packaging.requirements import Requirement
+
+    project, pins = _pyproject()["project"], _pins()
+    for text in _requirements(project):
+        req = Requirement(text)
+        assert any(s.operator in ("<", "<=") for s in req.specifier), f"{text}: no upper bound"
+        pinned = pins.get(_normal(req.name))
+        assert pinned is not None, f"{req.name} is not pinned in requirements-dev.txt, so its range is untested"
+        assert req.specifier.contains(pinned), f"{text} excludes the tested {req.name}=={pinned}"
+
+
+def test_the_command_checks_the_packages_its_extra_installs():
+    from packaging.requirements import Requirement
+
+    extras = _pyproject()["project"]["optional-dependencies"]
+    for extra, modules in cli.EXTRA_MODULES.items():
+        assert sorted(modules) == sorted(Requirement(r).name for r in extras[extra])
+    assert set(cli.EXTRAS) <= set(cli.COMMANDS)
+
+
+def _site_packages_without(tmp_path, left_out):
+    """This environment's packages as links in a folder, minus ``left_out`` and the editable
+    onebitlamb (its .pth and finder), for PYTHONPATH: torch and numpy without re-installing them."""
+    farm = tmp_path / "site"
+    farm.mkdir()
+    site = sysconfig.get_paths()["purelib"]
+    for name in os.listdir(site):
+        top = _normal(re.split(r"[-.]", name, 1)[0]) if not name.startswith("__") else name
+        if (name.endswith(".pth") or name.startswith("__editable__") or top in left_out
+                or top in ("onebitlamb", "mpl-toolkits", "pylab")):
+            continue
+        os.symlink(os.path.join(site, name), farm / name)
+    return farm
+
+
+@pytest.mark.timeout(120)
+def test_the_wheel_holds_the_package_and_its_bare_command_names_the_extra(tmp_path):
+    """Build the wheel from a copy of the source tree, install it with no dependencies into a new
+    environment that sees torch and numpy but not the example extra's packages, and run its
+    `onebitlamb pretrain`: it stops at once with the `pip install 'onebitlamb[example]'` to run."""
+    import pip
+
+    if tuple(int(x) for x in pip.__version__.split(".")[:2]) < (22, 3):
+        pytest.skip(f"pip {pip.__version__} cannot install into another environment (--python: pip 22.3+)")
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*NOT_SOURCE), symlinks=True)
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                    "--quiet", "-w", str(dist), str(src)], check=True, capture_output=True, timeout=90)
+    (wheel,) = dist.glob("onebitlamb-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        dist_info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
+        outside = [n for n in names if n.split("/")[0] not in ("onebitlamb", dist_info)]
+        assert not outside, f"the wheel holds more than the package: {outside}"
+        assert f"{dist_info}/licenses/LICENSE" in names
+        assert "Apache License" in z.read(f"{dist_info}/licenses/LICENSE").decode()
+        metadata = z.read(f"{dist_info}/METADATA").decode()
+    assert "License-Expression: Apache-2.0" in metadata
+    assert re.search(r"^Requires-Dist: torch<2\.\d+,>=2\.3$|^Requires-Dist: torch>=2\.3,<2\.\d+$", metadata, re.M)
+
+    env_dir = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=60)
+    python = env_dir / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+                    "--quiet", str(wheel)], check=True, capture_output=True, timeout=60)
+    from packaging.requirements import Requirement
+
+    example = {_normal(Requirement(r).name) for r in _pyproject()["project"]["optional-dependencies"]["example"]}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PYTHONPATH"] = str(_site_packages_without(tmp_path, example))
+    where = subprocess.run([str(python), "-c", "import onebitlamb, tokenizers"], env=env, capture_output=True,
+                           text=True, cwd=tmp_path, timeout=60)
+    assert "No module named 'tokenizers'" in where.stderr  # the new environment lacks the extra...
+    where = subprocess.run([str(python), "-c", "import onebitlamb; print(onebitlamb.__file__)"], env=env,
+                           capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert where.stdout.startswith(str(env_dir)), where  # ...and runs the installed wheel, not this tree
+
+    run = subprocess.run([str(env_dir / "bin" / "onebitlamb"), "pretrain", "--preset", "tiny", "--out",
+                          str(tmp_path / "run")], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert run.returncode == 2, run
+    assert "pip install 'onebitlamb[example]'" in run.stderr and "tokenizers" in run.stderr, run.stderr
+    assert "preparing corpus" not in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "run").exists()  # nothing started
