@@ -101,3 +101,16 @@ def test_compressed_allreduce_fused_on_two_ranks():
     for r in results:
         for torch_err, fused_err in zip(r[False, "errors"], r[True, "errors"]):
             assert ((fused_err - torch_err).abs() <= 1e-5).float().mean() > 0.999
+
+
+def test_kernel_benchmark_measures_both_codecs():
+    """The GPU section's code path (benchmarks/kernels.py --device cuda), run on CPU tensors."""
+    from benchmarks import kernels
+
+    numel = 8 * 4 * 512
+    measured, missing = kernels.device_kernels("cpu", [numel], repeats=1, min_total_s=0.0)
+    assert missing is None and set(measured) == {"torch", "fused"}
+    assert all(t[k] > 0 for codec in measured.values() for t in codec.values() for k in ("copy", "whole"))
+    body = kernels.render_device(measured, "cmd", 1, "cpu", missing)
+    assert "### Plain torch (`fused=False`)" in body and "| 16K |" in body
+    assert "- 16K: compress " in body and "target <= 2x" in body and "floor 2.50x" in body
