@@ -44,6 +44,8 @@ Triton's interpreter (``TRITON_INTERPRET=1``, the tests), elsewhere the torch pa
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -173,6 +175,16 @@ def _expand_kernel(rows_ptr, row_stride, scales_ptr, out_ptr, row_numel, nbytes,
     tl.store(out_ptr + r * row_numel + offs, signed, mask=offs < row_numel)
 
 
+def _on_device(fn):
+    """Run ``fn`` with its first tensor's GPU current: Triton launches on the current device, and a
+    thread's (an optimizer's exchange thread, say) need not be the tensor's."""
+    @functools.wraps(fn)
+    def wrapper(tensor, *args, **kwargs):
+        with torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext():
+            return fn(tensor, *args, **kwargs)
+    return wrapper
+
+
 def _programs(numel: int) -> int:
     return triton.cdiv(numel, BLOCK)
 
@@ -184,6 +196,7 @@ def scale_from_partials(partials: torch.Tensor, numel: int) -> torch.Tensor:
     return scale
 
 
+@_on_device
 def compress_(error: torch.Tensor, addend: Optional[torch.Tensor], packed: torch.Tensor,
               partials: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``error += addend``; pack sign(error) into ``packed``; ``error -= s * sign(error)``; return
@@ -207,6 +220,7 @@ def compress_(error: torch.Tensor, addend: Optional[torch.Tensor], packed: torch
     return scale
 
 
+@_on_device
 def pack_signs(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The signs of contiguous ``x`` into ``out`` (``ceil(numel / 8)`` bytes, tail bits 0)."""
     if x.numel():
@@ -215,6 +229,7 @@ def pack_signs(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@_on_device
 def add_signs_(target: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``target += sum_i scales[i] * signs(rows[i])``; returns the per-program float64 sums of
     squares of the new target (``compress_``'s ``partials``). ``rows``: 2-D uint8, each row
@@ -231,6 +246,7 @@ def add_signs_(target: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor) -
     return partials
 
 
+@_on_device
 def expand_(rows: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, row_numel: int) -> torch.Tensor:
     """Row ``r`` of ``rows`` (2-D uint8, each row's first ``ceil(row_numel / 8)`` bytes contiguous)
     expanded into ``out[r * row_numel:(r + 1) * row_numel]`` as ``scales[r] * ±1``, all rows in one
