@@ -42,6 +42,7 @@ import os
 import shlex
 import statistics
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -323,14 +324,23 @@ def device_kernels(device: str, sizes: Sequence[int], repeats: int, min_total_s:
     except ValueError as exc:
         missing = str(exc)
     for numel in sizes:
-        for codec in kernels:
-            kernels[codec][numel] = t = kernel_times(numel, WORLD_SIZE, repeats, min_total_s, device,
-                                                     fused=codec == "fused")
+        for codec in list(kernels):
+            try:
+                kernels[codec][numel] = t = kernel_times(numel, WORLD_SIZE, repeats, min_total_s, device,
+                                                         fused=codec == "fused")
+            except Exception as exc:  # noqa: BLE001 (a fused kernel that fails must not cost the torch figures)
+                if codec != "fused":
+                    raise
+                traceback.print_exc()
+                missing = f"the fused kernels failed at {_size_label(numel)} elements: {exc!r}"[:400]
+                del kernels["fused"]
+                continue
+            finally:
+                if device == "cuda":
+                    torch.cuda.empty_cache()
             print(f"{_size_label(numel):>5} {codec:>5}: copy {t['copy'] * 1e3:.3f} ms, compress "
                   f"{t['compress'] / t['copy']:.2f}x, decompress {t['decompress'] / t['copy']:.2f}x, "
                   f"whole {t['whole'] / t['copy']:.2f}x", flush=True)
-            if device == "cuda":
-                torch.cuda.empty_cache()
     return kernels, missing
 
 

@@ -103,8 +103,9 @@ def test_compressed_allreduce_fused_on_two_ranks():
             assert ((fused_err - torch_err).abs() <= 1e-5).float().mean() > 0.999
 
 
-def test_kernel_benchmark_measures_both_codecs():
-    """The GPU section's code path (benchmarks/kernels.py --device cuda), run on CPU tensors."""
+def test_kernel_benchmark_measures_both_codecs(monkeypatch):
+    """The GPU section's code path (benchmarks/kernels.py --device cuda), run on CPU tensors; a
+    fused codec that fails leaves the torch path's figures and says why."""
     from benchmarks import kernels
 
     numel = 8 * 4 * 512
@@ -114,3 +115,15 @@ def test_kernel_benchmark_measures_both_codecs():
     body = kernels.render_device(measured, "cmd", 1, "cpu", missing)
     assert "### Plain torch (`fused=False`)" in body and "| 16K |" in body
     assert "- 16K: compress " in body and "target <= 2x" in body and "floor 2.50x" in body
+
+    measure = kernels.kernel_times
+
+    def failing(*args, fused=None):
+        if fused:
+            raise RuntimeError("no kernel today")
+        return measure(*args, fused=fused)
+
+    monkeypatch.setattr(kernels, "kernel_times", failing)
+    measured, missing = kernels.device_kernels("cpu", [numel], repeats=1, min_total_s=0.0)
+    assert set(measured) == {"torch"} and "no kernel today" in missing
+    assert "Not measured: the fused kernels failed at 16K" in kernels.render_device(measured, "cmd", 1, "cpu", missing)
