@@ -29,9 +29,11 @@ ratio is the point.
 
 The results go to the ``kernels`` section of BENCHMARKS.md (``report.write_section``).
 
-With ``--device cuda``: part 1 only, on the GPU (the plain-torch path of the same functions,
-timed with a device synchronisation after each call), at 32M to 1G elements, into the
-``kernels-cuda`` section. A GPU's copy is so fast that kernel-launch latency shows at 32M.
+With ``--device cuda``: part 1 only, on the GPU, timed with a device synchronisation after each
+call, at 64M to 1G elements, for each codec: the plain-torch path of the same functions
+(``fused=False``) and the fused Triton kernels (``fused=True``, where Triton imports), into the
+``kernels-cuda`` section, with the targets of the fused codec (compress <= 2 copies, decompress
+<= 1, whole <= 5) and the floors its memory traffic sets (``compression.triton_codec``).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ import os
 import shlex
 import statistics
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -52,10 +55,16 @@ FULL_SIZES = [1 * MB, 4 * MB, 16 * MB, 32 * MB, 64 * MB]
 QUICK_SIZES = [64 * 1024, 256 * 1024]
 FULL_ALLREDUCE_SIZES = [1 * MB, 16 * MB]
 QUICK_ALLREDUCE_SIZES = [64 * 1024]
-CUDA_SIZES = [32 * MB, 256 * MB, 1024 * MB]
+CUDA_SIZES = [64 * MB, 256 * MB, 1024 * MB]
 WORLD_SIZE = 4
 TARGET_SIZE = 32 * MB
 TARGETS = {"compress": 4.0, "decompress": 1.5, "whole": 6.0}
+# The fused codec's targets on an H200 and the floors of its memory traffic, in copies (8 bytes
+# an element): compress reads error and buffer twice and writes the error once (20 bytes); the
+# expansion writes 4 bytes and reads 1/8; the whole, for n = 4: 20 + the server's sum (8/n + 1/8)
+# and compress (8/n + 1/8) + the expansion (4 + 1/8).
+FUSED_TARGETS = {"compress": 2.0, "decompress": 1.0, "whole": 5.0}
+FUSED_FLOORS = {"compress": 20 / 8, "decompress": 4.125 / 8, "whole": (20 + 2 * (8 / WORLD_SIZE + 0.125) + 4.125) / 8}
 
 
 def best_times(fns: Dict[str, Callable[[], object]], repeats: int, min_total_s: float,
@@ -82,20 +91,21 @@ def best_times(fns: Dict[str, Callable[[], object]], repeats: int, min_total_s: 
 
 
 def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 2.0,
-                 device: str = "cpu") -> Dict[str, float]:
-    """Seconds for the copy, compress, decompress and whole per-rank compute on ``numel`` fp32.
+                 device: str = "cpu", fused: Optional[bool] = None) -> Dict[str, float]:
+    """Seconds for the copy, compress, decompress and whole per-rank compute on ``numel`` fp32,
+    with the codec ``fused`` picks (as ``compressed_allreduce`` takes it).
 
     The whole compute follows ``compressed_allreduce`` step by step, message layout included
     (sign rows with a trailing scale), with the packed signs this rank sent standing in for the
     messages it would receive."""
     from onebitlamb.comm.collectives import _add_signs_, _compress_, _read_scales, _scale_bytes
-    from onebitlamb.compression.packing import unpack_signs
+    from onebitlamb.compression.packing import fused_codec, unpack_signs
 
     if numel % (8 * n):
         raise ValueError(f"numel must be a multiple of 8n = {8 * n}, got {numel}")
     dev = torch.device(device)
-    g = torch.Generator().manual_seed(0)
-    src = torch.randn(numel, generator=g).to(dev)
+    g = torch.Generator(device=dev).manual_seed(0)  # drawn where it is used: 1G values on a CPU take seconds
+    src = torch.randn(numel, generator=g, device=dev)
     out = torch.empty(numel, device=dev)
     packed = torch.empty(numel // 8, dtype=torch.uint8, device=dev)
     error = torch.zeros(numel, device=dev)
@@ -107,18 +117,23 @@ def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 2.0,
     messages = torch.empty(n, row + 4, dtype=torch.uint8, device=dev)  # stands in for both collectives'
     server = torch.empty(row + 4, dtype=torch.uint8, device=dev)         # received rows
     ws: Dict[str, torch.Tensor] = {}
+    codec = fused_codec(buffer, fused)
+    fused = codec is not None
 
     def server_accumulate(scales: torch.Tensor):
-        return _add_signs_(server_error, messages[:, :row], scales / n)
+        return _add_signs_(server_error, messages[:, :row], scales / n, fused)
 
     def whole() -> None:
-        s = _compress_(worker_error, buffer, packed, ws)
+        s = _compress_(worker_error, buffer, packed, ws, fused=fused)
         messages[:, :row].copy_(packed.view(n, row))
         messages[:, row:].copy_(_scale_bytes(s, dev))
         sum_sq = server_accumulate(_read_scales(messages, row))
-        s_server = _compress_(server_error, None, server[:row], ws, sum_sq)
+        s_server = _compress_(server_error, None, server[:row], ws, sum_sq, fused)
         server[row:].copy_(_scale_bytes(s_server, dev))
         scales = _read_scales(messages, row)
+        if codec is not None:
+            codec.expand_(messages, scales, buffer, chunk)
+            return
         host_scales = scales.tolist() if dev.type == "cpu" else scales
         for j in range(n):
             unpack_signs(messages[j, :row], chunk, host_scales[j], out=buffer[j * chunk:(j + 1) * chunk])
@@ -126,8 +141,8 @@ def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 2.0,
     fixed_scales = torch.full((n,), 1e-3, device=dev)
     times = best_times({
         "copy": lambda: out.copy_(src),
-        "compress": lambda: _compress_(error, src, packed, ws),
-        "decompress": lambda: unpack_signs(packed, numel, 0.5, out=out),
+        "compress": lambda: _compress_(error, src, packed, ws, fused=fused),
+        "decompress": lambda: unpack_signs(packed, numel, 0.5, out=out, fused=fused),
         "whole": whole,
         "server_accumulate": lambda: server_accumulate(fixed_scales),
     }, repeats, min_total_s, sync=torch.cuda.synchronize if dev.type == "cuda" else (lambda: None))
@@ -253,20 +268,80 @@ def render(kernels: Dict[int, Dict[str, float]], allreduce: Dict, command: str, 
     return "\n".join(lines) + "\n"
 
 
-def render_cuda(kernels: Dict[int, Dict[str, float]], command: str, repeats: int) -> str:
+def render_device(kernels: Dict[str, Dict[int, Dict[str, float]]], command: str, repeats: int,
+                  device_name: str, missing: Optional[str]) -> str:
+    """The ``kernels-cuda`` section: a table per codec (``kernels[codec][numel]``), the fused
+    codec's targets and floors. ``missing``: why the fused codec was not measured, if it was not."""
     lines = [
-        *heading("Kernels on a GPU: 1-bit compression against a memory copy", command,
-                 f", {torch.cuda.get_device_name()}"),
-        f"fp32, the plain-torch path (`_compress_torch_`: add, norm, compare, pack by weighted sum, error update; "
-        f"expansion and server sum by testing bits and selecting `±scale`), best of at least {repeats} "
-        "interleaved rounds, each call followed by `torch.cuda.synchronize()`. Columns as in the CPU table: "
-        "multiples of `out.copy_(src)` on the same number of elements; the copy's bandwidth counts the bytes "
-        "read and written. Eager torch runs each of those steps as its own kernel, a full pass over memory "
-        "each: the compressor is 5 such passes' worth of bytes at best, and no fused kernel is built here.",
+        *heading("Kernels on a GPU: 1-bit compression against a memory copy", command, f", {device_name}"),
+        f"fp32, best of at least {repeats} interleaved rounds, each call followed by a device synchronisation. "
+        "Columns as in the CPU table: multiples of `out.copy_(src)` on the same number of elements; the copy's "
+        "bandwidth counts the bytes read and written.",
         "",
-        *_ratio_table(kernels, bandwidth=True),
+        "### Plain torch (`fused=False`)",
+        "",
+        "Eager torch runs each step as its own kernel, a full pass over memory each (`_compress_torch_`: add, "
+        "norm, compare, pack by weighted sum, error update; expansion and server sum by testing bits and "
+        "selecting `±scale`).",
+        "",
+        *_ratio_table(kernels["torch"], bandwidth=True),
+        "",
+        "### Fused Triton kernels (`fused=True`, `onebitlamb/compression/triton_codec.py`)",
+        "",
     ]
+    if "fused" not in kernels:
+        lines.append(f"Not measured: {missing}.")
+        return "\n".join(lines) + "\n"
+    lines += [
+        "Compress in two passes (norm, then sign, pack and error update), the server's sum with its norm in "
+        "one, every gathered row expanded in one launch. Floors set by the bytes moved, in copies: "
+        + ", ".join(f"{k} {v:.2f}x" for k, v in FUSED_FLOORS.items()) + ".",
+        "",
+        *_ratio_table(kernels["fused"], bandwidth=True),
+        "",
+    ]
+    for numel, t in kernels["fused"].items():
+        verdicts = []
+        for name, target in FUSED_TARGETS.items():
+            ratio = t[name] / t["copy"]
+            verdicts.append(f"{name} {ratio:.2f}x (target <= {target:g}x: {'met' if ratio <= target else 'MISSED'}"
+                            f"; floor {FUSED_FLOORS[name]:.2f}x)")
+        speedup = kernels["torch"][numel]["whole"] / t["whole"]
+        lines.append(f"- {_size_label(numel)}: " + "; ".join(verdicts) + f"; whole {speedup:.1f}x faster than plain torch.")
     return "\n".join(lines) + "\n"
+
+
+def device_kernels(device: str, sizes: Sequence[int], repeats: int, min_total_s: float):
+    """Each codec's kernel times at each size (``{codec: {numel: times}}``), and why the fused one
+    is missing when it is."""
+    from onebitlamb.compression.packing import fused_codec
+
+    kernels: Dict[str, Dict[int, Dict[str, float]]] = {"torch": {}}
+    missing = None
+    try:
+        fused_codec(torch.empty(0, device=device), True)
+        kernels["fused"] = {}
+    except ValueError as exc:
+        missing = str(exc)
+    for numel in sizes:
+        for codec in list(kernels):
+            try:
+                kernels[codec][numel] = t = kernel_times(numel, WORLD_SIZE, repeats, min_total_s, device,
+                                                         fused=codec == "fused")
+            except Exception as exc:  # noqa: BLE001 (a fused kernel that fails must not cost the torch figures)
+                if codec != "fused":
+                    raise
+                traceback.print_exc()
+                missing = f"the fused kernels failed at {_size_label(numel)} elements: {exc!r}"[:400]
+                del kernels["fused"]
+                continue
+            finally:
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            print(f"{_size_label(numel):>5} {codec:>5}: copy {t['copy'] * 1e3:.3f} ms, compress "
+                  f"{t['compress'] / t['copy']:.2f}x, decompress {t['decompress'] / t['copy']:.2f}x, "
+                  f"whole {t['whole'] / t['copy']:.2f}x", flush=True)
+    return kernels, missing
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
@@ -289,12 +364,9 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     repeats = 3 if args.quick else 9
     iters = 3 if args.quick else 10
     if args.device == "cuda":
-        kernels = {}
-        for numel in (QUICK_SIZES if args.quick else CUDA_SIZES):
-            kernels[numel] = t = kernel_times(numel, WORLD_SIZE, repeats, 0.01 if args.quick else 1.0, "cuda")
-            print(f"{_size_label(numel):>5}: copy {t['copy'] * 1e3:.3f} ms, compress {t['compress'] / t['copy']:.2f}x, "
-                  f"decompress {t['decompress'] / t['copy']:.2f}x, whole {t['whole'] / t['copy']:.2f}x", flush=True)
-        body = render_cuda(kernels, command, repeats)
+        kernels, missing = device_kernels("cuda", QUICK_SIZES if args.quick else CUDA_SIZES, repeats,
+                                          0.01 if args.quick else 0.5)
+        body = render_device(kernels, command, repeats, torch.cuda.get_device_name(), missing)
         path = write_section("kernels-cuda", body, args.results)
         print(body)
         print(f"written to {path}")

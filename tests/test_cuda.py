@@ -1,6 +1,7 @@
 """The GPU path: the plain-torch kernels, the compressed all-reduce and the optimizers on CUDA
-tensors, each checked against the CPU path (itself checked against independent references in
-the other test files). Skipped where torch sees no CUDA device, as on CI's machines."""
+tensors, each checked against the CPU path (itself checked against independent references in the
+other test files); the fused Triton kernels against the plain-torch path. Skipped where torch sees
+no CUDA device, as on CI's machines."""
 from __future__ import annotations
 
 import pytest
@@ -55,6 +56,46 @@ def test_compressor_and_server_sum_on_cuda_match_cpu():
     assert torch.allclose(target_gpu.cpu(), target_cpu, rtol=1e-6, atol=1e-6)
 
 
+def _triton_reason():
+    """Why the fused kernels cannot run here, or None."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"Triton cannot be imported: {exc}"
+    return None
+
+
+needs_triton = pytest.mark.skipif(_triton_reason() is not None, reason=str(_triton_reason()))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_codec_on_cuda_matches_torch_path(dtype):
+    """The compiled Triton kernels against the torch path on the GPU (tests/codec_checks.py; the
+    same checks run under Triton's interpreter on CPU machines)."""
+    from codec_checks import check_compress, check_pack_and_unpack, check_server_sum_and_expansion, inputs
+
+    for n in (1, 13, 4103, 1_000_003):
+        e, b = inputs(n, dtype, n, "cuda")
+        check_compress(e, b)
+        check_compress(e, None)
+    if dtype != torch.float16:  # float16 holds neither
+        for magnitude in (1e-30, 1e30):
+            e = (magnitude * torch.randn(4103, generator=torch.Generator().manual_seed(7))).to(dtype).cuda()
+            scale, _ = check_compress(e, None)
+            assert 0 < scale < float("inf")
+    check_server_sum_and_expansion(dtype, 8 * 100_003, "cuda")
+    check_pack_and_unpack(dtype, 300_017, "cuda")
+
+
+@needs_triton
+def test_compressed_allreduce_is_fused_by_default_on_cuda():
+    from onebitlamb.compression.packing import fused_codec
+
+    assert fused_codec(torch.zeros(1, device="cuda")) is not None
+    assert fused_codec(torch.zeros(1)) is None  # the CPU paths are unchanged
+
+
 def _mlp(device, dtype=torch.float32):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
@@ -101,9 +142,10 @@ def _gloo_cuda_worker(rank, world):
     gen = torch.Generator().manual_seed(rank)
     inputs = [torch.randn(D, generator=gen) for _ in range(6)]
     out = {}
-    for device in ("cpu", "cuda"):
-        we, se = torch.zeros(D, device=device), torch.zeros(D // world, device=device)
-        out[device] = [compressed_allreduce(x.to(device).clone(), we, se, stats=CommStats()).cpu()
+    for device, fused in (("cpu", None), ("cuda", None), ("cuda-torch", False)):  # cuda: fused where Triton is
+        dev = device.split("-")[0]
+        we, se = torch.zeros(D, device=dev), torch.zeros(D // world, device=dev)
+        out[device] = [compressed_allreduce(x.to(dev).clone(), we, se, stats=CommStats(), fused=fused).cpu()
                        for x in inputs]
     model = _mlp("cuda")
     opt = onebitlamb.OneBitLamb(model.parameters(), lr=1e-2, freeze_step=5)
@@ -120,12 +162,14 @@ def test_compressed_allreduce_and_onebit_lamb_on_cuda_through_gloo():
             pytest.skip(f"this torch's gloo cannot run all-to-all on CUDA tensors: {str(exc).splitlines()[-1]}")
         raise
     for r in results:
-        for cpu, gpu in zip(r["cpu"], r["cuda"]):
-            # float32 norms on the GPU, float64 on the CPU: scales agree to ~1e-6, and an element
-            # within that of zero may take the other sign, which error feedback then carries
-            off = (gpu - cpu).abs() > 1e-4 * cpu.abs().max()
-            assert off.float().mean() < 1e-3
+        for gpu_path in ("cuda", "cuda-torch"):
+            for cpu, gpu in zip(r["cpu"], r[gpu_path]):
+                # the scales agree to ~1e-6 (float32 or float64 norms), and an element within that
+                # of zero may take the other sign, which error feedback then carries
+                off = (gpu - cpu).abs() > 1e-4 * cpu.abs().max()
+                assert off.float().mean() < 1e-3
     assert torch.equal(results[0]["cuda"][0], results[1]["cuda"][0])
+    assert torch.equal(results[0]["cuda-torch"][-1], results[1]["cuda-torch"][-1])
     assert torch.equal(results[0]["params"], results[1]["params"])  # bit-identical across ranks
     assert results[0]["stage"] == "compression"
 

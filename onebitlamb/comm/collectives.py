@@ -29,8 +29,8 @@ import torch.distributed as dist
 from onebitlamb.comm.stats import (GLOBAL_STATS, CommStats, all_gather_bytes, all_to_all_bytes,
                                    allreduce_bytes)
 from onebitlamb.compression import native
-from onebitlamb.compression.packing import (FLOAT_DTYPES, negative_bits, pack_signs, sign_table, signed_scales,
-                                             unpack_signs)
+from onebitlamb.compression.packing import (FLOAT_DTYPES, fused_codec, negative_bits, pack_signs, sign_table,
+                                             signed_scales, unpack_signs)
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -218,8 +218,12 @@ def _compress_torch_(error: torch.Tensor, addend: Optional[torch.Tensor], packed
     return scale
 
 
-def _compress_(error, addend, packed, workspace, sum_sq: Optional[float] = None):
-    """Compress ``error (+ addend)`` into ``packed``; the scale as a 1-element float32 tensor."""
+def _compress_(error, addend, packed, workspace, sum_sq=None, fused: Optional[bool] = None):
+    """Compress ``error (+ addend)`` into ``packed``; the scale as a 1-element float32 tensor.
+    ``sum_sq``: what ``_add_signs_`` returned with the same ``fused``, when not None."""
+    codec = fused_codec(error, fused)
+    if codec is not None:
+        return codec.compress_(error, addend, packed, sum_sq)
     if error.device.type == "cpu" and error.dtype == torch.float32:
         return torch.tensor([_compress_cpu_(error, addend, packed, sum_sq)], dtype=torch.float32)
     mask = workspace.get("mask")
@@ -228,10 +232,15 @@ def _compress_(error, addend, packed, workspace, sum_sq: Optional[float] = None)
     return _compress_torch_(error, addend, packed, mask).reshape(1)
 
 
-def _add_signs_(target: torch.Tensor, packed_rows: torch.Tensor, scales: torch.Tensor) -> Optional[float]:
+def _add_signs_(target: torch.Tensor, packed_rows: torch.Tensor, scales: torch.Tensor,
+                fused: Optional[bool] = None):
     """``target += sum_i scales[i] * signs(packed_rows[i])``: the server's sum over ranks. Returns
     the sum of squares of the new target where it comes for free (the compiled loop computes it
-    while the values are in registers), else None."""
+    while the values are in registers: a float; the Triton kernel: its partial sums, a tensor),
+    else None; ``_compress_`` takes it as ``sum_sq``."""
+    codec = fused_codec(target, fused)
+    if codec is not None:
+        return codec.add_signs_(target, packed_rows, scales)
     if target.device.type != "cpu":
         _add_signs_bits_(target, packed_rows, scales)
         return None
@@ -308,6 +317,8 @@ def compressed_allreduce(
     server_error: torch.Tensor,
     group: Optional[dist.ProcessGroup] = None,
     stats: Optional[CommStats] = None,
+    *,
+    fused: Optional[bool] = None,
 ) -> torch.Tensor:
     """Error-compensated 1-bit average of ``buffer`` over the group, written into ``buffer``.
 
@@ -318,6 +329,12 @@ def compressed_allreduce(
         server_error: this rank's server error for its chunk, ``D / n`` elements; updated in place.
         group: the process group (default: the world).
         stats: where the bytes sent are recorded (default: ``onebitlamb.comm.GLOBAL_STATS``).
+        fused: the codec's kernels. None (default): the fused Triton kernels on CUDA tensors when
+            Triton imports (``onebitlamb[gpu]``), else torch ops (CPU: compiled loops or numpy);
+            True: the Triton kernels (ValueError where they cannot run); False: never. The packed
+            signs and the expansion are the same bits either way; the scales differ by rounding
+            only (``compression.triton_codec`` states the bound). The result is bit-identical on
+            every rank whatever each rank chose, since every rank expands the same messages.
 
     Issues two collectives: one ``all_to_all_single`` that gives rank ``j`` chunk ``j`` of every
     rank's packed signs, each message carrying its sender's scale in 4 trailing bytes, then one
@@ -341,6 +358,7 @@ def compressed_allreduce(
         return hierarchy.compressed_allreduce(buffer, worker_error, server_error, group, stats)
     n = world_size_of(group)
     _check(buffer, worker_error, server_error, n)
+    codec = fused_codec(buffer, fused)
     D = buffer.numel()
     if n == 1 or D == 0:
         return buffer
@@ -351,7 +369,8 @@ def compressed_allreduce(
     send, recv, server, result = ws["send"], ws["recv"], ws["server"], ws["result"]
 
     # Worker: compress the error-compensated buffer; chunk j of the packed signs goes to rank j.
-    scale = _compress_(worker_error, buffer, ws["signs"], ws)
+    fused = codec is not None
+    scale = _compress_(worker_error, buffer, ws["signs"], ws, fused=fused)
     send[:, :row_signs].copy_(ws["signs"].view(n, row_signs))
     send[:, row_signs:].copy_(_scale_bytes(scale, buffer.device))
     dist.all_to_all_single(recv, send, group=group)
@@ -364,13 +383,16 @@ def compressed_allreduce(
                                  f"values, or magnitudes above ~1e19 whose squares overflow float32")
 
     # Server: average this rank's chunk of everyone's signs, add the server error, compress again.
-    server_sum_sq = _add_signs_(server_error, recv[:, :row_signs], worker_scales / n)
-    server_scale = _compress_(server_error, None, server[:row_signs], ws, server_sum_sq)
+    server_sum_sq = _add_signs_(server_error, recv[:, :row_signs], worker_scales / n, fused)
+    server_scale = _compress_(server_error, None, server[:row_signs], ws, server_sum_sq, fused)
     server[row_signs:].copy_(_scale_bytes(server_scale, buffer.device))
     _all_gather_single(result.view(-1), server, group=group)
     stats.record("all_gather", all_gather_bytes(server.numel(), n))
 
     server_scales = _read_scales(result, row_signs)
+    if codec is not None:  # every chunk in one launch
+        codec.expand_(result, server_scales, buffer, chunk)
+        return buffer
     host_server_scales = server_scales.tolist() if buffer.device.type == "cpu" else server_scales
     for j in range(n):
         unpack_signs(result[j, :row_signs], chunk, host_server_scales[j],

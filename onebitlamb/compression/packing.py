@@ -11,13 +11,19 @@ Implementations with identical bits:
 - CPU otherwise: numpy's SIMD comparison into a reusable bool buffer, then ``packbits``;
   expansion is a table lookup (each byte selects a row of 8 precomputed signed scales): one read
   of the packed bytes and one write of the output.
-- any other device (CUDA): the same maths in plain torch ops, no custom kernels. Expansion there
+- CUDA with Triton installed (``onebitlamb[gpu]``): the fused kernels of ``triton_codec``;
+- any other device (CUDA without Triton): the same maths in plain torch ops. Expansion there
   tests each bit (a broadcast AND, a compare) and selects ``±scale`` with ``torch.where``: all
   elementwise and coalesced, where the table lookup would be a gather of 32-byte rows (measured
   on an H200: the gather was 30-40 copies' worth of time).
+
+``fused`` (``pack_signs``, ``unpack_signs``, ``comm.compressed_allreduce``) picks between the last
+two: None (the default) the Triton kernels for CUDA tensors when Triton imports, True always (a
+``ValueError`` says why it cannot), False never. Packing and expansion give the same bits either way.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
@@ -36,6 +42,34 @@ _EXPAND_SLICE = 32768
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
 
+_FUSED: dict = {}
+
+
+def fused_codec(tensor: torch.Tensor, fused: Optional[bool] = None):
+    """The ``triton_codec`` module when its kernels are to run on ``tensor``, else None.
+
+    ``fused``: None, on CUDA tensors when Triton imports; False, never; True, always, raising a
+    ValueError when Triton cannot be imported or ``tensor`` is on the CPU (where the kernels run
+    only under Triton's interpreter, ``TRITON_INTERPRET=1``: the tests)."""
+    if fused is False or (fused is None and not tensor.is_cuda):
+        return None
+    if "module" not in _FUSED:
+        try:
+            from onebitlamb.compression import triton_codec
+            _FUSED.update(module=triton_codec, reason=None)
+        except (ImportError, RuntimeError, OSError) as exc:  # not installed, or a broken install
+            _FUSED.update(module=None, reason=f"triton cannot be imported ({type(exc).__name__}: {exc})")
+    codec = _FUSED["module"]
+    if fused is None:
+        return codec
+    if codec is None:
+        raise ValueError(f"fused=True: {_FUSED['reason']}; install onebitlamb[gpu], or pass fused=None or False")
+    if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"fused=True: the Triton kernels need CUDA tensors, got a tensor on {tensor.device} "
+                         f"(pass fused=None or False)")
+    return codec
+
+
 def packed_size(numel: int) -> int:
     """Bytes needed for ``numel`` signs."""
     return (numel + 7) // 8
@@ -47,12 +81,14 @@ def _check_float(x: torch.Tensor, name: str) -> None:
 
 
 def pack_signs(
-    x: torch.Tensor, out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None
+    x: torch.Tensor, out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None, *,
+    fused: Optional[bool] = None,
 ) -> torch.Tensor:
     """Pack the signs of ``x`` (flattened) into ``ceil(numel/8)`` uint8 bytes.
 
     ``out`` (uint8, that size) and ``workspace`` (bool, ``numel``) may be given to avoid allocating.
-    A size that is not a multiple of 8 is padded with +1 signs (0 bits).
+    A size that is not a multiple of 8 is padded with +1 signs (0 bits). ``fused``: whether the
+    Triton kernel packs (default: on CUDA when Triton imports; the same bits either way).
     """
     _check_float(x, "x")
     flat = x.reshape(-1)
@@ -63,6 +99,9 @@ def pack_signs(
     elif out.dtype != torch.uint8 or out.numel() != nbytes or out.device != x.device:
         raise ValueError(f"out must be a uint8 tensor of {nbytes} elements on {x.device}, "
                          f"got {out.dtype} with {out.numel()} on {out.device}")
+    codec = fused_codec(x, fused)
+    if codec is not None:
+        return codec.pack_signs(flat, out)
     if workspace is None or workspace.numel() < n:
         workspace = torch.empty(n, dtype=torch.bool, device=x.device)
     negative = workspace[:n]
@@ -98,10 +137,14 @@ def unpack_signs(
     scale: float | torch.Tensor = 1.0,
     dtype: torch.dtype = torch.float32,
     out: Optional[torch.Tensor] = None,
+    *,
+    fused: Optional[bool] = None,
 ) -> torch.Tensor:
     """Expand packed bits to ``scale * ±1`` (bit 0 -> +scale, bit 1 -> -scale), ``numel`` values.
 
     ``scale`` may be a Python number or a 0-d tensor; the result has ``dtype`` (or ``out``'s).
+    ``fused``: whether the Triton kernel expands (default: on CUDA when Triton imports; the same
+    bits either way).
     """
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed must be uint8, got {packed.dtype}")
@@ -120,6 +163,11 @@ def unpack_signs(
         return out
     flat = out.view(-1)
     full = numel // 8
+    codec = fused_codec(packed, fused)
+    if codec is not None:
+        positive = signed_scales(scale, out.dtype, out.device)[1]  # the torch path's cast of the scale
+        codec.expand_(packed.reshape(1, -1), positive.reshape(1), flat, numel)
+        return out
     if packed.device.type != "cpu":
         if full:
             expand_bits(packed[:full], scale, flat[: 8 * full])

@@ -8,7 +8,9 @@ loop, evaluation, checkpoint), then the helpers it calls.
 
 Launching: without torchrun this process prepares the corpus, then starts ``--workers`` local
 processes joined by a gloo group on loopback. Under torchrun (``RANK``/``WORLD_SIZE`` set) every
-process is one rank and the group comes from the environment (nccl with CUDA, else gloo).
+process is one rank and the group comes from the environment: nccl with a GPU per rank, gloo over
+CUDA tensors where the ranks of a node outnumber its GPUs (NCCL refuses two ranks on one device),
+gloo on the CPU without CUDA.
 
 The model is not wrapped in DDP: gradients of the micro-batches accumulate locally, with no
 communication, and ``optimizer.step()`` does all of it (averages the gradients in LAMB and in the
@@ -354,9 +356,9 @@ def train(cfg: TrainConfig) -> dict:
             data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir,
                                 stdlib_tests=cfg.stdlib_tests)
         if not dist.is_initialized():  # once per process: `compare` trains three times in it
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+            backend = "gloo" if _gpus_shared() or not torch.cuda.is_available() else "nccl"
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout))
             atexit.register(_leave_together)
         check_shared_out(cfg.out, rank, world)
@@ -378,6 +380,21 @@ def train(cfg: TrainConfig) -> dict:
         results = spawn_local(_local_worker, cfg.workers, args=(cfg,), timeout_s=7 * 24 * 3600,
                               collective_timeout_s=cfg.timeout, threads_per_worker=cfg.threads)
     return results[0]
+
+
+def _gpus_shared() -> bool:
+    """Under torchrun with CUDA: whether this node's ranks outnumber its GPUs, so that several
+    share one (round robin by local rank). NCCL refuses that; gloo takes CUDA tensors."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return under_torchrun() and torch.cuda.is_available() and local_world > torch.cuda.device_count()
+
+
+def rank_device() -> torch.device:
+    """Where this rank trains: its GPU under torchrun with CUDA (NCCL, or gloo when ranks share
+    GPUs), else the CPU (local workers always: they are joined by gloo on loopback)."""
+    if dist.get_backend() == "nccl" or (dist.get_backend() == "gloo" and _gpus_shared()):
+        return torch.device(f"cuda:{torch.cuda.current_device()}")
+    return torch.device("cpu")
 
 
 def check_shared_out(out: str, rank: int, world: int) -> None:
@@ -481,7 +498,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
 def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    device = torch.device(f"cuda:{torch.cuda.current_device()}") if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     master = rank == 0
     stop_requested = _install_stop_handler()
 
@@ -514,7 +531,7 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
     if master:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=1)
-        print(f"[{cfg.optimizer}] {world} workers, {cfg.steps} steps of {cfg.global_batch} samples "
+        print(f"[{cfg.optimizer}] {world} workers on {device}, {cfg.steps} steps of {cfg.global_batch} samples "
               f"({accum} micro-batches of {cfg.micro_batch} per worker), lr {cfg.lr:g}, warm-up {warm} steps"
               f"{_freeze_banner(optimizer)}" + (f", resuming at step {start_step}" if start_step else ""),
               file=sys.stderr, flush=True)
