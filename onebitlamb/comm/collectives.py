@@ -211,7 +211,9 @@ def _compress_torch_(error: torch.Tensor, addend: Optional[torch.Tensor], packed
         error.add_(addend)
     numel = error.numel()
     scale = torch.linalg.vector_norm(error, dtype=torch.float32) / math.sqrt(numel)
-    pack_signs(error, out=packed, workspace=mask)
+    # the error update reads the comparison the packing wrote into ``mask``: the torch packing's,
+    # never the fused kernel's, which writes no mask
+    pack_signs(error, out=packed, workspace=mask, fused=False)
     negative = mask[:numel]
     s = scale.to(error.dtype)
     error.sub_(torch.where(negative, -s, s))
