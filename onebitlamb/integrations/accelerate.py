@@ -45,8 +45,9 @@ def prepare(accelerator: Accelerator, *objects: Any) -> Any:
         accelerator.save_state(dir)  # every rank, as always; load_state(dir) restores each rank's own
 
     Raises ``ValueError`` for what would silently train wrong: no or several onebitlamb optimizers,
-    an optimizer already prepared, an accelerator already holding one, fp16 (its ``GradScaler`` skips a
-    step on the ranks whose local gradient overflowed, and after the freeze gradients are local),
+    an optimizer already prepared, an accelerator already holding one, fp16 (accelerate wraps
+    ``step`` in a function that hides its ``grad_scaler`` parameter from the ``GradScaler``, whose
+    update would then read each rank's own overflow: the ranks' loss scales would part),
     DeepSpeed, FSDP, Megatron-LM or XLA, and a distributed run whose model DDP does not wrap.
     """
     optimizer = _the_optimizer(accelerator, objects)
@@ -98,9 +99,10 @@ def _the_optimizer(accelerator: Accelerator, objects: tuple) -> StagedOptimizer:
         raise ValueError(f"onebitlamb.integrations.accelerate supports DDP (multi-CPU/GPU) and single-process "
                          f"runs, not {accelerator.distributed_type.value}")
     if accelerator.scaler is not None:
-        raise ValueError("mixed_precision='fp16' is not supported: its GradScaler skips the step on the ranks whose "
-                         "own gradient overflowed, and after the freeze the gradients are local, so the ranks "
-                         "would part; use bf16")
+        raise ValueError("mixed_precision='fp16' is not supported: accelerate wraps optimizer.step in a function "
+                         "that hides its grad_scaler parameter from the GradScaler, whose update() would then read "
+                         "each rank's own overflow, so the ranks' loss scales would part; use bf16, or "
+                         "torch.amp.GradScaler in a plain loop (docs/optimizers.md)")
     return ours[0]
 
 
