@@ -28,7 +28,8 @@ from accelerate.utils import DistributedType
 from torch.nn.parallel import DistributedDataParallel
 
 from onebitlamb.integrations.ddp import register_ddp
-from onebitlamb.integrations.rank_files import load_rank_state, save_rank_state, saved_worlds
+from onebitlamb.integrations.rank_files import (load_rank_state, own_state_instead_of_rank_0s, save_rank_state,
+                                                 saved_worlds)
 from onebitlamb.optim import StagedOptimizer
 
 # accelerate replaces or shards DDP and the optimizer state there: neither the hook nor the files apply
@@ -70,11 +71,12 @@ def prepare(accelerator: Accelerator, *objects: Any) -> Any:
 
     @functools.wraps(accelerate_load)
     def load_state(*args: Any, **kwargs: Any) -> None:
-        # accelerate loads rank 0's optimizer state (errors included) on every rank; each rank then
-        # loads its own over it. After the whole load, not in a hook of the optimizer's
-        # load_state_dict, so that nothing the optimizer does after its hooks undoes it.
+        # accelerate loads rank 0's optimizer state (errors included) on every rank: each rank loads
+        # its own instead (load_state_dict refuses another rank's), and again after the whole load,
+        # so that nothing accelerate does after the optimizer's load undoes it
         folder[0] = None
-        accelerate_load(*args, **kwargs)
+        with own_state_instead_of_rank_0s(optimizer, lambda: folder[0]):
+            accelerate_load(*args, **kwargs)
         if folder[0] is not None:
             load_rank_state(optimizer, folder[0])
 
