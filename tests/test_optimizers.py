@@ -282,8 +282,9 @@ def test_param_groups_schedulers_closure_and_diagnostics():
 
 def test_world_size_and_rank_checks_on_load():
     """Only the compression errors are per rank: a state that holds them must be loaded on its own
-    rank and world size (a clear error otherwise); one without them (LAMB, or before the freeze) is
-    the same on every rank and loads on any world size."""
+    rank and world size, refused by load_state_dict itself (naming the fix, nothing changed);
+    one without them (LAMB, or before the freeze) is the same on every rank and loads on any
+    world size."""
     p = torch.nn.Parameter(torch.randn(16))
     opt = onebitlamb.OneBitLamb([p], lr=0.01, freeze_step=1)
     p.grad = torch.randn(16)
@@ -294,19 +295,25 @@ def test_world_size_and_rank_checks_on_load():
     portable.load_state_dict(sd)
     portable.step()  # one process never builds error buffers
     assert portable.state["flat"]["world_size"] == 1
-    for world, rank, match in ((4, 0, "saved with world size 4"), (1, 3, "rank 3's compression")):
+    for world, rank, match in ((4, 0, r"saved with world size 4.*reshard_state_dicts\(state_dicts, 1\)"),
+                               (1, 3, "rank 3's compression errors and is loaded on rank 0")):
         bad = copy.deepcopy(opt.state_dict())
         entry = bad["state"][0]
         del entry["rank0"]
-        entry.update({"world_size": world, f"rank{rank}": {"worker_error": torch.zeros(16)}})
+        entry.update({"world_size": world, f"rank{rank}": {"worker_error": torch.zeros(16),
+                                                           "server_error": torch.zeros(4)}})
         opt2 = onebitlamb.OneBitLamb([p], lr=0.01, freeze_step=1)
-        opt2.load_state_dict(bad)
         with pytest.raises(ValueError, match=match):
-            opt2.step()
-    adam = onebitlamb.OneBitAdam([p], lr=0.01, freeze_step=1)
-    adam.load_state_dict(opt.state_dict())
+            opt2.load_state_dict(bad)
+        assert opt2.state["flat"]["step"] == 0  # nothing changed
     with pytest.raises(ValueError, match="saved by OneBitLamb and is loaded into OneBitAdam"):
-        adam.step()
+        onebitlamb.OneBitAdam([p], lr=0.01, freeze_step=1).load_state_dict(opt.state_dict())
+    with pytest.raises(ValueError, match=r"the model has 1 of sizes \[8\]"):
+        onebitlamb.OneBitLamb([torch.nn.Parameter(torch.zeros(8))], freeze_step=1).load_state_dict(opt.state_dict())
+    adam = torch.optim.Adam([p])
+    adam.step()
+    with pytest.raises(ValueError, match="saved by another optimizer"):
+        onebitlamb.OneBitLamb([p], freeze_step=1).load_state_dict(adam.state_dict())
 
 
 def test_sparse_gradient_is_rejected():

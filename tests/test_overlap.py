@@ -216,10 +216,8 @@ def test_a_state_whose_buckets_do_not_tile_the_model_is_refused():
     state = opt.state_dict()
     entry = next(e for e in state["state"].values() if e)
     entry["buckets"] = [[0, 100], [120, 195]]
-    opt.load_state_dict(state)
-    _loss(model, 0, 0).backward()
     with pytest.raises(ValueError, match=r"buckets \[\[0, 100\], \[120, 195\]\] do not tile"):
-        opt.step()
+        opt.load_state_dict(state)
 
 
 def test_the_main_job_exchanges_behind_its_last_micro_batch_unless_it_clips(tmp_path, capfd):

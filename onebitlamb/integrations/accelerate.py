@@ -28,7 +28,8 @@ from accelerate.utils import DistributedType
 from torch.nn.parallel import DistributedDataParallel
 
 from onebitlamb.integrations.ddp import register_ddp
-from onebitlamb.integrations.rank_files import load_rank_state, save_rank_state, saved_worlds
+from onebitlamb.integrations.rank_files import (load_rank_state, own_state_instead_of_rank_0s, save_rank_state,
+                                                 saved_worlds)
 from onebitlamb.optim import StagedOptimizer
 
 # accelerate replaces or shards DDP and the optimizer state there: neither the hook nor the files apply
@@ -45,8 +46,9 @@ def prepare(accelerator: Accelerator, *objects: Any) -> Any:
         accelerator.save_state(dir)  # every rank, as always; load_state(dir) restores each rank's own
 
     Raises ``ValueError`` for what would silently train wrong: no or several onebitlamb optimizers,
-    an optimizer already prepared, an accelerator already holding one, fp16 (its ``GradScaler`` skips a
-    step on the ranks whose local gradient overflowed, and after the freeze gradients are local),
+    an optimizer already prepared, an accelerator already holding one, fp16 (accelerate wraps
+    ``step`` in a function that hides its ``grad_scaler`` parameter from the ``GradScaler``, whose
+    update would then read each rank's own overflow: the ranks' loss scales would part),
     DeepSpeed, FSDP, Megatron-LM or XLA, and a distributed run whose model DDP does not wrap.
     """
     optimizer = _the_optimizer(accelerator, objects)
@@ -69,11 +71,12 @@ def prepare(accelerator: Accelerator, *objects: Any) -> Any:
 
     @functools.wraps(accelerate_load)
     def load_state(*args: Any, **kwargs: Any) -> None:
-        # accelerate loads rank 0's optimizer state (errors included) on every rank; each rank then
-        # loads its own over it. After the whole load, not in a hook of the optimizer's
-        # load_state_dict, so that nothing the optimizer does after its hooks undoes it.
+        # accelerate loads rank 0's optimizer state (errors included) on every rank: each rank loads
+        # its own instead (load_state_dict refuses another rank's), and again after the whole load,
+        # so that nothing accelerate does after the optimizer's load undoes it
         folder[0] = None
-        accelerate_load(*args, **kwargs)
+        with own_state_instead_of_rank_0s(optimizer, lambda: folder[0]):
+            accelerate_load(*args, **kwargs)
         if folder[0] is not None:
             load_rank_state(optimizer, folder[0])
 
@@ -98,9 +101,10 @@ def _the_optimizer(accelerator: Accelerator, objects: tuple) -> StagedOptimizer:
         raise ValueError(f"onebitlamb.integrations.accelerate supports DDP (multi-CPU/GPU) and single-process "
                          f"runs, not {accelerator.distributed_type.value}")
     if accelerator.scaler is not None:
-        raise ValueError("mixed_precision='fp16' is not supported: its GradScaler skips the step on the ranks whose "
-                         "own gradient overflowed, and after the freeze the gradients are local, so the ranks "
-                         "would part; use bf16")
+        raise ValueError("mixed_precision='fp16' is not supported: accelerate wraps optimizer.step in a function "
+                         "that hides its grad_scaler parameter from the GradScaler, whose update() would then read "
+                         "each rank's own overflow, so the ranks' loss scales would part; use bf16, or "
+                         "torch.amp.GradScaler in a plain loop (docs/optimizers.md)")
     return ours[0]
 
 

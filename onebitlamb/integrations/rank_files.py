@@ -12,9 +12,10 @@ frameworks' own checkpoints already require).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from typing import Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -60,6 +61,27 @@ def load_rank_state(optimizer: StagedOptimizer, folder: str, map_location: Optio
     framework loaded its own files, so this rank's errors are what stays). Files of another world
     size are re-sharded for this one. A folder without a complete set raises ``FileNotFoundError``
     naming it: resuming from rank 0's state alone would not continue the run."""
+    optimizer.load_state_dict(read_rank_state(optimizer, folder, map_location))
+
+
+@contextlib.contextmanager
+def own_state_instead_of_rank_0s(optimizer: StagedOptimizer, folder: Callable[[], Optional[str]]) -> Iterator[None]:
+    """While a framework loads rank 0's optimizer state on every rank, each rank's
+    ``load_state_dict`` loads its own state from ``folder()`` instead (a load pre-hook):
+    ``load_state_dict`` refuses another rank's compression errors."""
+    def own(opt: StagedOptimizer, state_dict: dict) -> Optional[dict]:
+        where = folder()
+        return None if where is None else read_rank_state(opt, where)
+
+    handle = optimizer.register_load_state_dict_pre_hook(own)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def read_rank_state(optimizer: StagedOptimizer, folder: str, map_location: Optional[str] = None) -> dict:
+    """This rank's state dict from ``folder`` (``load_rank_state``)."""
     rank, world = _rank_and_world(optimizer)
     worlds = saved_worlds(folder)
     complete = [w for w, ranks in worlds.items() if ranks == list(range(w))]
@@ -74,8 +96,7 @@ def load_rank_state(optimizer: StagedOptimizer, folder: str, map_location: Optio
     def read(r: int) -> dict:
         return torch.load(rank_state_file(folder, r, saved), map_location=device, weights_only=True)
 
-    state = read(rank) if saved == world else reshard_state_dicts([read(r) for r in range(saved)], world)[rank]
-    optimizer.load_state_dict(state)
+    return read(rank) if saved == world else reshard_state_dicts([read(r) for r in range(saved)], world)[rank]
 
 
 def _device_of(optimizer: StagedOptimizer) -> str:

@@ -32,7 +32,7 @@ from transformers import Trainer
 
 from onebitlamb.comm import world_size_of
 from onebitlamb.integrations.ddp import register_ddp
-from onebitlamb.integrations.rank_files import load_rank_state, save_rank_state
+from onebitlamb.integrations.rank_files import load_rank_state, own_state_instead_of_rank_0s, save_rank_state
 from onebitlamb.optim import StagedOptimizer
 
 
@@ -88,10 +88,12 @@ class OneBitTrainer(Trainer):
         save_rank_state(self.onebit_optimizer(), output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        # after the Trainer loaded rank 0's state on every rank, each rank loads its own over it; a
-        # checkpoint without the per-rank files (saved by a plain Trainer, or cut short while saving)
-        # raises FileNotFoundError rather than resuming on rank 0's errors
-        super()._load_optimizer_and_scheduler(checkpoint)
+        # the Trainer loads rank 0's state on every rank: each rank loads its own instead, and again
+        # after (should the Trainer have loaded none); a checkpoint without the per-rank files (saved
+        # by a plain Trainer, or cut short while saving) raises FileNotFoundError rather than
+        # resuming on rank 0's errors
+        with own_state_instead_of_rank_0s(self.onebit_optimizer(), lambda: checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             load_rank_state(self.onebit_optimizer(), checkpoint)
 

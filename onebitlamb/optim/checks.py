@@ -7,9 +7,10 @@ of pairing mismatched collectives, or drifting apart silently.
 """
 from __future__ import annotations
 
+import gc
 import math
 import zlib
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,9 +29,9 @@ def check_finite_nonneg(name: str, value: Any) -> None:
 
 
 def check_param_groups(owner: str, param_groups: Sequence[Dict[str, Any]], defaults: Dict[str, Any]) -> None:
-    """Each group's ``lr`` and ``weight_decay`` finite and >= 0, every other hyper-parameter the
-    optimizer's own (the update reads those from ``defaults``: an edit in a group, such as a
-    scheduler cycling ``betas``, would otherwise be ignored), no parameter twice, supported dtypes."""
+    """Each group's ``lr`` and ``weight_decay`` finite and >= 0, ``betas`` as ``_check_betas`` says,
+    every other hyper-parameter the optimizer's own (the update reads those from ``defaults``: an
+    edit in a group would otherwise be ignored), no parameter twice, supported dtypes."""
     seen = set()
     for index, group in enumerate(param_groups):
         for key, value in group.items():
@@ -38,6 +39,8 @@ def check_param_groups(owner: str, param_groups: Sequence[Dict[str, Any]], defau
                 continue
             if key in PER_GROUP:
                 check_finite_nonneg(f"{key} in param group {index}", value)
+            elif key == "betas" and "betas" in defaults:
+                _check_betas(owner, index, value, param_groups[0]["betas"], defaults["betas"])
             elif key in defaults and value != defaults[key]:
                 raise ValueError(f"{key}={value!r} in param group {index}, the optimizer's is {defaults[key]!r}: "
                                  f"{owner} reads it once for all groups (only {', '.join(PER_GROUP)} may differ "
@@ -57,6 +60,25 @@ def check_param_groups(owner: str, param_groups: Sequence[Dict[str, Any]], defau
             if p.dtype not in SUPPORTED_DTYPES:
                 raise ValueError(f"{owner} supports float32, bfloat16 and float16 parameters, got {p.dtype} "
                                  f"(shape {tuple(p.shape)}); its state is float32")
+
+
+def _check_betas(owner: str, index: int, betas: Any, first: Any, defaults: Tuple[float, float]) -> None:
+    """beta1 may change during training (a momentum schedule: OneCycleLR's ``cycle_momentum``), the
+    same in every group, since one flat momentum holds every layer; beta2 may not (after the freeze
+    it is frozen with the variance)."""
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas={betas!r} in param group {index}: must be a pair (beta1, beta2)")
+    beta1, beta2 = betas
+    if isinstance(beta1, bool) or not isinstance(beta1, (int, float)) or not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"beta1={beta1!r} in param group {index} (betas={betas!r}): must be in [0, 1)")
+    if beta2 != defaults[1]:
+        raise ValueError(f"betas={tuple(betas)!r} in param group {index}, the optimizer's beta2 is {defaults[1]!r}: "
+                         f"{owner} lets a scheduler move beta1 (OneCycleLR's cycle_momentum does) but not beta2, "
+                         f"which the freeze keeps with the variance; set beta2 at construction")
+    if beta1 != first[0]:
+        raise ValueError(f"beta1={beta1!r} in param group {index}, {first[0]!r} in param group 0: {owner} keeps "
+                         f"one momentum for all groups, so beta1 may change during training but must be the same "
+                         f"in every group (for OneCycleLR: one max_momentum and one base_momentum)")
 
 
 def _is_sharded(p: torch.Tensor) -> bool:
@@ -122,25 +144,46 @@ def agree_on_setup(setup: Dict[str, Any], group: Optional[dist.ProcessGroup], de
                      f"freeze_step{hint}")
 
 
-def refuse_averaged_gradients(owner: str, grads: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
-    """At the first step: gradients that are already the same on every rank were averaged before the
-    optimizer saw them, almost always by DistributedDataParallel (wrapped by hand, or by the Trainer,
-    accelerate or Lightning). The optimizer would average them again, and after the freeze DDP would
-    go on sending full gradients beside the 1-bit momentum. One all-gather of one CRC-32."""
+def refuse_averaged_gradients(owner: str, grads: torch.Tensor, params: Sequence[torch.Tensor],
+                              group: Optional[dist.ProcessGroup]) -> None:
+    """At the first step: gradients that are already the same on every rank, of parameters that a
+    DistributedDataParallel model holds, were averaged by it before the optimizer saw them (DDP
+    wrapped by hand, or by the Trainer, accelerate or Lightning, without ``register_ddp``). The
+    optimizer would average them again, and after the freeze DDP would go on sending full
+    gradients beside the 1-bit momentum. Identical gradients alone prove nothing: every rank may
+    have been given the same batch. One all-gather of a CRC-32 and a flag; only when they are identical, a
+    look for the DDP model and one all-reduce of what each rank found, so that every rank raises
+    or none does."""
     n = world_size_of(group)
-    if n == 1 or not bool(grads.any()):
+    if n == 1:
         return
-    mine = torch.tensor([parameter_checksum(grads)], dtype=torch.int64, device=grads.device)
+    # every rank gathers, one without any gradient too (it says so): a check that some ranks skip
+    # would pair their next collective with this one
+    mine = torch.tensor([parameter_checksum(grads), int(bool(grads.any()))], dtype=torch.int64, device=grads.device)
     rows = [torch.empty_like(mine) for _ in range(n)]
     dist.all_gather(rows, mine, group=group)
-    if len({int(r) for r in rows}) == 1:
-        raise ValueError(f"the gradients at {owner}'s first step are identical on all {n} ranks: they were "
-                         f"averaged before the optimizer saw them, by DistributedDataParallel (yours, or the "
-                         f"one the Trainer, accelerate or Lightning wraps the model in), and every step would "
-                         f"send them twice. Call onebitlamb.register_ddp(ddp_model, optimizer) once before the "
-                         f"first backward, or use the integration for your framework (docs/integrations.md). "
-                         f"If instead every rank was given the same batch, give each rank its own share of "
-                         f"the data")
+    if len({int(r[0]) for r in rows}) > 1 or not all(int(r[1]) for r in rows):
+        return
+    found = torch.tensor([1.0 if _held_by_ddp(params) else 0.0], device=grads.device)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    if found.item():
+        raise ValueError(f"the gradients at {owner}'s first step are identical on all {n} ranks and a "
+                         f"DistributedDataParallel model holds the parameters: DDP (yours, or the one the Trainer, "
+                         f"accelerate or Lightning wraps the model in) averaged them before the optimizer saw "
+                         f"them, and every step would send them twice. Call onebitlamb.register_ddp(ddp_model, "
+                         f"optimizer) once before the first backward, or use the integration for your framework "
+                         f"(docs/integrations.md)")
+
+
+def _held_by_ddp(params: Sequence[torch.Tensor]) -> bool:
+    """Whether a live DistributedDataParallel model holds one of ``params``. DDP leaves no mark on
+    the parameters or their gradients, so this looks through the objects the garbage collector
+    tracks: once, and only when the gradients were identical on every rank."""
+    from torch.nn.parallel import DistributedDataParallel
+    held = {id(p) for p in params}
+    # type(), not isinstance(): a proxy's __class__ could run code
+    return any(issubclass(type(obj), DistributedDataParallel) and any(id(p) in held for p in obj.parameters())
+               for obj in gc.get_objects())
 
 
 def _short(value: Any, limit: int = 120) -> str:

@@ -151,15 +151,17 @@ def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, owner: str, wor
     per_rank = "worker_error" in flat or "server_error" in flat
     if per_rank and flat["world_size"] != world_size:
         raise ValueError(f"the optimizer state was saved with world size {flat['world_size']} and is "
-                         f"loaded with world size {world_size}; its compression errors are per rank, so "
-                         f"resume on {flat['world_size']} ranks")
+                         f"loaded with world size {world_size}; its compression errors are per rank: resume on "
+                         f"{flat['world_size']} ranks, or re-shard the {flat['world_size']} ranks' state dicts "
+                         f"with onebitlamb.reshard_state_dicts(state_dicts, {world_size}) and load each rank's")
     if per_rank and flat.get("local_size", 1) != local_size:
         raise ValueError(f"the optimizer state was saved with {flat.get('local_size', 1)} ranks per node and is "
-                         f"loaded with {local_size}; its compression errors follow the nodes, so resume with "
-                         f"the same process_group")
+                         f"loaded with {local_size}; its compression errors follow the nodes: resume with "
+                         f"the same process_group, or re-shard the ranks' state dicts with "
+                         f"onebitlamb.reshard_state_dicts(state_dicts, {world_size}, local_size={local_size})")
     if per_rank and flat.get("rank", rank) != rank:
         raise ValueError(f"the optimizer state holds rank {flat['rank']}'s compression errors and is loaded "
-                         f"on rank {rank}: each rank must load the state it saved")
+                         f"on rank {rank}: each rank must load the state it saved (rank {rank}'s)")
     flat["world_size"], flat["rank"], flat["local_size"] = world_size, rank, local_size  # the rest of the state is the same on every rank
     flat.setdefault("buckets", [[0, layout.numel]])  # saved before buckets existed: one
     check_bucket_ranges(flat["buckets"], layout.numel)

@@ -11,10 +11,12 @@ import contextlib
 import math
 import os
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.amp.grad_scaler import GradScaler, OptState
 from torch.optim import Optimizer
 
 from onebitlamb.comm import (CommStats, allreduce_mean_, compressed_allreduce, duplicate_group, rank_of,
@@ -27,7 +29,7 @@ from onebitlamb.optim.freeze import AutomaticSchedule, FixedSchedule
 from onebitlamb.optim.layout import (Bucket, FlatLayout, Scratch, bucket_ranges, buffer_sizes, check_loaded_state,
                                      new_flat_state, plan_buckets)
 from onebitlamb.optim.overlap import BackwardOverlap
-from onebitlamb.optim.state_format import flat_of, to_saved
+from onebitlamb.optim.state_format import split_state, to_saved
 
 WARMUP, COMPRESSION = "warmup", "compression"
 
@@ -67,6 +69,28 @@ def validate_common(lr: float, betas, eps: float, weight_decay: float, maximize:
         raise ValueError(f"Invalid eps: {eps!r} (must be > 0)")
 
 
+@contextlib.contextmanager
+def _torch_hooks_paused(optimizer: Optimizer, *names: str):
+    """torch.optim's ``state_dict``/``load_state_dict`` without their hooks: the optimizers call the
+    hooks themselves, around the conversion between torch.optim's form and the flat state, so
+    that the hooks see what the caller sees."""
+    saved = {name: getattr(optimizer, name) for name in names}
+    try:
+        for name in names:
+            setattr(optimizer, name, OrderedDict())
+        yield
+    finally:
+        for name, hooks in saved.items():
+            setattr(optimizer, name, hooks)
+
+
+def _spans_the_world(group: Any) -> bool:
+    """Whether ``group`` is a plain process group of every rank, in the world's order: one a copy
+    can replace with the default group."""
+    return (isinstance(group, dist.ProcessGroup) and dist.is_initialized()
+            and dist.get_world_size(group) == dist.get_world_size() and dist.get_rank(group) == dist.get_rank())
+
+
 def _grad_marks(layout: FlatLayout, bucket: Bucket) -> list:
     """Which gradient tensors, at which in-place version, the bucket's parameters hold: any change
     (a later backward, clipping, ``p.grad = ...``) changes the marks, without a pass over the data."""
@@ -85,6 +109,9 @@ class StagedOptimizer(Optimizer):
 
     _layerwise = True
     _fresh_variance = True
+    # GradScaler.step then calls step(grad_scaler=scaler) instead of skipping it on the ranks whose
+    # own gradient overflowed: every rank enters the step's collectives, and the skip is agreed
+    _step_supports_amp_scaling = True
 
     def __init__(self, params: Iterable, defaults: Dict[str, Any],
                  schedule: "FixedSchedule | AutomaticSchedule | None",
@@ -192,29 +219,80 @@ class StagedOptimizer(Optimizer):
     def state_dict(self) -> Dict[str, Any]:
         """``torch.optim``'s form: ``{"state": {i: ...}, "param_groups": [...]}``, the whole state
         under the index of the first trainable parameter and an empty entry for each other one
-        (``state_format.py``): what ``torch.distributed.checkpoint`` and the frameworks expect."""
-        state_dict = super().state_dict()
-        flat = state_dict["state"].pop("flat")
+        (``state_format.py``): what ``torch.distributed.checkpoint`` and the frameworks expect.
+        What a state-dict pre-hook adds to ``optimizer.state`` is kept, and the post-hooks see
+        this form, as with any torch optimizer."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        with _torch_hooks_paused(self, "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks"):
+            state_dict = super().state_dict()
+        packed = state_dict["state"]
+        flat = packed.pop("flat")
         held = {id(p) for p in (self._layout.params if self._layout is not None
                                 else FlatLayout.of(self.param_groups).params)}
         every = [p for g in self.param_groups for p in g["params"]]
         indices = [i for i, p in enumerate(every) if id(p) in held]
         if indices:
-            state_dict["state"] = {i: {} for i in indices}
-            state_dict["state"][indices[0]] = to_saved(flat, self._schedule is not None,
-                                                       self._fresh_variance and self._schedule is not None)
+            ours = {i: {} for i in indices}
+            ours[indices[0]] = to_saved(flat, self._schedule is not None,
+                                        self._fresh_variance and self._schedule is not None)
+            # entries someone else put in optimizer.state (a hook, a framework) stay beside ours
+            state_dict["state"] = {**{i: {**packed.get(i, {}), **entry} for i, entry in ours.items()},
+                                   **{k: v for k, v in packed.items() if k not in ours}}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         return state_dict
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        # handed to torch.optim under "flat", which it keeps as it is: under a parameter's index it
-        # would be cast to that parameter's dtype
-        flat = flat_of(state_dict)
+        """Load a ``state_dict()``; the state is checked here, before anything changes: the
+        optimizer class, the parameters' sizes and, where it holds compression errors (a 1-bit
+        optimizer after its freeze), this rank and world size (``reshard_state_dicts`` changes
+        the latter). Load-state-dict pre-hooks run before the check, post-hooks after the load."""
+        state_dict = state_dict.copy()  # shallow, as torch.optim: a pre-hook may edit it
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        flat, others = split_state(state_dict)
+        owner = type(self).__name__
+        if flat is not None:
+            check_loaded_state(flat, FlatLayout.of(self.param_groups), owner, world_size_of(self.process_group),
+                               rank_of(self.process_group), self._local_size())
         if self._overlap is not None:
             self._overlap.abandon()  # what a backward started used the state being replaced
-        super().load_state_dict({**state_dict, "state": {} if flat is None else {"flat": flat}})
+        # handed to torch.optim under "flat", which it keeps as it is: under a parameter's index it
+        # would be cast to that parameter's dtype
+        with _torch_hooks_paused(self, "_optimizer_load_state_dict_pre_hooks",
+                                 "_optimizer_load_state_dict_post_hooks"):
+            super().load_state_dict({**state_dict, "state": others if flat is None else {**others, "flat": flat}})
         if flat is None:
             self._new_state(FlatLayout.of(self.param_groups))
         self._layout = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    # ------------------------------------------------------------------ copies
+    def __getstate__(self) -> Dict[str, Any]:
+        """What ``copy.deepcopy`` and pickle keep: the parameters, the state, the hyper-parameters
+        and the statistics; not what binds this object to a running job. Like torch.optim's, a
+        copy has no hooks. Like PowerSGD's state, a copy holds no process group and uses the
+        default one (an optimizer on a group that is not the whole world cannot be copied). A copy
+        has no ``register_ddp`` link and exchanges in ``step()`` (``overlap_with_backward``'s hooks
+        stay with the original), with the same buckets, so it steps as the original would; its
+        next step lays out its state again, as after ``load_state_dict`` (a collective, on every
+        rank: the ranks agree on the setup and the state is checked against this rank)."""
+        group = self.process_group
+        if group is not None and not _spans_the_world(group):
+            raise ValueError(f"{type(self).__name__} on a process group that is not the whole world cannot be "
+                             f"copied (a copy uses the default group, as PowerSGD's state does): build a new "
+                             f"optimizer on that group and load_state_dict(optimizer.state_dict()) into it")
+        state = super().__getstate__()
+        state.update({k: v for k, v in self.__dict__.items() if k not in state and not k.startswith("_optimizer_")})
+        state.update(process_group=None, ddp_link=None, _overlap=None, _exchange_group=None, _layout=None,
+                     _scratch=None, _buckets=[], _exchange_failures={}, _warmup_wire={}, _grad_marks={})
+        return state
 
     @property
     def stage(self) -> str:
@@ -325,7 +403,7 @@ class StagedOptimizer(Optimizer):
     def _bucket_momentum(self, b: Bucket) -> torch.Tensor:
         """This rank's new momentum of bucket ``b`` (from the local gradient), each layer scaled,
         in the bucket's padded region of the communication buffer."""
-        beta1 = self.defaults["betas"][0]
+        beta1, _ = self._betas()
         scale, _ = self._compression_scales()
         buf = self._scratch.buffer("comm", buffer_sizes(self._buckets)[0])[b.comm]
         mine = buf[:b.numel]
@@ -398,12 +476,18 @@ class StagedOptimizer(Optimizer):
     # loops, which Dynamo could only break apart, and whose fused kernels would round differently
     @torch.compiler.disable
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None):
+    def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler: Optional[GradScaler] = None):
+        """One step on every rank. ``grad_scaler``: passed by ``scaler.step(optimizer)`` of a
+        ``torch.amp.GradScaler`` (the optimizer declares ``_step_supports_amp_scaling``): the
+        gradients are unscaled here unless ``scaler.unscale_(optimizer)`` did it, the step is
+        skipped on every rank if some rank's gradient overflowed, and the scaler is told that
+        agreed verdict, so every rank's ``scaler.update()`` moves its scale alike."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         owner = type(self).__name__
+        found_inf = self._unscaled_by(grad_scaler)
         check_param_groups(owner, self.param_groups, self.defaults)
         first = self._layout is None
         if first:
@@ -419,7 +503,7 @@ class StagedOptimizer(Optimizer):
         else:
             self.last_step_skipped = not self._serial_exchange(grads, compressing, first)
         if self.last_step_skipped:
-            self._skip()
+            self._skip(warn=grad_scaler is None)
         elif compressing:
             self._flat["step"] += 1
             self._compression_step(grads)
@@ -433,7 +517,28 @@ class StagedOptimizer(Optimizer):
         # with register_ddp the warm-up's bytes were recorded by DDP's hook during the backward
         self.last_step_bytes = self.comm_stats.bytes_sent - self._bytes_after_last_step
         self._bytes_after_last_step = self.comm_stats.bytes_sent
+        for flag in found_inf.values():  # what the scaler's update() reads: the verdict of every rank
+            flag.fill_(1.0 if self.last_step_skipped else 0.0)
         return loss
+
+    def _unscaled_by(self, scaler: Optional[GradScaler]) -> Dict[torch.device, torch.Tensor]:
+        """The gradients unscaled by ``scaler`` (unless ``scaler.unscale_(self)`` did it) and the
+        scaler's found-inf flags for this optimizer, which ``step`` overwrites with the verdict
+        all ranks agreed on (empty without a scaler)."""
+        if scaler is None:
+            if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
+                raise RuntimeError(f"{type(self).__name__}: this GradScaler set optimizer.grad_scale/found_inf instead "
+                                   f"of passing itself to step(grad_scaler=...); its update() would then read each "
+                                   f"rank's own overflow and the ranks' loss scales would part. Use a torch whose "
+                                   f"GradScaler passes itself (the versions onebitlamb is tested with do)")
+            return {}
+        if not scaler.is_enabled():
+            return {}
+        # GradScaler has no public accessor for the per-optimizer flags that update() reads
+        state = scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.READY:
+            scaler.unscale_(self)
+        return state["found_inf_per_device"]
 
     def _serial_exchange(self, grads: torch.Tensor, compressing: bool, first: bool) -> bool:
         """After the backward: gather the gradients and average them (the warm-up) or exchange the
@@ -442,7 +547,7 @@ class StagedOptimizer(Optimizer):
         self._gather(grads)
         if self.ddp_link is None:
             if first:
-                refuse_averaged_gradients(owner, grads, spanning_group(self.process_group))
+                refuse_averaged_gradients(owner, grads, self._layout.params, spanning_group(self.process_group))
             if not compressing and self.warmup_dtype is None:
                 allreduce_mean_(grads, self.process_group, self.comm_stats)
             elif not compressing:
@@ -458,11 +563,15 @@ class StagedOptimizer(Optimizer):
                 self._exchange_bucket(b, self._bucket_momentum(b), self.process_group)
         return finite
 
-    def _skip(self) -> None:
+    def _skip(self, warn: bool = True) -> None:
         """A non-finite gradient on some rank: every rank leaves parameters, moments, step count and
-        error buffers as they were, so the run goes on as if the step had not been taken."""
+        error buffers as they were, so the run goes on as if the step had not been taken. Under a
+        GradScaler (``warn`` False) an overflow is how the scale finds its level: no warning, and
+        the scaler, not a count of skips in a row, deals with a run that keeps overflowing."""
         flat = self._flat
         flat["skipped_steps"] = flat.get("skipped_steps", 0) + 1
+        if not warn:
+            return
         flat["consecutive_skips"] = flat.get("consecutive_skips", 0) + 1
         if flat["consecutive_skips"] >= MAX_CONSECUTIVE_SKIPS:
             raise FloatingPointError(f"{type(self).__name__}: the gradient was not finite on some rank at "
@@ -471,10 +580,16 @@ class StagedOptimizer(Optimizer):
         warnings.warn(f"{type(self).__name__}: step skipped on every rank, some rank's gradient was not finite "
                       f"({flat['skipped_steps']} skipped so far, after step {flat['step']})", RuntimeWarning)
 
+    def _betas(self) -> tuple[float, float]:
+        """beta1 as the param groups hold it now (a momentum schedule, such as OneCycleLR's
+        ``cycle_momentum``, moves it alike in every group: ``check_param_groups``), beta2 the
+        optimizer's own (after the freeze it is frozen with the variance)."""
+        return self.param_groups[0]["betas"][0], self.defaults["betas"][1]
+
     def _bias_corrections(self) -> tuple[float, float]:
         if not self.defaults["bias_correction"]:
             return 1.0, 1.0
-        beta1, beta2 = self.defaults["betas"]
+        beta1, beta2 = self._betas()
         t = self._flat["step"]
         return 1 - beta1 ** t, 1 - beta2 ** t
 
@@ -485,7 +600,7 @@ class StagedOptimizer(Optimizer):
     def _warmup_step(self, grads: torch.Tensor) -> None:
         """Stage 1 (all of LAMB) on the averaged gradients: Adam moments, layer-wise trust ratio."""
         flat, lay = self._flat, self._layout
-        beta1, beta2 = self.defaults["betas"]
+        beta1, beta2 = self._betas()
         F.update_moments_(flat["exp_avg"], flat["exp_avg_sq"], grads, beta1, beta2)
         bc1, bc2 = self._bias_corrections()
         update = self._scratch.buffer("update", lay.numel)
@@ -573,7 +688,7 @@ class StagedOptimizer(Optimizer):
     def _compression_step(self, grads: torch.Tensor) -> None:
         """Stage 2 after the exchange: the averaged momentum, frozen variance and trust ratio."""
         flat, lay = self._flat, self._layout
-        beta1, beta2 = self.defaults["betas"]
+        beta1, beta2 = self._betas()
         d = lay.numel
         m = flat["exp_avg"]
         m_prev = self._scratch.buffer("momentum_prev", d)

@@ -17,7 +17,7 @@ State dicts of the earlier form (a ``"flat"`` entry) still load.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -77,25 +77,36 @@ def from_saved(saved: Dict[str, Any]) -> Dict[str, Any]:
     return flat
 
 
-def saved_entry(state_dict: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """The one state entry of a onebitlamb optimizer's state dict (None before any state); the
-    other parameters' entries are empty."""
-    entries = [entry for entry in state_dict["state"].values() if entry]
-    if len(entries) > 1:
-        raise ValueError(f"a onebitlamb optimizer's state dict holds one state entry, this one "
-                         f"{len(entries)}: it was saved by another optimizer")
-    return entries[0] if entries else None
+def _saved_key(state: Dict[Any, Any]) -> Any:
+    """The key of the one onebitlamb state entry (None before any state); the other parameters'
+    entries are empty, or hold what others (a hook, a framework) put in ``optimizer.state``."""
+    ours = [k for k, v in state.items() if isinstance(v, dict) and "layer_numels" in v]
+    if len(ours) > 1:
+        raise ValueError(f"a onebitlamb optimizer's state dict holds one optimizer state, this one {len(ours)} "
+                         f"(under {ours})")
+    if ours:
+        return ours[0]
+    foreign = [v for k, v in state.items() if isinstance(k, int) and isinstance(v, dict) and v]
+    if foreign:
+        raise ValueError(f"the state dict was saved by another optimizer (its parameters' states hold "
+                         f"{sorted(map(str, foreign[0]))}), not by a onebitlamb optimizer")
+    return None
+
+
+def split_state(state_dict: Dict[str, Any]) -> Tuple[Optional[Dict[str, Any]], Dict[Any, Any]]:
+    """The flat state a state dict holds, in either form, as own copies (the caller's dict must not
+    alias the live state; None before any state), and the other non-empty entries, which
+    ``load_state_dict`` hands to torch.optim as they are."""
+    state = state_dict["state"]
+    key = "flat" if "flat" in state else _saved_key(state)
+    others = {k: v for k, v in state.items() if k != key and not (isinstance(v, dict) and not v)}
+    if key is None:
+        return None, others
+    flat = state["flat"] if key == "flat" else from_saved(state[key])
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else list(v) if isinstance(v, list) else v)
+            for k, v in flat.items()}, others
 
 
 def flat_of(state_dict: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """The flat state a state dict holds, in either form, as own copies (the caller's dict must
-    not alias the live state)."""
-    if "flat" in state_dict["state"]:
-        flat = state_dict["state"]["flat"]
-    else:
-        entry = saved_entry(state_dict)
-        if entry is None:
-            return None
-        flat = from_saved(entry)
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else list(v) if isinstance(v, list) else v)
-            for k, v in flat.items()}
+    """The flat state a state dict holds (``split_state``)."""
+    return split_state(state_dict)[0]
