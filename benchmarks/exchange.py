@@ -7,12 +7,11 @@ Both change the numbers, not only the speed. With several buckets each has its o
 scale and its own error buffers. Across nodes, each node first averages exactly, and the 1-bit
 exchange runs between the nodes, on shards. This measures whether the demo converges as well.
 Rows: LAMB and 1-bit LAMB with the main job's defaults (the convergence benchmark's runs, reused
-from the same folders), 1-bit LAMB with the main job's setting ``bucket_cap_mb=1.0``
-(``overlap_with_backward(1.0)``: 3 buckets on the demo's BERT; the main job clips the local gradient
+from the same folders), 1-bit LAMB with ``--bucket-cap-mb 1`` (``bucket_cap_mb=1.0,
+overlap_with_backward=True``: 3 buckets on the demo's BERT; the main job clips the local gradient
 after the backward, so each bucket is exchanged again in ``step()`` and nothing overlaps, but the
-numbers are the buckets'), and with ``local_size=2`` (the 4 workers as 2 nodes of 2,
-``node_groups(2)``). Neither setting has a preset or flag: they measured no better than the
-defaults. Writes the "exchange" section of BENCHMARKS.md. Run from the repository root.
+numbers are the buckets'), and with ``--local-size 2`` (the 4 workers as 2 nodes of 2,
+``node_groups(2)``). Writes the "exchange" section of BENCHMARKS.md. Run from the repository root.
 """
 from __future__ import annotations
 
@@ -23,9 +22,9 @@ from benchmarks import convergence
 from benchmarks.variants import DEFAULT, LAMB, Variant, main_for
 
 BUCKETS = Variant(convergence.Row("1-bit LAMB, automatic freeze, 1 MiB buckets", DEFAULT.row.folder,
-                                  DEFAULT.row.flags), settings={"bucket_cap_mb": 1.0}, folder="demo-buckets")
+                                  [*DEFAULT.row.flags, "--bucket-cap-mb", "1"]), folder="demo-buckets")
 NODES = Variant(convergence.Row("1-bit LAMB, automatic freeze, 2 nodes of 2 ranks", DEFAULT.row.folder,
-                                DEFAULT.row.flags), settings={"local_size": 2}, folder="demo-nodes")
+                                [*DEFAULT.row.flags, "--local-size", "2"]), folder="demo-nodes")
 VARIANTS = [LAMB, DEFAULT, BUCKETS, NODES]
 NOTE = (" A rank's bytes on 2 nodes of 2 include the node stages' float32 (the reduce-scatter and all-gather "
         "inside a node, on its fast links); what crosses between nodes is in the hierarchy section.")

@@ -4,7 +4,7 @@
 
 In the serial step the optimizer exchanges (the warm-up's gradient average, after the freeze the
 compressed all-reduce of the momentum) in ``step()``, after the whole backward, and the link idles
-while the backward runs. With ``optimizer.overlap_with_backward(bucket_cap_mb)`` each bucket's
+while the backward runs. With ``overlap_with_backward=True, bucket_cap_mb=...`` each bucket's
 exchange starts on a thread as soon as the backward has produced its gradients. In one launch per
 rate the netsim's BERT trains side by side, steps interleaved (an order drawn afresh each round,
 each step after a barrier, ``benchmarks.netsim.worker.hierarchy_steps``): 1-bit LAMB over the

@@ -1,22 +1,16 @@
 """What the experiments on the demo share: runs of 1-bit LAMB variants beside LAMB and the default
 over a few seeds, and the table that compares them (``warmup_precision.py``, ``exchange.py``).
 
-A variant is a row of the convergence benchmark run with, where the optimizers read one at
-construction, an environment variable, or main-job settings that no preset or flag sets (the
-studies' own, which measured no better than the defaults). For those the run goes through this
-module, ``python -m benchmarks.variants SETTINGS_JSON pretrain ...``, which applies the settings
-on top of the run's preset and runs ``onebitlamb``'s command line. Finished runs are reused from their
-folders, so the rows LAMB and the default come from the convergence benchmark's runs when they
-are there.
+A variant is a row of the convergence benchmark: `onebitlamb pretrain` with the row's flags, in a
+folder of its own. Finished runs are reused from their folders, so the rows LAMB and the default
+come from the convergence benchmark's runs when they are there.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import statistics
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from benchmarks import convergence
 from benchmarks.report import command_line, heading, table_row, write_section
@@ -24,8 +18,6 @@ from benchmarks.report import command_line, heading, table_row, write_section
 
 class Variant(NamedTuple):
     row: convergence.Row
-    settings: Dict[str, Any] = {}  # main-job settings beyond the preset demo's (TrainConfig fields)
-    environment: Dict[str, str] = {}  # for the child pretrain, which inherits it
     folder: str = "demo"  # the runs' folder under OUT (then SEED/ROW)
 
 
@@ -41,19 +33,9 @@ def run_variants(out: str, seeds: Sequence[int], variants: Sequence[Variant]) ->
     results = {}
     for seed in seeds:
         for v in variants:
-            saved = {k: os.environ.get(k) for k in v.environment}
-            os.environ.update(v.environment)
-            try:
-                program = ("benchmarks.variants", json.dumps(v.settings)) if v.settings else ("onebitlamb",)
-                results[seed, v.row.name] = convergence.run_one(
-                    convergence.run_folder(out, v.folder, seed, v.row),
-                    convergence.pretrain_args("demo", seed, v.row), os.path.join(out, "cache"), program)
-            finally:
-                for k, value in saved.items():
-                    if value is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = value
+            results[seed, v.row.name] = convergence.run_one(
+                convergence.run_folder(out, v.folder, seed, v.row),
+                convergence.pretrain_args("demo", seed, v.row), os.path.join(out, "cache"))
     return results
 
 
@@ -65,10 +47,7 @@ def section(title: str, command: str, seeds: Sequence[int], variants: Sequence[V
     lines = [*heading(title, command),
              f"Seeds {', '.join(map(str, seeds))}: held-out loss (mean ± standard deviation over the seeds), its gap "
              f"to LAMB at the same seed, the freeze step per seed, and the whole run's bytes per worker against "
-             f"LAMB's. Each row is `onebitlamb pretrain --preset demo` with its flags"
-             + "".join(f"; the row \"{v.row.name}\" has the main job's settings "
-                       + ", ".join(f"`{k}={val!r}`" for k, val in v.settings.items()) for v in variants if v.settings)
-             + "." + note, "",
+             f"LAMB's. Each row is `onebitlamb pretrain --preset demo` with its flags." + note, "",
              table_row(["row", "held-out loss", "gap to LAMB", "freeze steps", "LAMB's bytes / row's"]),
              "|---|---:|---:|---:|---:|"]
     for v in variants:
@@ -101,13 +80,3 @@ def main_for(prog: str, doc: str, title: str, name: str, variants: Sequence[Vari
     if not args.no_write:
         write_section(name, body)
     return 0
-
-
-if __name__ == "__main__":
-    # python -m benchmarks.variants SETTINGS_JSON pretrain ...: the run's preset with the settings
-    from onebitlamb import cli
-    from onebitlamb.train.pretrain import PRESETS
-
-    for preset in PRESETS.values():
-        preset.update(json.loads(sys.argv[1]))
-    sys.exit(cli.main(sys.argv[2:]))

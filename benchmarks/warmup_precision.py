@@ -5,8 +5,8 @@
 The warm-up sends full gradients, so it dominates a run's bytes (a 33% warm-up: about 94% of
 them). bfloat16 halves them, as the paper's fp16 baseline does. Rows: LAMB and 1-bit LAMB with the
 main job's defaults (the convergence benchmark's runs, reused from the same folders), and 1-bit
-LAMB with the warm-up average in bfloat16 (``ONEBITLAMB_WARMUP_DTYPE=bfloat16``, which the
-optimizers read at construction). Writes the "warmup-precision" section of BENCHMARKS.md. Run from
+LAMB with the warm-up average in bfloat16 (``--warmup-dtype bfloat16``: the optimizers'
+``warmup_dtype=torch.bfloat16``). Writes the "warmup-precision" section of BENCHMARKS.md. Run from
 the repository root.
 """
 from __future__ import annotations
@@ -16,10 +16,9 @@ from typing import Optional, Sequence
 
 from benchmarks import convergence
 from benchmarks.variants import DEFAULT, LAMB, Variant, main_for
-from onebitlamb.optim.staged import WARMUP_DTYPE_VARIABLE
 
 BF16 = Variant(convergence.Row("1-bit LAMB, automatic freeze, bfloat16 warm-up average", "onebitlamb-auto-bf16warmup",
-                               DEFAULT.row.flags), environment={WARMUP_DTYPE_VARIABLE: "bfloat16"})
+                               [*DEFAULT.row.flags, "--warmup-dtype", "bfloat16"]))
 VARIANTS = [LAMB, DEFAULT, BF16]
 
 

@@ -1,6 +1,16 @@
 import os
 import sys
 
+# Triton's interpreter for the fused codec's CPU tests (tests/test_triton_codec.py), set before any
+# test module imports triton: triton reads it early, and another module (tests/test_cuda.py,
+# torch.compile's tests) may import triton first. Only where there is no GPU, so that a GPU machine
+# runs the compiled kernels; it changes nothing else, since the library never runs Triton on CPU
+# tensors unless asked to (fused=True).
+import torch  # noqa: E402
+
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
+
 # One intra-op thread per process: the tests start several ranks on a 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

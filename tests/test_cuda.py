@@ -178,9 +178,8 @@ def _gloo_cuda_overlap_worker(rank, world, bucket_cap_mb):
     """1-bit LAMB on CUDA across the ranks, exchanging in step() or behind the backward (whose
     hooks run on autograd's device thread, and whose exchange on the optimizer's thread)."""
     model = _mlp("cuda")
-    opt = onebitlamb.OneBitLamb(model.parameters(), lr=1e-2, freeze_step=5)
-    if bucket_cap_mb is not None:
-        opt.overlap_with_backward(bucket_cap_mb)
+    opt = onebitlamb.OneBitLamb(model.parameters(), lr=1e-2, freeze_step=5, bucket_cap_mb=bucket_cap_mb,
+                                overlap_with_backward=bucket_cap_mb is not None)
     return _train(model, opt, 12, 3 + rank, "cuda"), opt.stage
 
 

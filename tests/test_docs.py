@@ -67,3 +67,23 @@ def test_the_package_holds_no_benchmark_harness():
                 if any(m.split(".")[0] == "benchmarks" for m in modules):
                     offenders.append(f"{where}:{node.lineno}: imports {', '.join(modules)}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_package_reads_only_the_documented_environment_variables():
+    """docs/contributing.md: no environment variable changes the numbers; the ones read are listed
+    there with what they do."""
+    documented = {"ONEBITLAMB_NATIVE", "ONEBITLAMB_CACHE", "CC", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                  "LOCAL_WORLD_SIZE", "MASTER_ADDR", "TRITON_INTERPRET"}
+    rules = _read("docs/contributing.md")
+    assert all(f"`{name}`" in rules for name in documented)
+    read = set()
+    for folder, _, files in os.walk(os.path.join(ROOT, "onebitlamb")):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name)) as f:
+                    text = f.read()
+                read |= set(re.findall(r"""environ(?:\.get\(|\[)\s*["']([A-Z_]+)["']""", text))
+                read |= set(re.findall(r"""getenv\(\s*["']([A-Z_]+)["']""", text))
+                # a name held in a constant (hierarchy.LOCAL_WORLD_SIZE_ENV)
+                read |= set(re.findall(r"""_ENV\s*=\s*["']([A-Z_]+)["']""", text))
+    assert read and read <= documented, read - documented

@@ -37,11 +37,9 @@ def _held_out_loss(model, teacher):
 
 def _make(model, bucket_cap_mb=None, local_size=None):
     group = onebitlamb.comm.node_groups(local_size) if local_size else None
-    opt = onebitlamb.OneBitLamb(model.parameters(), lr=0.02, weight_decay=0.01, freeze_step=FREEZE,
-                                process_group=group)
-    if bucket_cap_mb is not None:
-        opt.overlap_with_backward(bucket_cap_mb)
-    return opt
+    return onebitlamb.OneBitLamb(model.parameters(), lr=0.02, weight_decay=0.01, freeze_step=FREEZE,
+                                 process_group=group, bucket_cap_mb=bucket_cap_mb,
+                                 overlap_with_backward=bucket_cap_mb is not None)
 
 
 def _first_part(rank, n, bucket_cap_mb=None, local_size=None):

@@ -16,10 +16,8 @@ STEPS, FREEZE, SAVE_AT = 8, 3, 5
 
 
 def _optimizer(kind, model, bucket_cap_mb):
-    opt = getattr(onebitlamb, kind)(model.parameters(), lr=0.02, freeze_step=FREEZE)
-    if bucket_cap_mb is not None:
-        opt.overlap_with_backward(bucket_cap_mb)
-    return opt
+    return getattr(onebitlamb, kind)(model.parameters(), lr=0.02, freeze_step=FREEZE, bucket_cap_mb=bucket_cap_mb,
+                                     overlap_with_backward=bucket_cap_mb is not None)
 
 
 def _run(rank, n, kind, folder, bucket_cap_mb=None):

@@ -23,19 +23,19 @@ def _batch(rank, step):
     return torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
 
 
-def _optimizer(kind, params):
+def _optimizer(kind, params, warmup_dtype=torch.float32):
     if kind == "Lamb":
-        return onebitlamb.Lamb(params, lr=0.02)
-    return getattr(onebitlamb, kind)(params, lr=0.02, freeze_step=FREEZE)
+        return onebitlamb.Lamb(params, lr=0.02, warmup_dtype=warmup_dtype)
+    return getattr(onebitlamb, kind)(params, lr=0.02, freeze_step=FREEZE, warmup_dtype=warmup_dtype)
 
 
-def _run(rank, n, kind, mode):
+def _run(rank, n, kind, mode, warmup_dtype=torch.float32):
     """``mode``: "plain" (the optimizer averages), "registered" (DDP + register_ddp), "ddp" (DDP
     alone), "no_sync" (registered, but the backward runs under no_sync). Returns the final
     parameters and, per step, the all_reduce calls made from Python during the backward."""
     model = _model()
     net = DistributedDataParallel(model) if mode != "plain" else model
-    opt = _optimizer(kind, model.parameters())
+    opt = _optimizer(kind, model.parameters(), warmup_dtype)
     if mode in ("registered", "no_sync"):
         onebitlamb.register_ddp(net, opt)
     calls, real_all_reduce = [0], dist.all_reduce
@@ -82,13 +82,14 @@ def test_registered_ddp_follows_the_plain_run_and_is_silent_after_the_freeze(kin
     assert all(torch.equal(a, b) for a, b in zip(registered[0][0], registered[1][0]))
 
 
-def test_registered_ddp_sends_the_warmup_in_bfloat16_as_the_optimizer_does(monkeypatch):
-    """With ONEBITLAMB_WARMUP_DTYPE=bfloat16 DDP's hook averages in bfloat16 too: the same run as
-    the plain usage's, bit for bit, at half the warm-up bytes of the float32 run."""
+def test_registered_ddp_sends_the_warmup_in_bfloat16_as_the_optimizer_does():
+    """With warmup_dtype=torch.bfloat16 DDP's hook averages in bfloat16 too: the same run as the
+    plain usage's, bit for bit, at half the warm-up bytes of the float32 run."""
     full = spawn_local(_run, 2, ("OneBitLamb", "plain"), timeout_s=120, collective_timeout_s=60)
-    monkeypatch.setenv("ONEBITLAMB_WARMUP_DTYPE", "bfloat16")
-    plain = spawn_local(_run, 2, ("OneBitLamb", "plain"), timeout_s=120, collective_timeout_s=60)
-    registered = spawn_local(_run, 2, ("OneBitLamb", "registered"), timeout_s=120, collective_timeout_s=60)
+    half = ("OneBitLamb", "plain", torch.bfloat16)
+    plain = spawn_local(_run, 2, half, timeout_s=120, collective_timeout_s=60)
+    registered = spawn_local(_run, 2, ("OneBitLamb", "registered", torch.bfloat16), timeout_s=120,
+                             collective_timeout_s=60)
     for (f_params, _, f_bytes), (p_params, _, p_bytes), (r_params, _, r_bytes) in zip(full, plain, registered):
         assert all(torch.equal(a, b) for a, b in zip(p_params, r_params)) and p_bytes == r_bytes
         assert not all(torch.equal(a, b) for a, b in zip(p_params, f_params))  # bfloat16 did round

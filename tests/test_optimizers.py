@@ -407,20 +407,35 @@ def test_auto_freeze_floor_and_cap_are_fractions_of_the_run():
     assert (fixed["floor_step"], fixed["cap_step"]) == (7, 7)
 
 
-def test_the_public_surface_stays_small():
+EXCHANGE_OPTIONS = ("process_group", "warmup_dtype", "bucket_cap_mb", "overlap_with_backward")
+
+
+def _argument_entry(doc, name):
+    """The Args entry of ``name`` in a docstring: its line (names may share one, "a, b (...)")."""
+    import re
+    lines = [line for line in doc.splitlines() if re.match(rf"\s+(\w+, )*{name}(, \w+)* \(", line)]
+    assert len(lines) == 1, (name, lines)
+    return lines[0]
+
+
+@pytest.mark.parametrize("kind", list(CLASSES))
+def test_the_constructors_follow_the_contributors_rules(kind):
+    """docs/contributing.md: how the ranks talk is keyword-only; every argument's docstring states
+    its default; every setting that changes the numbers is a hyper-parameter (in ``defaults``, so
+    in the saved state, where a resume checks it)."""
     import inspect
-    parameters = {cls: list(inspect.signature(cls).parameters) for cls in CLASSES.values()}
-    assert len(parameters[onebitlamb.OneBitLamb]) <= 15 and len(parameters[onebitlamb.OneBitAdam]) <= 9
-    known = {"params", "lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff",
-             "coeff_beta", "factor_max", "factor_min", "factor_threshold", "freeze_step", "maximize",
-             "process_group"}
-    for cls, names in parameters.items():
-        assert set(names) <= known, (cls, set(names) - known)
-    assert not hasattr(onebitlamb.Lamb([torch.nn.Parameter(torch.zeros(2))]), "freeze_stats")
-    for cls in CLASSES.values():
-        assert cls.__doc__ and "arXiv" in cls.__doc__
-        for name in parameters[cls]:
-            assert f"{name}:" in cls.__doc__ or f"{name}," in cls.__doc__, (cls, name)
+
+    cls = CLASSES[kind]
+    signature = inspect.signature(cls)
+    for name in EXCHANGE_OPTIONS:
+        assert signature.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+    assert cls.__doc__ and "arXiv" in cls.__doc__
+    for name, parameter in signature.parameters.items():
+        if name != "params":
+            entry = _argument_entry(cls.__doc__, name)
+            assert ("required" if parameter.default is inspect.Parameter.empty else "default") in entry, entry
+    opt = cls([torch.nn.Parameter(torch.zeros(2))], **({} if kind == "lamb" else {"freeze_step": 5}))
+    assert {"warmup_dtype", "bucket_cap_mb"} <= set(opt.defaults) and "overlap_with_backward" not in opt.defaults
 
 
 PINNED_RUNS = ("lamb-None", "onebitlamb-0.35", "onebitlamb-auto", "onebitadam-0.35", "onebitadam-auto")
@@ -859,3 +874,27 @@ def test_state_dict_has_torch_optims_form_and_the_earlier_form_still_loads(kind,
         resumed.load_state_dict(state)
         train(resumed, range(saved_at, 8))
         assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected))
+
+
+@pytest.mark.parametrize("setting, saved, loaded", [("warmup_dtype", torch.bfloat16, torch.float32),
+                                                    ("bucket_cap_mb", 1e-4, None)])
+def test_a_state_saved_with_another_exchange_setting_is_refused(setting, saved, loaded):
+    """warmup_dtype and bucket_cap_mb change the numbers: a state saved with one value is refused,
+    naming both, by an optimizer built with another, before anything changes; a state saved before
+    they were options (no key) had float32 and one bucket."""
+    params = initial_params()
+    opt = onebitlamb.OneBitLamb(params, freeze_step=2, **{setting: saved})
+    for step in range(1, 4):
+        _step(opt, params, grads_for(params, 0, step))
+    state = opt.state_dict()
+    other = onebitlamb.OneBitLamb(params, freeze_step=2, **{setting: loaded})
+    name = {torch.bfloat16: "'bfloat16'", torch.float32: "'float32'", 1e-4: "0.0001", None: "None"}
+    with pytest.raises(ValueError, match=f"saved with {setting}={name[saved]} .* with {setting}={name[loaded]}"):
+        other.load_state_dict(state)
+    assert other.state["flat"]["step"] == 0 and str(other.param_groups[0][setting]) in name[loaded]  # unchanged
+    default = onebitlamb.OneBitLamb(params, freeze_step=2)
+    old = default.state_dict()
+    for group in old["param_groups"]:
+        del group["warmup_dtype"], group["bucket_cap_mb"]
+    default.load_state_dict(old)
+    assert default.param_groups[0]["warmup_dtype"] == "float32" and default.param_groups[0]["bucket_cap_mb"] is None

@@ -1,4 +1,4 @@
-"""overlap_with_backward on real gloo ranks: with one bucket the run is the serial one's bit for
+"""overlap_with_backward=True on real gloo ranks: with one bucket the run is the serial one's bit for
 bit; with several, each bucket starts during the backward and the run equals a serial run over
 the same buckets; accumulation, a non-finite gradient and bad arguments are handled."""
 from __future__ import annotations
@@ -27,32 +27,29 @@ def _loss(model, rank, step, micro=0):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def _optimizer(kind, params, group=None):
+def _optimizer(kind, params, group=None, cap=None, overlap=False):
+    exchange = dict(process_group=group, bucket_cap_mb=cap, overlap_with_backward=overlap)
     if kind == "Lamb":
-        return onebitlamb.Lamb(params, lr=0.02, process_group=group)
-    return getattr(onebitlamb, kind)(params, lr=0.02, freeze_step=FREEZE, process_group=group)
+        return onebitlamb.Lamb(params, lr=0.02, **exchange)
+    return getattr(onebitlamb, kind)(params, lr=0.02, freeze_step=FREEZE, **exchange)
 
 
-def _run(rank, n, kind, cap, accumulate="one", nan_at=None, switch_at=None, local_size=None, resume_cap=None):
-    """Train STEPS steps; ``cap``: overlap_with_backward's bucket_cap_mb (None: serial).
+def _run(rank, n, kind, cap, accumulate="one", nan_at=None, switch_at=None, local_size=None, resume_overlap=False):
+    """Train STEPS steps; ``cap``: bucket_cap_mb, with overlap_with_backward=True (None: serial, one bucket).
     ``accumulate``: "one" micro-batch, "no_sync" (two, the first under no_sync), "forgot" (two,
     without it), "clip" (one, its gradient clipped after the backward). ``nan_at``: rank 1's
     gradient is NaN at that step. ``switch_at``: at that step the state moves, through
-    state_dict(), into a new optimizer (overlapped if ``resume_cap``)."""
+    state_dict(), into a new optimizer with the same buckets (overlapped if ``resume_overlap``)."""
     group = onebitlamb.comm.node_groups(local_size) if local_size else None
     model = _model()
-    opt = _optimizer(kind, model.parameters(), group)
-    if cap is not None:
-        opt.overlap_with_backward(bucket_cap_mb=cap)
+    opt = _optimizer(kind, model.parameters(), group, cap, overlap=cap is not None)
     started, caught = [], []
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for step in range(STEPS):
             if step == switch_at:
                 state, old = opt.state_dict(), weakref.ref(opt)
-                opt = _optimizer(kind, model.parameters(), group)
-                if resume_cap is not None:
-                    opt.overlap_with_backward(bucket_cap_mb=resume_cap)
+                opt = _optimizer(kind, model.parameters(), group, cap, overlap=resume_overlap)
                 opt.load_state_dict(state)
                 assert old() is None  # dropped at once: its hooks start nothing more
             opt.zero_grad()
@@ -65,7 +62,7 @@ def _run(rank, n, kind, cap, accumulate="one", nan_at=None, switch_at=None, loca
             loss.backward()
             if accumulate == "clip":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            started.append(opt._overlap.started if opt._overlap is not None else 0)
+            started.append(opt.exchange.started_in_backward)
             opt.step()
             caught.append(opt.last_step_skipped)
         messages = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
@@ -109,7 +106,7 @@ def test_several_buckets_start_in_the_backward_and_equal_a_serial_run_over_them(
 
 def test_a_resumed_overlapped_run_is_the_uninterrupted_one():
     straight = _spawn(2, "OneBitAdam", PER_LAYER)
-    resumed = _spawn(2, "OneBitAdam", PER_LAYER, "one", None, FREEZE + 2, None, PER_LAYER)
+    resumed = _spawn(2, "OneBitAdam", PER_LAYER, "one", None, FREEZE + 2, None, True)
     for s, r in zip(straight, resumed):
         assert _equal(s[0], r[0]) and _equal(s[1], r[1]) and r[6] == s[6]
         assert r[3][FREEZE + 3:] == [4] * (STEPS - FREEZE - 3)  # the first step after a load runs in step()
@@ -161,29 +158,16 @@ def test_a_hierarchical_group_overlaps_too():
 
 
 def _refusals(rank, n):
-    opt_model = _model()
-    opt = _optimizer("OneBitLamb", opt_model.parameters())
     out = []
-    for bad in (0, -1.0, float("nan"), True, "25"):
+    for cap, overlap in ((0, True), (-1.0, True), (float("nan"), False), (True, True), ("25", True), (1.0, "yes")):
         try:
-            opt.overlap_with_backward(bucket_cap_mb=bad)
+            _optimizer("OneBitLamb", _model().parameters(), cap=cap, overlap=overlap)
         except ValueError as e:
             out.append(str(e))
-    opt.overlap_with_backward()
-    try:
-        opt.overlap_with_backward()
-    except ValueError as e:
-        out.append(str(e))
     model = _model()
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    registered = _optimizer("OneBitLamb", model.parameters())
-    onebitlamb.register_ddp(ddp, registered)
+    overlapped = _optimizer("OneBitLamb", model.parameters(), cap=1.0, overlap=True)
     try:
-        registered.overlap_with_backward()
-    except ValueError as e:
-        out.append(str(e))
-    try:  # and the other way round
-        onebitlamb.register_ddp(torch.nn.parallel.DistributedDataParallel(opt_model), opt)
+        onebitlamb.register_ddp(torch.nn.parallel.DistributedDataParallel(model), overlapped)
     except ValueError as e:
         out.append(str(e))
     return out
@@ -191,21 +175,22 @@ def _refusals(rank, n):
 
 def test_bad_arguments_are_refused_on_every_rank():
     for messages in spawn_local(_refusals, 2, timeout_s=120, collective_timeout_s=60):
-        assert len(messages) == 8
+        assert len(messages) == 7
         for bad, message in zip(("0", "-1.0", "nan", "True", "'25'"), messages):
             assert f"bucket_cap_mb: {bad}" in message
-        assert "already" in messages[5] and "register_ddp" in messages[6] and "not both" in messages[7]
+        assert "overlap_with_backward: 'yes'" in messages[5]
+        assert "register_ddp" in messages[6] and "not both" in messages[6]
 
 
 def test_one_process_has_nothing_to_overlap():
     model = _model()
-    opt = _optimizer("OneBitLamb", model.parameters())
-    opt.overlap_with_backward(bucket_cap_mb=PER_LAYER)
+    opt = _optimizer("OneBitLamb", model.parameters(), cap=PER_LAYER, overlap=True)
     for step in range(STEPS):
         opt.zero_grad()
         _loss(model, 0, step).backward()
         opt.step()
-    assert opt._overlap is None and opt.state["flat"]["buckets"] == [[0, 195]]
+        assert opt.exchange.started_in_backward == 0
+    assert opt.state["flat"]["buckets"] == [[192, 195], [144, 192], [128, 144], [0, 128]]
 
 
 def test_a_state_whose_buckets_do_not_tile_the_model_is_refused():

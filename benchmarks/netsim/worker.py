@@ -55,15 +55,16 @@ def read_counter(interface: str, name: str = "tx_bytes") -> int:
         return int(f.read())
 
 
-def make_optimizer(name: str, params, lr: float, freeze_step: int, group):
+def make_optimizer(name: str, params, lr: float, freeze_step: int, group, **exchange):
+    """``exchange``: the optimizers' other keyword-only exchange options (buckets, overlap)."""
     import onebitlamb
 
     if name == "lamb":
-        return onebitlamb.Lamb(params, lr=lr, process_group=group)
+        return onebitlamb.Lamb(params, lr=lr, process_group=group, **exchange)
     if name == "onebitlamb":
-        return onebitlamb.OneBitLamb(params, lr=lr, freeze_step=freeze_step, process_group=group)
+        return onebitlamb.OneBitLamb(params, lr=lr, freeze_step=freeze_step, process_group=group, **exchange)
     if name == "onebitadam":
-        return onebitlamb.OneBitAdam(params, lr=lr, freeze_step=freeze_step, process_group=group)
+        return onebitlamb.OneBitAdam(params, lr=lr, freeze_step=freeze_step, process_group=group, **exchange)
     raise ValueError(f"unknown optimizer {name!r} (lamb, onebitlamb, onebitadam)")
 
 
@@ -309,8 +310,7 @@ MODE_GROUPS = {"flat": ("world", False), "hier": ("node", False), "solo": ("solo
 def _buckets_started(opt) -> int:
     """Buckets ``overlap_with_backward`` started since the last step (0 without it): read after the
     backward, the share of the exchange that ran behind it."""
-    overlap = getattr(opt, "_overlap", None)
-    return overlap.started if overlap is not None else 0
+    return opt.exchange.started_in_backward
 
 
 def _time_calls(fn, calls: int, group) -> float:
@@ -336,7 +336,7 @@ def hierarchy_steps(rank: int, world: int, spec: dict, interface: Optional[str] 
     exchange across nodes, node all-gather); ``solo``, alone in a one-rank group (``solo``, created
     here when not given): its step is the compute-only time of a synchronous step, measured in the
     same seconds as the others; ``overlap`` and ``hier-overlap``, the flat and the hierarchical
-    one with ``overlap_with_backward(spec["bucket_cap_mb"])`` (default 1 MiB), whose buckets'
+    one with ``overlap_with_backward=True`` and ``bucket_cap_mb=spec["bucket_cap_mb"]`` (default 1 MiB), whose buckets'
     exchanges start during the backward. Every round times one step of each, in an order drawn
     afresh each round (the same on all ranks), each after a barrier, as ``ddp_steps`` does. Per
     step: forward + backward and ``optimizer.step()`` times, the buckets started during the
@@ -371,10 +371,9 @@ def hierarchy_steps(rank: int, world: int, spec: dict, interface: Optional[str] 
             kind, overlapped = MODE_GROUPS[mode]
             model = build_model(cfg, seed=spec.get("seed", 0))
             model.train()
-            opt = make_optimizer(name, model.parameters(), spec.get("lr", 1e-3), freeze_step, by_kind[kind])
-            if overlapped:
-                # collective (it copies the group): every rank builds the runs in this one order
-                opt.overlap_with_backward(spec.get("bucket_cap_mb", 1.0))
+            # overlapped: collective (it copies the group): every rank builds the runs in this one order
+            exchange = dict(bucket_cap_mb=spec.get("bucket_cap_mb", 1.0), overlap_with_backward=True) if overlapped else {}
+            opt = make_optimizer(name, model.parameters(), spec.get("lr", 1e-3), freeze_step, by_kind[kind], **exchange)
             runs.append((name, mode, model, opt))
     d = sum(p.numel() for p in runs[0][2].parameters()) if runs else 0
     tiny = torch.zeros(1)

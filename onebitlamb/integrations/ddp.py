@@ -49,9 +49,9 @@ def _stage_hook(link: DDPLink, bucket: dist.GradBucket) -> torch.futures.Future[
         done.set_result(buffer)
         return done
     n = world_size_of(link.process_group)
-    wire_dtype = link.optimizer.warmup_dtype  # bfloat16 with ONEBITLAMB_WARMUP_DTYPE, as the optimizer sends
-    wire = buffer if wire_dtype is None else buffer.to(wire_dtype)
-    link.optimizer.comm_stats.record("all_reduce", allreduce_bytes(wire.numel() * wire.element_size(), n))
+    exchange = link.optimizer.exchange
+    wire = buffer if exchange.warmup_dtype == torch.float32 else buffer.to(exchange.warmup_dtype)  # as the optimizer sends
+    exchange.comm_stats.record("all_reduce", allreduce_bytes(wire.numel() * wire.element_size(), n))
     work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=link.process_group, async_op=True)
     if wire is buffer:
         return work.get_future().then(lambda fut: fut.value()[0].div_(n))
@@ -79,10 +79,10 @@ def register_ddp(ddp_model: DistributedDataParallel, optimizer: StagedOptimizer)
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError(f"register_ddp needs the DistributedDataParallel-wrapped model, got "
                          f"{type(ddp_model).__name__}")
-    if getattr(optimizer, "ddp_link", None) is not None:
+    if optimizer.exchange.ddp_link is not None:
         raise ValueError(f"{type(optimizer).__name__} is already registered with a DDP model")
-    if getattr(optimizer, "_overlap", None) is not None:
-        raise ValueError(f"{type(optimizer).__name__} exchanges behind the backward itself (overlap_with_backward): "
+    if optimizer.exchange.overlap_with_backward:
+        raise ValueError(f"{type(optimizer).__name__} exchanges behind the backward itself (overlap_with_backward=True): "
                          f"use that or register_ddp, not both")
     ddp_size, opt_size = world_size_of(ddp_model.process_group), world_size_of(optimizer.process_group)
     if ddp_size != opt_size:
@@ -101,6 +101,6 @@ def register_ddp(ddp_model: DistributedDataParallel, optimizer: StagedOptimizer)
                          f"optimizer, or set requires_grad=False)")
     # DDP averages over one process group: a hierarchical optimizer's warm-up goes flat under DDP
     link = DDPLink(optimizer, spanning_group(optimizer.process_group))
+    optimizer.exchange.attach_ddp(link)
     ddp_model.register_comm_hook(link, _stage_hook)
-    optimizer.ddp_link = link
     return link

@@ -69,7 +69,7 @@ class OneBitTrainer(Trainer):
     def training_step(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
         # the first place, after the Trainer's wrapping, that runs before the first backward
         opt = self.onebit_optimizer()
-        if opt.ddp_link is None:
+        if opt.exchange.ddp_link is None:
             ddp = model
             while not isinstance(ddp, DistributedDataParallel) and hasattr(ddp, "_orig_mod"):
                 ddp = ddp._orig_mod  # torch.compile wraps outside DDP

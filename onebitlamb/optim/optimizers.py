@@ -1,12 +1,13 @@
 """The public optimizers: thin classes over ``StagedOptimizer``; each validates its
-hyper-parameters up front and picks an update rule and a freeze schedule."""
+hyper-parameters up front and picks an update rule and a freeze schedule. Their docstrings share
+the fragments below, as ``torch.optim``'s do, so that one argument reads the same everywhere."""
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Tuple, Union
+from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
-import torch.distributed as dist
+import torch
 
-from onebitlamb.comm import NodeGroups
+from onebitlamb.optim.exchange import ProcessGroupLike, check_bucket_cap, wire_dtype_name
 from onebitlamb.optim.freeze import FreezeStep, schedule_for
 from onebitlamb.optim.staged import StagedOptimizer, validate_common
 
@@ -38,78 +39,87 @@ class _OneBit(StagedOptimizer):
         return self._schedule.stats(self.state.get("flat"))
 
 
+
+# ---------------------------------------------------------------------- shared docstring fragments
+_PARAMS_DOC = """params: parameters or param groups; groups may differ in ``lr`` and ``weight_decay`` only.
+        lr (float, default 1e-3): learning rate."""
+
+_FREEZE_DOC = """freeze_step (int or AutoFreeze, required): an int: the freeze comes at the end of that
+            step; ``AutoFreeze(total_steps=...)``: the warm-up decides, between a floor and a cap
+            (the recommendation; ``docs/convergence.md``)."""
+
+_ADAM_DOC = """betas (Tuple[float, float], default (0.9, 0.999)): Adam's moment decay rates.
+        eps (float, default 1e-8): added to ``sqrt(v_hat)``.
+        weight_decay (float, default 0): decoupled weight decay, added to the update
+            ``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * x`` (before the trust ratio in LAMB)."""
+
+_TRUST_DOC = """max_coeff, min_coeff (float, defaults 10.0 and 0.01): the trust ratio ``||x|| / ||u||``
+            is clipped to this range (the paper's scaling function)."""
+
+_MAXIMIZE_DOC = """maximize (bool, default False): maximize the objective (the gradients' sign flipped),
+            as in ``torch.optim``."""
+
+_EXCHANGE_DOC = """How the ranks talk (keyword-only; ``optimizer.exchange`` holds them, ``docs/optimizers.md``):
+        process_group (ProcessGroup or NodeGroups, default None: the world): the group to average
+            over, or ``onebitlamb.comm.node_groups()`` for several ranks per node
+            (``docs/hierarchy.md``).
+        warmup_dtype (torch.dtype, default {warmup_dtype}): the wire dtype of the warm-up's
+            gradient average: ``torch.bfloat16`` sends half the bytes and rounds the average
+            (``docs/optimizers.md`` has the measurements). Part of the state: a resume with another
+            is refused.
+        bucket_cap_mb (float, default None: one bucket): cut the exchange into buckets of at most
+            this many MiB of float32 gradient, last parameters first. Each bucket has its own
+            compression scale, so the numbers depend on it; part of the state.
+        overlap_with_backward (bool, default False): start each bucket's exchange on a thread of
+            the optimizer's as soon as the backward has produced its gradients; ``step()`` waits
+            for the last. The numbers are those of the serial step over the same buckets, bit for
+            bit. Collective at construction (it copies the process group); with gradient
+            accumulation run every backward but the last under ``with optimizer.no_sync():``.
+            Not with ``register_ddp``, whose DDP buckets already overlap."""
+
+
+def _exchange_defaults(warmup_dtype: Union[str, torch.dtype], bucket_cap_mb: Optional[float]) -> Dict[str, Any]:
+    """The exchange's settings that change the numbers, as hyper-parameters (``defaults``, saved)."""
+    check_bucket_cap(bucket_cap_mb)
+    return dict(warmup_dtype=wire_dtype_name(warmup_dtype), bucket_cap_mb=bucket_cap_mb)
+
+
 class Lamb(StagedOptimizer):
-    r"""LAMB (You et al., "Large Batch Optimization for Deep Learning", arXiv 1904.00962), with the
-    gradients averaged over the process group inside ``step()`` (one all-reduce of one flat buffer;
-    do not wrap the model in DDP).
+    _layerwise, _fresh_variance = True, False
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
+                 max_coeff: float = 10.0, min_coeff: float = 0.01, maximize: bool = False, *,
+                 process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
+                 bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False) -> None:
+        validate_common(lr, betas, eps, weight_decay, maximize)
+        _validate_trust_bounds(min_coeff, max_coeff)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
+                        maximize=maximize, **_exchange_defaults(warmup_dtype, bucket_cap_mb))
+        super().__init__(params, defaults, schedule=None, process_group=process_group,
+                         overlap_with_backward=overlap_with_backward)
+
+
+Lamb.__doc__ = fr"""LAMB (You et al., "Large Batch Optimization for Deep Learning", arXiv 1904.00962), with the
+    gradients averaged over the process group inside ``step()`` (one all-reduce of one flat buffer,
+    or one per bucket; do not wrap the model in DDP without ``register_ddp``).
 
     Args:
-        params: parameters or param groups; groups may differ in ``lr`` and ``weight_decay`` only.
-        lr: learning rate.
-        betas: Adam's moment decay rates.
-        eps: added to ``sqrt(v_hat)``.
-        weight_decay: decoupled weight decay, added to the update before the trust ratio.
-        bias_correction: bias-correct the moments like Adam, as the paper does.
-        max_coeff, min_coeff: the trust ratio ``||x|| / ||u||`` is clipped to this range (the
-            paper's scaling function).
-        maximize: maximize the objective (the gradients' sign flipped), as in ``torch.optim``.
-        process_group: the group to average over (default: the world), or ``node_groups()`` of
-            ``onebitlamb.comm`` for several ranks per node (``docs/hierarchy.md``).
+        {_PARAMS_DOC}
+        {_ADAM_DOC}
+        bias_correction (bool, default True): bias-correct the moments like Adam, as the paper does.
+        {_TRUST_DOC}
+        {_MAXIMIZE_DOC}
+
+    {_EXCHANGE_DOC.format(warmup_dtype="torch.float32")}
 
     Deviation from the paper: the trust ratio is 1 where either norm is 0 (a zero-initialised bias,
     a layer without a gradient yet).
     """
 
-    _layerwise, _fresh_variance = True, False
-
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
-                 max_coeff: float = 10.0, min_coeff: float = 0.01, maximize: bool = False,
-                 process_group: Union[dist.ProcessGroup, NodeGroups, None] = None) -> None:
-        validate_common(lr, betas, eps, weight_decay, maximize)
-        _validate_trust_bounds(min_coeff, max_coeff)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
-                        maximize=maximize)
-        super().__init__(params, defaults, schedule=None, process_group=process_group)
-
 
 class OneBitLamb(_OneBit):
-    r"""1-bit LAMB (Li et al., "1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training
-    with LAMB's Convergence Speed", arXiv 2104.06069).
-
-    Steps ``1..freeze`` are LAMB with full-precision gradient averaging, during which a running
-    average of each layer's trust ratio is kept. Then the variance and trust ratio are frozen and
-    each step sends only this rank's momentum through the error-compensated 1-bit all-reduce
-    (``D/8`` bytes each way instead of ``4d``). A per-layer factor, computed from a variance
-    reconstructed from the synchronized momentum, lets each layer's learning rate follow what
-    LAMB's trust ratio would have done.
-
-    Args:
-        params: parameters or param groups; groups may differ in ``lr`` and ``weight_decay`` only.
-        lr: learning rate.
-        freeze_step: required. An int: the freeze comes at the end of that step. Or
-            ``AutoFreeze(total_steps=...)``: the warm-up decides, between a floor and a cap
-            (the recommendation; ``docs/convergence.md``).
-        betas: Adam's moment decay rates.
-        eps: added to ``sqrt(v_hat)``.
-        weight_decay: decoupled weight decay, added to the update before the trust ratio.
-        bias_correction: bias-correct the moments; ``False`` reproduces DeepSpeed's numerics.
-        max_coeff, min_coeff: the warm-up's trust ratio is clipped to this range.
-        coeff_beta: decay rate of the trust ratio's running average that the freeze keeps.
-        factor_max, factor_min: bounds of stage 2's per-layer factor.
-        factor_threshold: how far the factor may move in one step (relative).
-        maximize: maximize the objective (the gradients' sign flipped), as in ``torch.optim``.
-        process_group: the group to average over (default: the world), or ``node_groups()`` of
-            ``onebitlamb.comm`` for several ranks per node (``docs/hierarchy.md``).
-
-    Deviations from the paper and from DeepSpeed's ``OnebitLamb``: no discarded first step;
-    ``bias_correction`` honoured; the trust ratio's running average is bias-corrected; each
-    layer's momentum is scaled to a common RMS before compression; elements that never had a
-    gradient are masked; the error buffers are part of ``state_dict()``; parameters may be
-    bf16/fp16 (the state is fp32); the freeze step may be automatic. ``docs/algorithm.md``.
-    """
-
     _layerwise, _fresh_variance = True, True
 
     def __init__(self, params: Iterable, lr: float = 1e-3, *, freeze_step: FreezeStep,
@@ -117,7 +127,8 @@ class OneBitLamb(_OneBit):
                  bias_correction: bool = True, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                  factor_threshold: float = 0.1, maximize: bool = False,
-                 process_group: Union[dist.ProcessGroup, NodeGroups, None] = None) -> None:
+                 process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
+                 bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False) -> None:
         schedule = schedule_for(type(self).__name__, freeze_step, waits_for_trust_peak=True)
         validate_common(lr, betas, eps, weight_decay, maximize)
         _validate_trust_bounds(min_coeff, max_coeff)
@@ -131,41 +142,76 @@ class OneBitLamb(_OneBit):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
                         coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
-                        factor_threshold=factor_threshold, maximize=maximize)
-        super().__init__(params, defaults, schedule=schedule, process_group=process_group)
+                        factor_threshold=factor_threshold, maximize=maximize,
+                        **_exchange_defaults(warmup_dtype, bucket_cap_mb))
+        super().__init__(params, defaults, schedule=schedule, process_group=process_group,
+                         overlap_with_backward=overlap_with_backward)
+
+
+OneBitLamb.__doc__ = fr"""1-bit LAMB (Li et al., "1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training
+    with LAMB's Convergence Speed", arXiv 2104.06069).
+
+    Steps ``1..freeze`` are LAMB with full-precision gradient averaging, during which a running
+    average of each layer's trust ratio is kept. Then the variance and trust ratio are frozen and
+    each step sends only this rank's momentum through the error-compensated 1-bit all-reduce
+    (``D/8`` bytes each way instead of ``4d``). A per-layer factor, computed from a variance
+    reconstructed from the synchronized momentum, lets each layer's learning rate follow what
+    LAMB's trust ratio would have done.
+
+    Args:
+        {_PARAMS_DOC}
+        {_FREEZE_DOC}
+        {_ADAM_DOC}
+        bias_correction (bool, default True): bias-correct the moments; ``False`` reproduces
+            DeepSpeed's numerics.
+        {_TRUST_DOC}
+        coeff_beta (float, default 0.9): decay rate of the trust ratio's running average that the
+            freeze keeps.
+        factor_max, factor_min (float, defaults 4.0 and 0.5): bounds of stage 2's per-layer factor.
+        factor_threshold (float, default 0.1): how far the factor may move in one step (relative).
+        {_MAXIMIZE_DOC}
+
+    {_EXCHANGE_DOC.format(warmup_dtype="torch.float32")}
+
+    Deviations from the paper and from DeepSpeed's ``OnebitLamb``: no discarded first step;
+    ``bias_correction`` honoured; the trust ratio's running average is bias-corrected; each
+    layer's momentum is scaled to a common RMS before compression; elements that never had a
+    gradient are masked; the error buffers are part of ``state_dict()``; parameters may be
+    bf16/fp16 (the state is fp32); the freeze step may be automatic. ``docs/algorithm.md``.
+    """
 
 
 class OneBitAdam(_OneBit):
-    r"""1-bit Adam (Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with
-    Adam's Convergence Speed", arXiv 2102.02888) on the same machinery as ``OneBitLamb``: Adam with
-    full-precision gradient averaging until the freeze, then a frozen variance and the momentum
-    sent through the error-compensated 1-bit all-reduce.
-
-    Args:
-        params: parameters or param groups; groups may differ in ``lr`` and ``weight_decay`` only.
-        lr: learning rate.
-        freeze_step: required: an int (the freeze comes at the end of that step) or
-            ``AutoFreeze(total_steps=...)``.
-        betas: Adam's moment decay rates.
-        eps: added to ``sqrt(v_hat)``.
-        weight_decay: added to the update, ``u = m_hat / (sqrt(v) + eps) + wd * x``, as in LAMB.
-        bias_correction: bias-correct the moments.
-        maximize: maximize the objective (the gradients' sign flipped), as in ``torch.optim``.
-        process_group: the group to average over (default: the world), or ``node_groups()`` of
-            ``onebitlamb.comm`` for several ranks per node (``docs/hierarchy.md``).
-
-    Deviations from the paper: those of ``OneBitLamb`` that apply (no discarded step, per-layer
-    momentum scaling, masking, saved error buffers, fp32 state, automatic freeze).
-    """
-
     _layerwise, _fresh_variance = False, False
 
     def __init__(self, params: Iterable, lr: float = 1e-3, *, freeze_step: FreezeStep,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  bias_correction: bool = True, maximize: bool = False,
-                 process_group: Union[dist.ProcessGroup, NodeGroups, None] = None) -> None:
+                 process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
+                 bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False) -> None:
         schedule = schedule_for(type(self).__name__, freeze_step, waits_for_trust_peak=False)
         validate_common(lr, betas, eps, weight_decay, maximize)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, maximize=maximize)
-        super().__init__(params, defaults, schedule=schedule, process_group=process_group)
+                        bias_correction=bias_correction, maximize=maximize,
+                        **_exchange_defaults(warmup_dtype, bucket_cap_mb))
+        super().__init__(params, defaults, schedule=schedule, process_group=process_group,
+                         overlap_with_backward=overlap_with_backward)
+
+
+OneBitAdam.__doc__ = fr"""1-bit Adam (Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with
+    Adam's Convergence Speed", arXiv 2102.02888) on the same machinery as ``OneBitLamb``: Adam with
+    full-precision gradient averaging until the freeze, then a frozen variance and the momentum
+    sent through the error-compensated 1-bit all-reduce.
+
+    Args:
+        {_PARAMS_DOC}
+        {_FREEZE_DOC}
+        {_ADAM_DOC}
+        bias_correction (bool, default True): bias-correct the moments.
+        {_MAXIMIZE_DOC}
+
+    {_EXCHANGE_DOC.format(warmup_dtype="torch.float32")}
+
+    Deviations from the paper: those of ``OneBitLamb`` that apply (no discarded step, per-layer
+    momentum scaling, masking, saved error buffers, fp32 state, automatic freeze).
+    """

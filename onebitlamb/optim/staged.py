@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Optional
@@ -19,36 +18,19 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import GradScaler, OptState
 from torch.optim import Optimizer
 
-from onebitlamb.comm import (CommStats, allreduce_mean_, compressed_allreduce, duplicate_group, rank_of,
-                             spanning_group, world_size_of)
+from onebitlamb.comm import CommStats, rank_of, spanning_group, world_size_of
 from onebitlamb.optim import functional as F
-from onebitlamb.optim.checks import (agree_on_setup, agreed_finite, any_rank, check_finite_nonneg,
-                                     check_layout_unchanged, check_param_groups, locally_finite, parameter_checksum,
-                                     refuse_averaged_gradients)
+from onebitlamb.optim.checks import (agree_on_setup, check_finite_nonneg, check_layout_unchanged, check_param_groups,
+                                     parameter_checksum)
+from onebitlamb.optim.exchange import Exchange, ProcessGroupLike
 from onebitlamb.optim.freeze import AutomaticSchedule, FixedSchedule
-from onebitlamb.optim.layout import (Bucket, FlatLayout, Scratch, bucket_ranges, buffer_sizes, check_loaded_state,
-                                     new_flat_state, plan_buckets)
-from onebitlamb.optim.overlap import BackwardOverlap
+from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, buffer_sizes, check_loaded_state, new_flat_state
 from onebitlamb.optim.state_format import split_state, to_saved
 
 WARMUP, COMPRESSION = "warmup", "compression"
 
-# The 1-bit optimizers' warm-up average sent in bfloat16 (2 bytes an element, as the paper's fp16
-# baseline) when this names it: measured as good as float32 on the demo over 3 seeds, with 1.8x fewer
-# bytes over the run (BENCHMARKS.md, "Warm-up average in bfloat16"). A variable, read at
-# construction, because the constructors' parameter counts are capped (issue 37).
-WARMUP_DTYPE_VARIABLE = "ONEBITLAMB_WARMUP_DTYPE"
-
-
-def warmup_dtype_from_environment() -> Optional[torch.dtype]:
-    """bfloat16 when ``ONEBITLAMB_WARMUP_DTYPE=bfloat16``; None (float32, exact) unset or ``float32``."""
-    name = os.environ.get(WARMUP_DTYPE_VARIABLE, "")
-    if name in ("", "float32"):
-        return None
-    if name != "bfloat16":
-        raise ValueError(f"{WARMUP_DTYPE_VARIABLE}={name!r}: float32 or bfloat16")
-    return torch.bfloat16
-
+# The exchange's settings that change the numbers, as states saved before they were options had them.
+EXCHANGE_SETTINGS_BEFORE = {"warmup_dtype": "float32", "bucket_cap_mb": None}
 
 # A step whose gradient is not finite on some rank is skipped on every rank; this many in a row
 # means the run has diverged rather than met a rare overflow.
@@ -91,13 +73,6 @@ def _spans_the_world(group: Any) -> bool:
             and dist.get_world_size(group) == dist.get_world_size() and dist.get_rank(group) == dist.get_rank())
 
 
-def _grad_marks(layout: FlatLayout, bucket: Bucket) -> list:
-    """Which gradient tensors, at which in-place version, the bucket's parameters hold: any change
-    (a later backward, clipping, ``p.grad = ...``) changes the marks, without a pass over the data."""
-    return [None if p.grad is None else (id(p.grad), p.grad._version)
-            for p, _ in layout.params_in(bucket.start, bucket.end)]
-
-
 class StagedOptimizer(Optimizer):
     """Base of the three optimizers. Subclasses set the update rule with two switches:
 
@@ -114,35 +89,38 @@ class StagedOptimizer(Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, params: Iterable, defaults: Dict[str, Any],
-                 schedule: "FixedSchedule | AutomaticSchedule | None",
-                 process_group: Optional[dist.ProcessGroup]) -> None:
+                 schedule: "FixedSchedule | AutomaticSchedule | None", process_group: ProcessGroupLike,
+                 overlap_with_backward: bool) -> None:
         super().__init__(params, defaults)
         check_param_groups(type(self).__name__, self.param_groups, defaults)
         self._schedule = schedule
-        self.process_group = process_group
-        self.comm_stats = CommStats()
+        self.exchange = Exchange(type(self).__name__, process_group, warmup_dtype=defaults["warmup_dtype"],
+                                 bucket_cap_mb=defaults["bucket_cap_mb"], overlap_with_backward=overlap_with_backward)
         self.last_step_bytes = 0
         self._bytes_after_last_step = 0
-        # the wire dtype of the warm-up's average (None: float32); LAMB, the exact baseline, keeps float32
-        self.warmup_dtype = warmup_dtype_from_environment() if schedule is not None else None
-        # set by onebitlamb.register_ddp: DDP's comm hook averages the warm-up's gradients
-        self.ddp_link = None
         self._layout: Optional[FlatLayout] = None
         self._scratch: Optional[Scratch] = None
         self._last_coeff: Optional[torch.Tensor] = None
         self.last_step_skipped = False
-        # overlap_with_backward: the bucket size (elements), the hooks and thread, their group
-        self._bucket_cap: Optional[int] = None
-        self._overlap: Optional[BackwardOverlap] = None
-        self._exchange_group = None
-        self._buckets: List[Bucket] = []
-        self._exchange_failures: Dict[int, FloatingPointError] = {}  # per bucket, from the thread
-        self._warmup_wire: Dict[int, torch.Tensor] = {}  # per bucket, the bf16 copy being averaged
-        self._grad_marks: Dict[int, list] = {}  # per bucket, which gradients it took (_grad_marks)
         # the state exists from the start, like the layout it follows, so that a state dict taken
         # before the first step is a complete template (DCP loads into one); rebuilt at the first
         # step if the parameters changed until then
         self._new_state(FlatLayout.of(self.param_groups))
+
+    @property
+    def process_group(self) -> ProcessGroupLike:
+        """The group the exchange runs over (``exchange.process_group``)."""
+        return self.exchange.process_group
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Bytes sent and received and collectives called so far (``exchange.comm_stats``)."""
+        return self.exchange.comm_stats
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """A context for the backwards of all micro-batches but the last of a gradient accumulation:
+        with ``overlap_with_backward=True`` they start no exchange; otherwise it does nothing."""
+        return self.exchange.no_sync()
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if getattr(self, "_layout", None) is not None:
@@ -157,8 +135,8 @@ class StagedOptimizer(Optimizer):
 
     def _new_state(self, layout: FlatLayout) -> None:
         world, rank = world_size_of(self.process_group), rank_of(self.process_group)
-        self.state["flat"] = new_flat_state(layout, type(self).__name__, world, rank, self._local_size(),
-                                            bucket_ranges(layout.numels, self._bucket_cap))
+        self.state["flat"] = new_flat_state(layout, type(self).__name__, world, rank, self.exchange.local_size,
+                                            self.exchange.bucket_ranges(layout))
         if self._schedule is not None:
             self._schedule.init_state(self._flat, len(layout.params), layout.device)
 
@@ -175,27 +153,16 @@ class StagedOptimizer(Optimizer):
         if self._untouched():
             self._new_state(layout)
         else:
-            check_loaded_state(self._flat, layout, owner, world, rank, self._local_size())
+            check_loaded_state(self._flat, layout, owner, world, rank, self.exchange.local_size)
             if self._schedule is not None:
                 self._schedule.check_state(self._flat)
-            wanted = [list(r) for r in bucket_ranges(layout.numels, self._bucket_cap)]
-            if self._flat["frozen_at"] is None:
-                self._flat["buckets"] = wanted  # the errors, made at the freeze, will follow them
-            elif self._flat["buckets"] != wanted and self._overlap is not None:
-                warnings.warn(f"{owner}: this run froze with {len(self._flat['buckets'])} bucket(s) and its "
-                              f"compression errors follow them; they stay, bucket_cap_mb applies from a run's "
-                              f"freeze on", RuntimeWarning)
+            if self._flat["frozen_at"] is None:  # the errors, made at the freeze, will follow them
+                self._flat["buckets"] = self.exchange.bucket_ranges(layout)
             if self._flat["frozen_at"] is not None and "worker_error" not in self._flat:
-                self._new_error_buffers(layout, world)  # frozen on one process, resumed on several
+                self.exchange.new_error_buffers(self._flat, layout.device)  # frozen on one process, resumed on several
         agree_on_setup(self._setup(layout), spanning_group(self.process_group), layout.device)
         self._layout, self._scratch = layout, Scratch(layout.device)
-        self._plan_buckets()
-
-    def _plan_buckets(self) -> None:
-        lay = self._layout
-        self._buckets = plan_buckets(self._flat["buckets"], world_size_of(self.process_group), self._local_size())
-        if self._overlap is not None:
-            self._overlap.set_buckets([[p for p, _ in lay.params_in(b.start, b.end)] for b in self._buckets])
+        self.exchange.bind(layout, self._flat, self._scratch, self._gather, self._bucket_momentum)
 
     def _setup(self, layout: FlatLayout) -> Dict[str, Any]:
         """What every rank must have alike (``checks.agree_on_setup``)."""
@@ -204,9 +171,7 @@ class StagedOptimizer(Optimizer):
                 "parameters per group": [layout.groups.count(i) for i in range(len(self.param_groups))],
                 "hyper-parameters": sorted((k, v) for k, v in self.defaults.items() if k not in ("lr", "weight_decay")),
                 "freeze_step": repr(self._schedule),
-                "warm-up average sent as": str(self.warmup_dtype or torch.float32),
-                # the buckets follow from the parameter sizes and this cap, or after a freeze from the state
-                "overlap_with_backward (bucket elements)": self._bucket_cap if self._overlap is not None else None,
+                **self.exchange.setup(),
                 **({"buckets of the state": self._flat["buckets"]} if self._flat["frozen_at"] is not None else {}),
                 "state (step, frozen_at)": (self._flat["step"], self._flat["frozen_at"]),
                 "parameter values (crc32 of each tensor)": [parameter_checksum(p) for p in layout.params]}
@@ -247,7 +212,8 @@ class StagedOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a ``state_dict()``; the state is checked here, before anything changes: the
-        optimizer class, the parameters' sizes and, where it holds compression errors (a 1-bit
+        optimizer class, the parameters' sizes, the exchange's settings that change the numbers
+        (``warmup_dtype``, ``bucket_cap_mb``) and, where it holds compression errors (a 1-bit
         optimizer after its freeze), this rank and world size (``reshard_state_dicts`` changes
         the latter). Load-state-dict pre-hooks run before the check, post-hooks after the load."""
         state_dict = state_dict.copy()  # shallow, as torch.optim: a pre-hook may edit it
@@ -255,13 +221,13 @@ class StagedOptimizer(Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        state_dict["param_groups"] = self._exchange_settings_checked(state_dict["param_groups"])
         flat, others = split_state(state_dict)
         owner = type(self).__name__
         if flat is not None:
             check_loaded_state(flat, FlatLayout.of(self.param_groups), owner, world_size_of(self.process_group),
-                               rank_of(self.process_group), self._local_size())
-        if self._overlap is not None:
-            self._overlap.abandon()  # what a backward started used the state being replaced
+                               rank_of(self.process_group), self.exchange.local_size)
+        self.exchange.unbind()  # what a backward started used the state being replaced
         # handed to torch.optim under "flat", which it keeps as it is: under a parameter's index it
         # would be cast to that parameter's dtype
         with _torch_hooks_paused(self, "_optimizer_load_state_dict_pre_hooks",
@@ -280,9 +246,10 @@ class StagedOptimizer(Optimizer):
         copy has no hooks. Like PowerSGD's state, a copy holds no process group and uses the
         default one (an optimizer on a group that is not the whole world cannot be copied). A copy
         has no ``register_ddp`` link and exchanges in ``step()`` (``overlap_with_backward``'s hooks
-        stay with the original), with the same buckets, so it steps as the original would; its
-        next step lays out its state again, as after ``load_state_dict`` (a collective, on every
-        rank: the ranks agree on the setup and the state is checked against this rank)."""
+        stay with the original), with the same buckets, so it steps as the original would
+        (``Exchange.__getstate__``); its next step lays out its state again, as after
+        ``load_state_dict`` (a collective, on every rank: the ranks agree on the setup and the
+        state is checked against this rank)."""
         group = self.process_group
         if group is not None and not _spans_the_world(group):
             raise ValueError(f"{type(self).__name__} on a process group that is not the whole world cannot be "
@@ -290,9 +257,23 @@ class StagedOptimizer(Optimizer):
                              f"optimizer on that group and load_state_dict(optimizer.state_dict()) into it")
         state = super().__getstate__()
         state.update({k: v for k, v in self.__dict__.items() if k not in state and not k.startswith("_optimizer_")})
-        state.update(process_group=None, ddp_link=None, _overlap=None, _exchange_group=None, _layout=None,
-                     _scratch=None, _buckets=[], _exchange_failures={}, _warmup_wire={}, _grad_marks={})
+        state.update(_layout=None, _scratch=None)
         return state
+
+    def _exchange_settings_checked(self, saved_groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """The exchange's settings that change the numbers must be the state's: a run resumed with
+        another would silently become another run. States saved before they were options had
+        the defaults of then (float32, one bucket)."""
+        groups = []
+        for group in saved_groups:
+            group = {**EXCHANGE_SETTINGS_BEFORE, **group}
+            for key in EXCHANGE_SETTINGS_BEFORE:
+                if group[key] != self.defaults[key]:
+                    raise ValueError(f"the optimizer state was saved with {key}={group[key]!r} and is loaded into "
+                                     f"{type(self).__name__} with {key}={self.defaults[key]!r}: build the optimizer "
+                                     f"with {key}={group[key]!r} to resume this run (the setting changes its numbers)")
+            groups.append(group)
+        return groups
 
     @property
     def stage(self) -> str:
@@ -316,82 +297,7 @@ class StagedOptimizer(Optimizer):
                  "factor": None if factor is None else float(factor[i])}
                 for i in range(len(self._last_coeff))]
 
-    # ------------------------------------------------------------------ overlap
-    def overlap_with_backward(self, bucket_cap_mb: float = 1.0) -> None:
-        """Exchange behind the backward: cut the parameters into buckets of at most
-        ``bucket_cap_mb`` MiB of float32 gradient (last parameters first, a larger parameter a
-        bucket of its own) and start each bucket's exchange, on a thread of this optimizer's, as
-        soon as the backward has produced the bucket's gradients: the warm-up's average and, after
-        the freeze, the compressed all-reduce of the momentum. ``step()`` waits for the last one.
-
-        Collective: call it on every rank, before the first step. It needs a process group that
-        spans the world (it makes a copy of it for its thread). Accumulating gradients over
-        micro-batches: run every backward but the last under ``with optimizer.no_sync():``;
-        without it the exchange is redone in ``step()`` (correct, slower, with a warning).
-
-        Each bucket has its own compression scale, so with several buckets the numbers differ from
-        one exchange of the whole buffer (with one they are the same, bit for bit); the buckets of
-        the freeze stay for the run (the errors follow them) and are saved in the state. Not
-        together with ``register_ddp``, where DDP's buckets already run behind the backward.
-        ``docs/optimizers.md`` has the measurements.
-        """
-        owner = type(self).__name__
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
-                or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
-            raise ValueError(f"Invalid bucket_cap_mb: {bucket_cap_mb!r} (must be a number of MiB > 0)")
-        if self.ddp_link is not None:
-            raise ValueError(f"{owner} is registered with a DDP model (register_ddp), whose buckets already run "
-                             f"behind the backward: use one or the other")
-        if self._overlap is not None:
-            raise ValueError(f"{owner}.overlap_with_backward was already called")
-        if world_size_of(self.process_group) == 1:
-            return  # nothing to exchange
-        self._bucket_cap = max(1, int(bucket_cap_mb * 2 ** 20) // 4)
-        self._exchange_group = duplicate_group(self.process_group)
-        self._overlap = BackwardOverlap(self._prepare_bucket, self._laid_out)
-        if self._untouched():  # a template state (DCP loads into it) has the buckets' error regions
-            self._new_state(FlatLayout.of(self.param_groups))
-        self._layout = None  # the next step lays the buckets out (and the ranks agree on them)
-
-    def _laid_out(self) -> bool:
-        """Whether a step has laid out the state: hooks start buckets only then."""
-        return self._layout is not None
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        """A context for the backwards of all micro-batches but the last of a gradient accumulation:
-        with ``overlap_with_backward`` they start no exchange; otherwise it does nothing."""
-        return self._overlap.no_sync() if self._overlap is not None else contextlib.nullcontext()
-
-    def _prepare_bucket(self, k: int) -> Callable[[], None]:
-        """On the hook's thread: bucket ``k``'s gradients copied into the flat buffer and, after the
-        freeze, its momentum formed and its errors kept (to undo a stale or skipped exchange);
-        returns the exchange the thread runs."""
-        b, lay, flat = self._buckets[k], self._layout, self._flat
-        grads = self._scratch.buffer("grad", lay.numel)
-        self._gather(grads, b)
-        self._grad_marks[k] = _grad_marks(lay, b)
-        if self.stage == COMPRESSION:
-            buf = self._bucket_momentum(b)  # formed here, on the hook's thread; sent on the exchange thread
-            self._scratch.buffer("worker_backup", flat["worker_error"].numel())[b.worker].copy_(
-                flat["worker_error"][b.worker])
-            self._scratch.buffer("server_backup", flat["server_error"].numel())[b.server].copy_(
-                flat["server_error"][b.server])
-            failures = self._exchange_failures
-
-            def exchange() -> None:
-                try:
-                    self._exchange_bucket(b, buf, self._exchange_group)
-                except FloatingPointError as e:  # on every rank alike; step() skips or raises it
-                    failures[k] = e
-            return exchange
-        wire = grads[b.start:b.end]
-        if self.warmup_dtype is not None:
-            wire = self._warmup_wire[k] = wire.to(self.warmup_dtype)
-
-        def average() -> None:
-            allreduce_mean_(wire, self._exchange_group, self.comm_stats)
-        return average
-
+    # ------------------------------------------------------------------ the exchange's callbacks
     def _gather(self, grads: torch.Tensor, b: Optional[Bucket] = None) -> None:
         """This rank's gradients (of bucket ``b``, else all) into the flat buffer, as the update
         descends: negated under ``maximize``."""
@@ -405,70 +311,13 @@ class StagedOptimizer(Optimizer):
         in the bucket's padded region of the communication buffer."""
         beta1, _ = self._betas()
         scale, _ = self._compression_scales()
-        buf = self._scratch.buffer("comm", buffer_sizes(self._buckets)[0])[b.comm]
+        buf = self._scratch.buffer("comm", buffer_sizes(self.exchange.buckets)[0])[b.comm]
         mine = buf[:b.numel]
         torch.mul(self._flat["exp_avg"][b.start:b.end], beta1, out=mine)
         mine.add_(self._scratch.buffers["grad"][b.start:b.end], alpha=1 - beta1)
         mine.mul_(scale[b.start:b.end])
         buf[b.numel:].zero_()  # the padding: the previous result left values there
         return buf
-
-    def _exchange_bucket(self, b: Bucket, momentum: torch.Tensor, group) -> None:
-        """The compressed all-reduce of bucket ``b``'s momentum (``_bucket_momentum``) over ``group``,
-        with the bucket's regions of the error buffers."""
-        compressed_allreduce(momentum, self._flat["worker_error"][b.worker], self._flat["server_error"][b.server],
-                             group, self.comm_stats)
-
-    def _restore_errors(self, b: Bucket) -> None:
-        flat, scratch = self._flat, self._scratch.buffers
-        flat["worker_error"][b.worker].copy_(scratch["worker_backup"][b.worker])
-        flat["server_error"][b.server].copy_(scratch["server_backup"][b.server])
-
-    def _finish_overlapped(self, grads: torch.Tensor, compressing: bool) -> bool:
-        """Wait for the buckets' exchanges, redo the stale ones, and return whether the step may go
-        on (every rank's gradient finite); one small all-reduce agrees on both."""
-        lay, owner = self._layout, type(self).__name__
-        stale_here = self._overlap.finish()
-        # a gradient changed in place or replaced after its bucket left (a later backward, clipping,
-        # unscaling) makes the bucket stale too: its exchange used the gradient the backward left
-        changed = [self._grad_marks.get(k) != _grad_marks(lay, b) for k, b in enumerate(self._buckets)]
-        stale_here = [s or c for s, c in zip(stale_here, changed)]
-        for k, stale in enumerate(stale_here):  # take the final gradient whole
-            if stale:
-                self._gather(grads, self._buckets[k])
-        bad_here = compressing and not locally_finite(grads)
-        agreed = any_rank([bad_here, *stale_here], spanning_group(self.process_group), self.comm_stats, grads.device)
-        bad, stale = agreed[0], [k for k, s in enumerate(agreed[1:]) if s]
-        if stale and not self._overlap.given_up:  # every rank alike: the stale list is agreed
-            self._overlap.give_up()
-            warnings.warn(f"{owner}: the gradients of {len(stale)} of {len(self._buckets)} bucket(s) changed after "
-                          f"their exchange had started, so step() exchanged them again; to send nothing twice, "
-                          f"overlap_with_backward now exchanges in step(), after the backward. The cause: a gradient "
-                          f"accumulation (run the backwards before the last under `with optimizer.no_sync():`), or "
-                          f"gradients changed between backward() and step() (clipping by the global norm, "
-                          f"unscaling), which an exchange behind the backward cannot wait for", RuntimeWarning)
-        if compressing:
-            if bad:
-                for b in self._buckets:
-                    self._restore_errors(b)
-                self._exchange_failures.clear()
-                return False
-            for k in stale:
-                b = self._buckets[k]
-                self._exchange_failures.pop(k, None)
-                self._restore_errors(b)
-                self._exchange_bucket(b, self._bucket_momentum(b), self._exchange_group)
-            if self._exchange_failures:
-                failure = next(iter(self._exchange_failures.values()))
-                self._exchange_failures.clear()
-                raise failure
-            return True
-        for k in stale:  # the warm-up: the average overwrote the gradients; gather them again
-            self._prepare_bucket(k)()
-        if self.warmup_dtype is not None:
-            for k, b in enumerate(self._buckets):
-                grads[b.start:b.end].copy_(self._warmup_wire.pop(k))
-        return agreed_finite(grads, spanning_group(self.process_group), self.comm_stats, averaged=True)
 
     # ------------------------------------------------------------------ step
     # torch.compile(opt.step), or a compiled function that calls it, runs the step as it is: a step
@@ -498,10 +347,7 @@ class StagedOptimizer(Optimizer):
             return loss
         grads = self._scratch.buffer("grad", self._layout.numel)
         compressing = self.stage == COMPRESSION  # decided by the steps completed so far
-        if self._overlap is not None and not first:
-            self.last_step_skipped = not self._finish_overlapped(grads, compressing)
-        else:
-            self.last_step_skipped = not self._serial_exchange(grads, compressing, first)
+        self.last_step_skipped = not self.exchange.run(grads, compressing, first)
         if self.last_step_skipped:
             self._skip(warn=grad_scaler is None)
         elif compressing:
@@ -539,29 +385,6 @@ class StagedOptimizer(Optimizer):
         if state["stage"] is OptState.READY:
             scaler.unscale_(self)
         return state["found_inf_per_device"]
-
-    def _serial_exchange(self, grads: torch.Tensor, compressing: bool, first: bool) -> bool:
-        """After the backward: gather the gradients and average them (the warm-up) or exchange the
-        momentum bucket by bucket (stage 2); return whether every rank's gradient was finite."""
-        owner = type(self).__name__
-        self._gather(grads)
-        if self.ddp_link is None:
-            if first:
-                refuse_averaged_gradients(owner, grads, self._layout.params, spanning_group(self.process_group))
-            if not compressing and self.warmup_dtype is None:
-                allreduce_mean_(grads, self.process_group, self.comm_stats)
-            elif not compressing:
-                grads.copy_(allreduce_mean_(grads.to(self.warmup_dtype), self.process_group, self.comm_stats))
-        elif not self.ddp_link.averages_this_step() and not compressing:
-            raise RuntimeError(f"{owner} is registered with a DDP model (register_ddp) but DDP averaged no "
-                               f"gradient since the last step: the backward did not run through the registered "
-                               f"DDP model, or its last micro-batch ran under no_sync()")
-        # in the warm-up the average shows any rank's NaN; in stage 2 one flag is agreed on first
-        finite = agreed_finite(grads, spanning_group(self.process_group), self.comm_stats, averaged=not compressing)
-        if finite and compressing and world_size_of(self.process_group) > 1:
-            for b in self._buckets:
-                self._exchange_bucket(b, self._bucket_momentum(b), self.process_group)
-        return finite
 
     def _skip(self, warn: bool = True) -> None:
         """A non-finite gradient on some rank: every rank leaves parameters, moments, step count and
@@ -648,20 +471,7 @@ class StagedOptimizer(Optimizer):
                                 if self._layerwise else lay.ones())
         flat["prev_factor"] = lay.ones()
         flat["momentum_scale"] = F.momentum_scales(lay.norms(flat["exp_avg"]), lay.per_layer(lay.numels))
-        self._new_error_buffers(lay, world_size_of(self.process_group))
-
-    def _local_size(self) -> int:
-        """Ranks per node of a hierarchical ``process_group`` (``onebitlamb.comm.node_groups``), else 1."""
-        return getattr(self.process_group, "local_size", 1)
-
-    def _new_error_buffers(self, layout: FlatLayout, world: int) -> None:
-        """Zero worker and server errors, a region per bucket (``layout.plan_buckets``: a
-        hierarchical group keeps a worker error for this rank's chunk only); one process
-        compresses nothing and keeps none."""
-        if world > 1:
-            _, worker, server = buffer_sizes(plan_buckets(self._flat["buckets"], world, self._local_size()))
-            self._flat["worker_error"] = torch.zeros(worker, dtype=torch.float32, device=layout.device)
-            self._flat["server_error"] = torch.zeros(server, dtype=torch.float32, device=layout.device)
+        self.exchange.new_error_buffers(flat, lay.device)
 
     def _frozen_denominators(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``sqrt(v_frozen) + eps`` and its inverse, derived from the state once after a freeze or load."""
@@ -698,7 +508,7 @@ class StagedOptimizer(Optimizer):
             # scaled, in the communication buffer
             _, unscale = self._compression_scales()
             buf = self._scratch.buffers["comm"]
-            for b in self._buckets:
+            for b in self.exchange.buckets:
                 torch.mul(buf[b.comm][:b.numel], unscale[b.start:b.end], out=m[b.start:b.end])
         else:
             m.mul_(beta1).add_(grads, alpha=1 - beta1).mul_(flat["momentum_mask"])

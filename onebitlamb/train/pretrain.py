@@ -128,6 +128,15 @@ class TrainConfig:
         "help": "1-bit optimizers: when to freeze the variance and start compressing. auto: onebitlamb.AutoFreeze "
                 "with its defaults; a fraction in (0, 1]: after that fraction of the steps", "type": parse_freeze,
         "metavar": "auto|FRACTION"})
+    warmup_dtype: str = field(default="float32", metadata={
+        "help": "1-bit optimizers: the wire dtype of the warm-up's gradient average (bfloat16: half the bytes)",
+        "choices": ["float32", "bfloat16"]})
+    bucket_cap_mb: Optional[float] = field(default=None, metadata={
+        "help": "send the exchange in buckets of at most this many MiB, each behind the backward as soon as its "
+                "gradients are ready (default: one bucket, sent in the step)", "metavar": "MIB"})
+    local_size: Optional[int] = field(default=None, metadata={
+        "help": "ranks per node: the exchange runs over onebitlamb.comm.node_groups(N), exact inside a node and "
+                "1-bit across nodes (default: one flat group)"})
     eval_every: int = field(default=32, metadata={"help": "steps between held-out evaluations and diagnostics"})
     eval_samples: int = field(default=512, metadata={"help": "held-out samples per evaluation"})
     ckpt_every: int = field(default=64, metadata={"help": "steps between checkpoints"})
@@ -148,9 +157,6 @@ class TrainConfig:
 
     # preset-only; the model's defaults are ModelConfig's
     heldout_fraction: float = 0.05
-    # for benchmarks/exchange.py's studies (no preset sets them: they measured no better than the defaults)
-    bucket_cap_mb: Optional[float] = None  # the optimizer's overlap_with_backward (None: not called)
-    local_size: Optional[int] = None  # ranks per node: process_group=node_groups(local_size) (None: flat)
     vocab_size: int = ModelConfig.vocab_size
     seq_len: int = ModelConfig.seq_len
     hidden: int = ModelConfig.hidden
@@ -516,8 +522,6 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
     # optimizer, and the schedule: linear warm-up, then linear decay to 0
     groups, names = param_groups(model, cfg.weight_decay)
     optimizer = make_optimizer(cfg, groups)
-    if cfg.bucket_cap_mb is not None:
-        optimizer.overlap_with_backward(cfg.bucket_cap_mb)
     warm, total = cfg.warmup_steps, cfg.steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
@@ -652,11 +656,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float):
 
 def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
     common = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
-                  process_group=None if cfg.local_size is None else onebitlamb.comm.node_groups(cfg.local_size))
-    if cfg.optimizer == "lamb":
+                  process_group=None if cfg.local_size is None else onebitlamb.comm.node_groups(cfg.local_size),
+                  bucket_cap_mb=cfg.bucket_cap_mb, overlap_with_backward=cfg.bucket_cap_mb is not None)
+    if cfg.optimizer == "lamb":  # the exact baseline: its average stays float32
         return onebitlamb.Lamb(groups, **common)
     cls = onebitlamb.OneBitLamb if cfg.optimizer == "onebitlamb" else onebitlamb.OneBitAdam
-    return cls(groups, **common, freeze_step=cfg.freeze_step())
+    return cls(groups, **common, freeze_step=cfg.freeze_step(), warmup_dtype=getattr(torch, cfg.warmup_dtype))
 
 
 def _freeze_stats(optimizer) -> Optional[dict]:

@@ -1,0 +1,319 @@
+"""How an optimizer's gradients and momenta cross the ranks: one object, chosen at construction.
+
+The optimizers hold update rules; an :class:`Exchange` holds everything about communication (as
+``PowerSGDState`` does for the PowerSGD hook): the process group (flat, or ``node_groups()``), the
+wire dtype of the warm-up's average, the buckets and whether they go out behind the backward
+(``overlap.py``), the link to a DDP model that averages the warm-up instead (``register_ddp``),
+the byte counts, and its part of the state: the buckets' ranges and the compression errors,
+which follow them.
+
+Two settings change the numbers and are therefore hyper-parameters, in the optimizer's
+``defaults`` and its saved ``param_groups``: ``warmup_dtype`` (bfloat16 rounds the averaged
+gradient) and ``bucket_cap_mb`` (each bucket has its own compression scale). The others (the
+overlap, the DDP link) change when bytes move, not which: a run is the same bit for bit with or
+without them, so a state moves freely between them.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from onebitlamb.comm import (CommStats, NodeGroups, allreduce_mean_, compressed_allreduce, duplicate_group,
+                             spanning_group, world_size_of)
+from onebitlamb.optim.checks import agreed_finite, any_rank, locally_finite, refuse_averaged_gradients
+from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, bucket_ranges, buffer_sizes, plan_buckets
+from onebitlamb.optim.overlap import BackwardOverlap
+
+ProcessGroupLike = Union[dist.ProcessGroup, NodeGroups, None]
+
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def wire_dtype_name(value: Union[str, torch.dtype]) -> str:
+    """``warmup_dtype`` as saved in ``defaults``: its name (a string survives every checkpoint format)."""
+    for name, dtype in WIRE_DTYPES.items():
+        if value in (name, dtype):
+            return name
+    raise ValueError(f"Invalid warmup_dtype: {value!r} (must be torch.float32 or torch.bfloat16)")
+
+
+def check_bucket_cap(bucket_cap_mb: Optional[float]) -> None:
+    if bucket_cap_mb is None:
+        return
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+            or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
+        raise ValueError(f"Invalid bucket_cap_mb: {bucket_cap_mb!r} (must be None or a number of MiB > 0)")
+
+
+def _grad_marks(layout: FlatLayout, bucket: Bucket) -> list:
+    """Which gradient tensors, at which in-place version, the bucket's parameters hold: any change
+    (a later backward, clipping, ``p.grad = ...``) changes the marks, without a pass over the data."""
+    return [None if p.grad is None else (id(p.grad), p.grad._version)
+            for p, _ in layout.params_in(bucket.start, bucket.end)]
+
+
+class Exchange:
+    """The communication of one optimizer (its ``exchange`` attribute).
+
+    Built by the optimizer from its keyword-only options; read it, do not change it. Public:
+    ``process_group``, ``warmup_dtype``, ``bucket_cap_mb``, ``overlap_with_backward``,
+    ``comm_stats`` (bytes and rounds so far), ``buckets`` (after the first step), ``ddp_link``
+    and :meth:`no_sync`.
+
+    The optimizer binds its rule at its first step (:meth:`bind`): ``gather(grads, bucket)``
+    copies this rank's gradients into the flat buffer, ``momentum(bucket)`` forms the bucket's
+    momentum to compress. Both are held weakly, so that an optimizer dropped by its user goes at
+    once and the hooks on its parameters fall silent.
+    """
+
+    def __init__(self, owner: str, process_group: ProcessGroupLike, *, warmup_dtype: str,
+                 bucket_cap_mb: Optional[float], overlap_with_backward: bool) -> None:
+        if not isinstance(overlap_with_backward, bool):
+            raise ValueError(f"Invalid overlap_with_backward: {overlap_with_backward!r} (must be True or False)")
+        check_bucket_cap(bucket_cap_mb)
+        self.owner = owner
+        self.process_group = process_group
+        self.warmup_dtype = WIRE_DTYPES[wire_dtype_name(warmup_dtype)]
+        self.bucket_cap_mb = bucket_cap_mb
+        self.overlap_with_backward = overlap_with_backward
+        self.comm_stats = CommStats()
+        self.ddp_link: Any = None  # set by onebitlamb.register_ddp
+        self.buckets: List[Bucket] = []
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        """What binds this object to a running job: the hooks, the thread, its process group."""
+        self._gather_ref = self._momentum_ref = None
+        self._layout: Optional[FlatLayout] = None
+        self._flat: Optional[Dict[str, Any]] = None
+        self._scratch: Optional[Scratch] = None
+        self._failures: Dict[int, FloatingPointError] = {}  # per bucket, from the exchange thread
+        self._wire: Dict[int, torch.Tensor] = {}  # per bucket, the bfloat16 copy being averaged
+        self._marks: Dict[int, list] = {}  # per bucket, which gradients it took (_grad_marks)
+        self._overlap: Optional[BackwardOverlap] = None
+        self._group = None
+        if self.overlap_with_backward and self.world_size > 1:
+            # the thread's collectives never interleave with the caller's on a group of their own
+            self._group = duplicate_group(self.process_group)
+            self._overlap = BackwardOverlap(self._prepare_bucket, self._laid_out)
+
+    # ------------------------------------------------------------------ copies
+    def __getstate__(self) -> Dict[str, Any]:
+        """A copy (``copy.deepcopy``, pickle) keeps the settings, the statistics and the buckets; like
+        PowerSGD's state it drops the process group (a copy uses the default one), and with it the
+        thread, the hooks and the DDP link: a copy exchanges in ``step()``, with the same buckets,
+        so it steps as the original would."""
+        keep = ("owner", "warmup_dtype", "bucket_cap_mb", "comm_stats", "buckets")
+        return {k: self.__dict__[k] for k in keep}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.process_group, self.overlap_with_backward, self.ddp_link = None, False, None
+        self._init_runtime()
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def world_size(self) -> int:
+        return world_size_of(self.process_group)
+
+    @property
+    def local_size(self) -> int:
+        """Ranks per node of a hierarchical group (``node_groups``), else 1: it sets the errors' sizes."""
+        return getattr(self.process_group, "local_size", 1)
+
+    def bucket_ranges(self, layout: FlatLayout) -> List[List[int]]:
+        """The flat ranges of the buckets this exchange cuts ``layout`` into (one without a cap)."""
+        cap = None if self.bucket_cap_mb is None else max(1, int(self.bucket_cap_mb * 2 ** 20) // 4)
+        return [list(r) for r in bucket_ranges(layout.numels, cap)]
+
+    def new_error_buffers(self, flat: Dict[str, Any], device: torch.device) -> None:
+        """Zero worker and server errors, a region per bucket (``layout.plan_buckets``: a hierarchical
+        group keeps a worker error for this rank's chunk only); one process compresses nothing."""
+        if self.world_size > 1:
+            _, worker, server = buffer_sizes(plan_buckets(flat["buckets"], self.world_size, self.local_size))
+            flat["worker_error"] = torch.zeros(worker, dtype=torch.float32, device=device)
+            flat["server_error"] = torch.zeros(server, dtype=torch.float32, device=device)
+
+    def setup(self) -> Dict[str, Any]:
+        """What every rank's exchange must have alike (``checks.agree_on_setup``): ranks that differ
+        would enter different collectives and wait for each other until the timeout."""
+        return {"overlap_with_backward": self._overlap is not None,
+                "exchange averaged by DDP (register_ddp)": self.ddp_link is not None,
+                "ranks per node (process_group)": self.local_size}
+
+    # ------------------------------------------------------------------ binding
+    def bind(self, layout: FlatLayout, flat: Dict[str, Any], scratch: Scratch,
+             gather: Callable[[torch.Tensor, Optional[Bucket]], None],
+             momentum: Callable[[Bucket], torch.Tensor]) -> None:
+        """At the optimizer's first step (and the first after a load): the buckets of the state, and
+        the hooks that start them behind the backward."""
+        self._layout, self._flat, self._scratch = layout, flat, scratch
+        self._gather_ref, self._momentum_ref = weakref.WeakMethod(gather), weakref.WeakMethod(momentum)
+        self.buckets = plan_buckets(flat["buckets"], self.world_size, self.local_size)
+        if self._overlap is not None:
+            self._overlap.set_buckets([[p for p, _ in layout.params_in(b.start, b.end)] for b in self.buckets])
+
+    def unbind(self) -> None:
+        """Before a load replaces the state: wait for what a backward started, and forget the state."""
+        if self._overlap is not None:
+            self._overlap.abandon()
+        self._layout = self._flat = None
+
+    def _laid_out(self) -> bool:
+        """Whether a step has laid out the state: hooks start buckets only then."""
+        return self._layout is not None
+
+    def attach_ddp(self, link: Any) -> None:
+        """``register_ddp``'s link: DDP's hook averages the warm-up's gradients from now on. The one
+        change an exchange takes after construction, because every framework wraps the model in
+        DDP after the optimizer is built; it changes when bytes move, not the numbers."""
+        if self._overlap is not None:
+            raise ValueError(f"{self.owner} exchanges behind the backward itself (overlap_with_backward=True): use "
+                             f"that or register_ddp, not both")
+        if self.ddp_link is not None:
+            raise ValueError(f"{self.owner} is already registered with a DDP model")
+        self.ddp_link = link
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """A context for the backwards of all micro-batches but the last of a gradient accumulation:
+        with ``overlap_with_backward`` they start no exchange; otherwise it does nothing."""
+        return self._overlap.no_sync() if self._overlap is not None else contextlib.nullcontext()
+
+    @property
+    def started_in_backward(self) -> int:
+        """Buckets the last backward started (0 without overlap)."""
+        return 0 if self._overlap is None else self._overlap.started
+
+    # ------------------------------------------------------------------ the step's exchange
+    def run(self, grads: torch.Tensor, compressing: bool, first: bool) -> bool:
+        """The step's exchange, after the backward: the warm-up's average into ``grads``, or the
+        compressed all-reduce of each bucket's momentum into the communication buffer. Returns
+        whether every rank's gradient was finite (else the step is skipped on every rank)."""
+        if self._overlap is not None and not first:
+            return self._finish_overlapped(grads, compressing)
+        return self._serial(grads, compressing, first)
+
+    def _gather(self, grads: torch.Tensor, bucket: Optional[Bucket] = None) -> None:
+        self._gather_ref()(grads, bucket)
+
+    def _momentum(self, bucket: Bucket) -> torch.Tensor:
+        return self._momentum_ref()(bucket)
+
+    def _serial(self, grads: torch.Tensor, compressing: bool, first: bool) -> bool:
+        self._gather(grads)
+        spanning = spanning_group(self.process_group)
+        if self.ddp_link is None:
+            if first:
+                refuse_averaged_gradients(self.owner, grads, self._layout.params, spanning)
+            if not compressing:
+                self._average(grads, self.process_group)
+        elif not compressing and not self.ddp_link.averages_this_step():
+            raise RuntimeError(f"{self.owner} is registered with a DDP model (register_ddp) but DDP averaged no "
+                               f"gradient since the last step: the backward did not run through the registered "
+                               f"DDP model, or its last micro-batch ran under no_sync()")
+        # in the warm-up the average shows any rank's NaN; in stage 2 one flag is agreed on first
+        finite = agreed_finite(grads, spanning, self.comm_stats, averaged=not compressing)
+        if finite and compressing and self.world_size > 1:
+            for b in self.buckets:
+                self._exchange_bucket(b, self._momentum(b), self.process_group)
+        return finite
+
+    def _average(self, values: torch.Tensor, group: ProcessGroupLike) -> None:
+        """The warm-up's mean over the ranks, in place, sent as ``warmup_dtype``."""
+        if self.warmup_dtype == torch.float32:
+            allreduce_mean_(values, group, self.comm_stats)
+        else:
+            values.copy_(allreduce_mean_(values.to(self.warmup_dtype), group, self.comm_stats))
+
+    def _exchange_bucket(self, b: Bucket, momentum: torch.Tensor, group: ProcessGroupLike) -> None:
+        """The compressed all-reduce of bucket ``b``'s momentum over ``group``, with the bucket's
+        regions of the error buffers."""
+        compressed_allreduce(momentum, self._flat["worker_error"][b.worker], self._flat["server_error"][b.server],
+                             group, self.comm_stats)
+
+    # ------------------------------------------------------------------ behind the backward
+    def _prepare_bucket(self, k: int) -> Callable[[], None]:
+        """On the hook's thread: bucket ``k``'s gradients copied into the flat buffer and, after the
+        freeze, its momentum formed and its errors kept (to undo a stale or skipped exchange);
+        returns the exchange the thread runs."""
+        b, lay, flat, scratch = self.buckets[k], self._layout, self._flat, self._scratch
+        grads = scratch.buffer("grad", lay.numel)
+        self._gather(grads, b)
+        self._marks[k] = _grad_marks(lay, b)
+        if "worker_error" in flat:  # after the freeze
+            buf = self._momentum(b)  # formed here, on the hook's thread; sent on the exchange thread
+            scratch.buffer("worker_backup", flat["worker_error"].numel())[b.worker].copy_(flat["worker_error"][b.worker])
+            scratch.buffer("server_backup", flat["server_error"].numel())[b.server].copy_(flat["server_error"][b.server])
+            failures = self._failures
+
+            def exchange() -> None:
+                try:
+                    self._exchange_bucket(b, buf, self._group)
+                except FloatingPointError as e:  # on every rank alike; step() skips or raises it
+                    failures[k] = e
+            return exchange
+        wire = grads[b.start:b.end]
+        if self.warmup_dtype != torch.float32:
+            wire = self._wire[k] = wire.to(self.warmup_dtype)
+
+        def average() -> None:
+            allreduce_mean_(wire, self._group, self.comm_stats)
+        return average
+
+    def _restore_errors(self, b: Bucket) -> None:
+        flat, scratch = self._flat, self._scratch.buffers
+        flat["worker_error"][b.worker].copy_(scratch["worker_backup"][b.worker])
+        flat["server_error"][b.server].copy_(scratch["server_backup"][b.server])
+
+    def _finish_overlapped(self, grads: torch.Tensor, compressing: bool) -> bool:
+        """Wait for the buckets' exchanges, redo the stale ones, and return whether the step may go
+        on (every rank's gradient finite); one small all-reduce agrees on both."""
+        lay = self._layout
+        spanning = spanning_group(self.process_group)
+        stale_here = self._overlap.finish()
+        # a gradient changed in place or replaced after its bucket left (a later backward, clipping,
+        # unscaling) makes the bucket stale too: its exchange used the gradient the backward left
+        changed = [self._marks.get(k) != _grad_marks(lay, b) for k, b in enumerate(self.buckets)]
+        stale_here = [s or c for s, c in zip(stale_here, changed)]
+        for k, stale in enumerate(stale_here):  # take the final gradient whole
+            if stale:
+                self._gather(grads, self.buckets[k])
+        bad_here = compressing and not locally_finite(grads)
+        agreed = any_rank([bad_here, *stale_here], spanning, self.comm_stats, grads.device)
+        bad, stale = agreed[0], [k for k, s in enumerate(agreed[1:]) if s]
+        if stale and not self._overlap.given_up:  # every rank alike: the stale list is agreed
+            self._overlap.give_up()
+            warnings.warn(f"{self.owner}: the gradients of {len(stale)} of {len(self.buckets)} bucket(s) changed "
+                          f"after their exchange had started, so step() exchanged them again; to send nothing "
+                          f"twice, overlap_with_backward now exchanges in step(), after the backward. The cause: a "
+                          f"gradient accumulation (run the backwards before the last under `with optimizer.no_sync():`)"
+                          f", or gradients changed between backward() and step() (clipping by the global norm, "
+                          f"unscaling), which an exchange behind the backward cannot wait for", RuntimeWarning)
+        if compressing:
+            if bad:
+                for b in self.buckets:
+                    self._restore_errors(b)
+                self._failures.clear()
+                return False
+            for k in stale:
+                b = self.buckets[k]
+                self._failures.pop(k, None)
+                self._restore_errors(b)
+                self._exchange_bucket(b, self._momentum(b), self._group)
+            if self._failures:
+                failure = next(iter(self._failures.values()))
+                self._failures.clear()
+                raise failure
+            return True
+        for k in stale:  # the warm-up: the average overwrote the gradients; gather them again
+            self._prepare_bucket(k)()
+        if self.warmup_dtype != torch.float32:
+            for k, b in enumerate(self.buckets):
+                grads[b.start:b.end].copy_(self._wire.pop(k))
+        return agreed_finite(grads, spanning, self.comm_stats, averaged=True)
