@@ -87,3 +87,16 @@ def test_the_package_reads_only_the_documented_environment_variables():
                 # a name held in a constant (hierarchy.LOCAL_WORLD_SIZE_ENV)
                 read |= set(re.findall(r"""_ENV\s*=\s*["']([A-Z_]+)["']""", text))
     assert read and read <= documented, read - documented
+
+
+def test_the_comm_modules_import_one_way():
+    """The flat collective knows nothing of node groups; the hierarchy builds on it; only
+    comm/groups.py, above both, tells the two kinds of group apart (issue 47: no import cycle)."""
+    imports = {}
+    for name in ("collectives", "hierarchy", "groups", "stats", "launch", "costmodel"):
+        text = _read(f"onebitlamb/comm/{name}.py")
+        imports[name] = set(re.findall(r"onebitlamb\.comm(?:\.|\s+import\s+(?:\(|)\s*)(\w+)", text))
+    assert not imports["collectives"] & {"hierarchy", "groups"}, imports["collectives"]
+    assert "NodeGroups" not in _read("onebitlamb/comm/collectives.py")
+    assert "groups" not in imports["hierarchy"] and "collectives" in imports["hierarchy"]
+    assert {"collectives", "hierarchy"} <= imports["groups"]

@@ -41,18 +41,8 @@ _SIGN_BIT = np.uint32(0x80000000)
 _SCALE_BYTES = 4  # a float32 scale rides at the end of each sign message
 
 
-def _node_groups(group) -> bool:
-    """Whether ``group`` is a ``hierarchy.NodeGroups`` (imported here: hierarchy imports this module)."""
-    from onebitlamb.comm.hierarchy import NodeGroups
-
-    return isinstance(group, NodeGroups)
-
-
 def world_size_of(group: Optional[dist.ProcessGroup] = None) -> int:
-    """1 when torch.distributed is not initialised, else the group's size (``N * L`` for a
-    ``NodeGroups``)."""
-    if group is not None and _node_groups(group):
-        return group.world_size
+    """1 when torch.distributed is not initialised, else the group's size."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
@@ -60,23 +50,26 @@ def world_size_of(group: Optional[dist.ProcessGroup] = None) -> int:
 
 def rank_of(group=None) -> int:
     """This rank's index in ``group`` (0 when torch.distributed is not initialised)."""
-    if group is not None and _node_groups(group):
-        return group.rank
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     return dist.get_rank(group)
 
 
-def spanning_group(group=None) -> Optional[dist.ProcessGroup]:
-    """The one process group holding every rank of ``group``: itself, or the world for a
-    ``NodeGroups`` (which always spans it), for checks that gather a value from every rank."""
-    return None if group is not None and _node_groups(group) else group
+def world_timeout():
+    """The timeout ``init_process_group`` was given (None where the backend does not say), for
+    groups made later (``dist.new_group``), which would otherwise take the default of 30 minutes."""
+    default = dist.distributed_c10d._get_default_group()
+    try:  # the backend's options carry it
+        return default._get_backend(torch.device("cpu") if dist.get_backend() == "gloo"
+                                    else torch.device("cuda")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
-def duplicate_group(group=None):
-    """A second group over the same ranks as ``group`` (the world's when None; a ``NodeGroups``
-    gives new ``NodeGroups`` of the same nodes), with the world group's timeout; collective, and
-    ``group`` must span the world (``dist.new_group`` is called by every rank of the world).
+def duplicate_group(group: Optional[dist.ProcessGroup] = None) -> dist.ProcessGroup:
+    """A second group over the same ranks as ``group`` (the world's when None), with the world
+    group's timeout; collective, and ``group`` must span the world (``dist.new_group`` is called by
+    every rank of the world).
 
     Why: collectives on one group must be issued in the same order on every rank. A thread that
     runs its own collectives (``overlap_with_backward``'s exchange) would race the caller's on a
@@ -86,18 +79,7 @@ def duplicate_group(group=None):
     if world_size_of(group) != world:
         raise ValueError(f"a process group of {world_size_of(group)} of the world's {world} ranks: a thread's "
                          f"own copy of it is made by every rank of the world, so it must span the world")
-    default = dist.distributed_c10d._get_default_group()
-    timeout = None
-    try:  # the backend's options carry the timeout init_process_group was given
-        timeout = default._get_backend(torch.device("cpu") if dist.get_backend() == "gloo"
-                                       else torch.device("cuda")).options._timeout
-    except (AttributeError, RuntimeError):
-        pass
-    if group is not None and _node_groups(group):
-        from onebitlamb.comm import hierarchy
-
-        return hierarchy.duplicate(group, timeout)
-    return dist.new_group(list(range(world)), timeout=timeout)
+    return dist.new_group(list(range(world)), timeout=world_timeout())
 
 
 def padded_size(numel: int, world_size: int) -> int:
@@ -112,12 +94,7 @@ def padded_size(numel: int, world_size: int) -> int:
 
 def allreduce_mean_(buffer: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
                     stats: Optional[CommStats] = None) -> torch.Tensor:
-    """Average ``buffer`` over the group in place with one all-reduce (a no-op on one rank). With a
-    ``NodeGroups`` as ``group``: the hierarchical average of ``hierarchy.allreduce_mean_``."""
-    if group is not None and _node_groups(group):
-        from onebitlamb.comm import hierarchy
-
-        return hierarchy.allreduce_mean_(buffer, group, stats)
+    """Average ``buffer`` over the group in place with one all-reduce (a no-op on one rank)."""
     n = world_size_of(group)
     if n == 1 or buffer.numel() == 0:
         return buffer
@@ -350,14 +327,9 @@ def compressed_allreduce(
     Raises ``FloatingPointError`` on every rank alike when any rank's buffer holds a NaN or an
     infinity (its scale is then not finite), instead of averaging garbage into the model.
 
-    With a ``NodeGroups`` (``hierarchy.node_groups``) as ``group``: the hierarchical collective of
-    ``hierarchy.compressed_allreduce`` (node reduce-scatter, this 1-bit all-reduce across nodes,
-    node all-gather), whose errors have ``hierarchy.error_sizes(D, group)`` elements.
+    The hierarchical collective over ``node_groups()`` is ``hierarchy.compressed_allreduce``;
+    ``onebitlamb.comm.compressed_allreduce`` takes either kind of group.
     """
-    if group is not None and _node_groups(group):
-        from onebitlamb.comm import hierarchy
-
-        return hierarchy.compressed_allreduce(buffer, worker_error, server_error, group, stats)
     n = world_size_of(group)
     _check(buffer, worker_error, server_error, n)
     codec = fused_codec(buffer, fused)

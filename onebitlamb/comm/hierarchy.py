@@ -13,8 +13,9 @@ The flat collective sends each rank's own ``D/8`` sign bytes across the network,
 3. **inside the node**, an all-gather of the chunks: every rank holds the full result.
 
 Every rank of local index ``r`` gets the same bits for chunk ``r`` from stage 2, and stage 3 only
-copies them, so the result is bit-identical on every rank. Reached through the usual functions:
-pass a ``NodeGroups`` (from ``node_groups()``) as their ``group``. Never imports an optimizer.
+copies them, so the result is bit-identical on every rank. A ``NodeGroups`` brings its own
+collectives (its methods); ``onebitlamb.comm``'s functions take one as their ``group``. This module
+builds on the flat one (``collectives``), which knows nothing of nodes. Never imports an optimizer.
 """
 from __future__ import annotations
 
@@ -67,6 +68,23 @@ class NodeGroups:
     @property
     def node(self) -> int:
         return self.rank // self.local_size
+
+    @property
+    def spanning_group(self) -> None:
+        """The one process group holding every rank: the world (None), which node groups tile."""
+        return None
+
+    def duplicate(self) -> "NodeGroups":
+        """New groups with the same nodes, with the world group's timeout; collective (see
+        ``collectives.duplicate_group``)."""
+        return _split(self.local_size, self.nodes, self.rank, flat.world_timeout())
+
+    def allreduce_mean_(self, buffer: torch.Tensor, stats: Optional[CommStats] = None) -> torch.Tensor:
+        return allreduce_mean_(buffer, self, stats)
+
+    def compressed_allreduce(self, buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+                             stats: Optional[CommStats] = None) -> torch.Tensor:
+        return compressed_allreduce(buffer, worker_error, server_error, self, stats)
 
     def __repr__(self) -> str:
         return (f"NodeGroups(nodes={self.nodes}, local_size={self.local_size}, rank={self.rank}: "
@@ -125,11 +143,6 @@ def _split(L: int, N: int, rank: int, timeout=None) -> NodeGroups:
     return NodeGroups(intra=intra, inter=inter, local_size=L, nodes=N, rank=rank)
 
 
-def duplicate(groups: NodeGroups, timeout) -> NodeGroups:
-    """New groups with the same nodes (``collectives.duplicate_group``); collective."""
-    return _split(groups.local_size, groups.nodes, groups.rank, timeout)
-
-
 def _as_int(raw: Any) -> Optional[int]:
     if isinstance(raw, bool):
         return None
@@ -147,7 +160,7 @@ def error_sizes(D: int, group: Union[None, Any, NodeGroups] = None) -> Tuple[int
     """``(worker, server)``: the numbers of elements of the two error buffers that
     ``compressed_allreduce`` keeps for a buffer of ``D`` elements over ``group``: ``(D, D/n)`` for
     a process group of ``n`` ranks, ``(D/L, D/n)`` for a ``NodeGroups`` of ``n = N L`` ranks."""
-    n = flat.world_size_of(group)
+    n = group.world_size if isinstance(group, NodeGroups) else flat.world_size_of(group)
     if D != flat.padded_size(D, n):
         raise ValueError(f"D = {D} is not a multiple of {8 * n} ({n} ranks): use padded_size(d, {n}) = "
                          f"{flat.padded_size(D, n)}")

@@ -1,0 +1,62 @@
+"""The collectives for either kind of group a user may pass: a process group (or None, the
+world), which the flat collectives of ``collectives.py`` serve, or a ``NodeGroups``
+(``hierarchy.node_groups()``), which brings its own. The one place that tells them apart, above
+both modules (``hierarchy`` builds on ``collectives``; neither imports this one).
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from onebitlamb.comm import collectives as flat
+from onebitlamb.comm.hierarchy import NodeGroups
+from onebitlamb.comm.stats import CommStats
+
+Group = Union[dist.ProcessGroup, NodeGroups, None]
+
+
+def world_size_of(group: Group = None) -> int:
+    """The group's number of ranks (``N * L`` for a ``NodeGroups``); 1 when torch.distributed is
+    not initialised."""
+    return group.world_size if isinstance(group, NodeGroups) else flat.world_size_of(group)
+
+
+def rank_of(group: Group = None) -> int:
+    """This rank's index in ``group`` (its world rank for a ``NodeGroups``); 0 when torch.distributed
+    is not initialised."""
+    return group.rank if isinstance(group, NodeGroups) else flat.rank_of(group)
+
+
+def spanning_group(group: Group = None) -> Optional[dist.ProcessGroup]:
+    """The one process group holding every rank of ``group``, for checks that gather a value from
+    every rank: itself, or the world for a ``NodeGroups``."""
+    return group.spanning_group if isinstance(group, NodeGroups) else group
+
+
+def duplicate_group(group: Group = None) -> Group:
+    """A second group of the same kind over the same ranks, for a thread's own collectives;
+    collective (``collectives.duplicate_group``)."""
+    return group.duplicate() if isinstance(group, NodeGroups) else flat.duplicate_group(group)
+
+
+def allreduce_mean_(buffer: torch.Tensor, group: Group = None, stats: Optional[CommStats] = None) -> torch.Tensor:
+    """Average ``buffer`` over the group in place (``collectives.allreduce_mean_``; over node groups,
+    exact inside each node and across nodes: ``hierarchy.allreduce_mean_``)."""
+    if isinstance(group, NodeGroups):
+        return group.allreduce_mean_(buffer, stats)
+    return flat.allreduce_mean_(buffer, group, stats)
+
+
+def compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+                         group: Group = None, stats: Optional[CommStats] = None, *,
+                         fused: Optional[bool] = None) -> torch.Tensor:
+    """The error-compensated 1-bit average of ``buffer`` over ``group``, written into ``buffer``:
+    ``collectives.compressed_allreduce`` (its docstring has the arguments and the maths) over a
+    process group; over a ``NodeGroups``, ``hierarchy.compressed_allreduce`` (node reduce-scatter,
+    the flat 1-bit all-reduce across nodes, node all-gather), whose errors have
+    ``error_sizes(D, group)`` elements."""
+    if isinstance(group, NodeGroups):
+        return group.compressed_allreduce(buffer, worker_error, server_error, stats)
+    return flat.compressed_allreduce(buffer, worker_error, server_error, group, stats, fused=fused)
