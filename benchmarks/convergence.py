@@ -25,7 +25,7 @@ import sys
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from benchmarks.report import command_line, heading, table_row, write_section
-from onebitlamb.train.pretrain import PRESETS
+from onebitlamb.train.config import PRESETS
 FIRST_SEED = 1234
 TITLE = "Convergence: 1-bit LAMB against LAMB with the defaults"
 

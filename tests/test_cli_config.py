@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import onebitlamb
-from onebitlamb.train import compare, pretrain
+from onebitlamb.train import compare, config, loop, pretrain
 
 PRETRAIN_FLAGS = {"--preset", "--optimizer", "--out", "--resume", "--overwrite", "--seed", "--steps", "--global-batch",
                   "--micro-batch", "--workers", "--lr", "--warmup-frac", "--weight-decay", "--clip", "--freeze",
@@ -29,7 +29,7 @@ def _flags(parser):
 
 def cfg(*flags, optimizer=None):
     args = _parser(pretrain).parse_args(["--preset", "tiny", "--out", "a", *flags])
-    return pretrain.config_from_args(args, optimizer=optimizer)
+    return config.config_from_args(args, optimizer=optimizer)
 
 
 def test_pretrain_and_compare_have_the_same_flags_but_the_optimizers():
@@ -42,10 +42,10 @@ def test_the_exchange_flags_reach_the_optimizer():
     def groups():  # torch.optim writes the defaults into the groups it is given
         return [{"params": [torch.nn.Parameter(torch.zeros(3))], "weight_decay": 0.0}]
 
-    opt = pretrain.make_optimizer(cfg("--warmup-dtype", "bfloat16", "--bucket-cap-mb", "0.5"), groups())
+    opt = loop.make_optimizer(cfg("--warmup-dtype", "bfloat16", "--bucket-cap-mb", "0.5"), groups())
     assert opt.defaults["warmup_dtype"] == "bfloat16" and opt.defaults["bucket_cap_mb"] == 0.5
     assert opt.exchange.overlap_with_backward and opt.exchange.warmup_dtype == torch.bfloat16
-    lamb = pretrain.make_optimizer(cfg("--warmup-dtype", "bfloat16", optimizer="lamb"), groups())
+    lamb = loop.make_optimizer(cfg("--warmup-dtype", "bfloat16", optimizer="lamb"), groups())
     assert lamb.exchange.warmup_dtype == torch.float32  # the exact baseline stays float32
     for bad in (["--warmup-dtype", "float16"], ["--bucket-cap-mb", "x"]):
         with pytest.raises(SystemExit):
@@ -53,7 +53,7 @@ def test_the_exchange_flags_reach_the_optimizer():
 
 
 def test_every_flag_is_a_field_with_a_help_and_the_rest_are_preset_only():
-    fields = {f.name: f for f in dataclasses.fields(pretrain.TrainConfig)}
+    fields = {f.name: f for f in dataclasses.fields(config.TrainConfig)}
     dests = {a.dest for a in _parser(pretrain)._actions if a.option_strings and a.dest != "help"}
     assert dests == {name for name, f in fields.items() if "help" in f.metadata}
     for name in ("hidden", "layers", "beta1", "eps", "mask_prob", "heldout_fraction", "dropout"):
@@ -65,8 +65,8 @@ def test_every_flag_is_a_field_with_a_help_and_the_rest_are_preset_only():
 
 
 def test_flags_override_the_preset_which_overrides_the_defaults():
-    demo = pretrain.config_from_args(_parser(pretrain).parse_args(["--out", "a"]))
-    assert demo == pretrain.TrainConfig(out="a") and demo.preset == "demo" and demo.steps == 512
+    demo = config.config_from_args(_parser(pretrain).parse_args(["--out", "a"]))
+    assert demo == config.TrainConfig(out="a") and demo.preset == "demo" and demo.steps == 512
     tiny = cfg()
     assert (tiny.steps, tiny.hidden, tiny.workers, tiny.seed) == (8, 32, 2, 1234)
     assert cfg("--steps", "20", "--seed", "7").steps == 20 and cfg("--seed", "7").seed == 7
@@ -76,21 +76,21 @@ def test_flags_override_the_preset_which_overrides_the_defaults():
 
 
 def test_presets():
-    assert {"tiny", "demo", "b512", "b1024", "b4096", "large"} <= set(pretrain.PRESETS)
+    assert {"tiny", "demo", "b512", "b1024", "b4096", "large"} <= set(config.PRESETS)
     for name, (batch, steps, every) in {"b512": (512, 128, 16), "b1024": (1024, 400, 50),
                                         "b4096": (4096, 100, 20)}.items():
-        c = pretrain.config_from_args(_parser(pretrain).parse_args(["--preset", name, "--out", "a"]))
+        c = config.config_from_args(_parser(pretrain).parse_args(["--preset", name, "--out", "a"]))
         assert (c.global_batch, c.steps, c.eval_every) == (batch, steps, every)
         assert dataclasses.replace(c, global_batch=256, steps=512, eval_every=32, preset="demo") == \
-            pretrain.TrainConfig(out="a")  # demo plus those three
+            config.TrainConfig(out="a")  # demo plus those three
 
 
 def test_learning_rate_defaults_per_optimizer():
     assert cfg(optimizer="lamb").lr == cfg(optimizer="onebitlamb").lr == 2e-2
     assert cfg(optimizer="onebitadam").lr == 2e-3
     assert cfg("--lr", "1e-3", optimizer="onebitadam").lr == 1e-3
-    large = pretrain.config_from_args(_parser(pretrain).parse_args(["--preset", "large", "--out", "a"]),
-                                      optimizer="onebitadam")
+    large = config.config_from_args(_parser(pretrain).parse_args(["--preset", "large", "--out", "a"]),
+                                    optimizer="onebitadam")
     assert large.lr == 2e-3  # no rates of its own
 
 
@@ -108,13 +108,13 @@ def test_a_bad_freeze_is_refused_by_name(bad, capsys):
     err = capsys.readouterr().err
     assert "--freeze" in err and repr(bad) in err
     with pytest.raises(ValueError, match="freeze.*" + repr(bad)):
-        pretrain.TrainConfig(out="a", freeze=bad)
+        config.TrainConfig(out="a", freeze=bad)
 
 
 def test_resume_refuses_every_changed_setting_but_the_output_and_display():
     def changed(saved_flags, now_flags, optimizer="onebitlamb"):
         saved = dataclasses.asdict(cfg(*saved_flags, optimizer=optimizer))
-        return set(pretrain.changed_settings(cfg(*now_flags, optimizer=optimizer), saved))
+        return set(config.changed_settings(cfg(*now_flags, optimizer=optimizer), saved))
 
     assert changed([], ["--out", "b", "--cache-dir", "c", "--resume", "--stop-after-steps", "3", "--no-progress",
                         "--threads", "2"]) == set()
@@ -125,7 +125,7 @@ def test_resume_refuses_every_changed_setting_but_the_output_and_display():
     assert changed(["--freeze", "0.35"], [], optimizer="onebitadam") == {"freeze"}
     assert changed(["--freeze", "0.35"], [], optimizer="lamb") == set()  # LAMB never freezes
     assert changed([], [], optimizer="lamb") == set()
-    assert set(pretrain.changed_settings(cfg(), dataclasses.asdict(cfg(optimizer="lamb")))) == {"optimizer"}
+    assert set(config.changed_settings(cfg(), dataclasses.asdict(cfg(optimizer="lamb")))) == {"optimizer"}
 
 
 BAD_VALUES = [
@@ -160,12 +160,12 @@ def test_a_bad_value_is_refused_at_the_start_by_flag_and_value(flag, value, rule
                                         ("eps", float("nan")), ("hidden", 0), ("seq_len", -1)])
 def test_a_bad_preset_setting_is_refused_by_name(name, value):
     with pytest.raises(ValueError, match=f"the preset setting {name} must be"):
-        pretrain.TrainConfig(out="a", **{name: value})
+        config.TrainConfig(out="a", **{name: value})
 
 
 def test_every_preset_and_the_edges_are_accepted():
-    for preset in pretrain.PRESETS:
-        pretrain.config_from_args(_parser(pretrain).parse_args(["--preset", preset, "--out", "a"]))
+    for preset in config.PRESETS:
+        config.config_from_args(_parser(pretrain).parse_args(["--preset", preset, "--out", "a"]))
     ok = cfg("--warmup-frac", "0", "--clip", "0", "--weight-decay", "0", "--stop-after-steps", "0", "--lr", "0")
     assert (ok.warmup_frac, ok.clip, ok.weight_decay, ok.stop_after_steps, ok.lr) == (0, 0, 0, 0, 0)
     assert cfg("--overwrite").overwrite and not cfg().overwrite

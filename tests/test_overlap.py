@@ -212,7 +212,8 @@ def test_the_main_job_exchanges_behind_its_last_micro_batch_unless_it_clips(tmp_
     import email
     import os
 
-    from onebitlamb.train.pretrain import PRESETS, TrainConfig, train
+    from onebitlamb.train.config import PRESETS, TrainConfig
+    from onebitlamb.train.pretrain import train
 
     for clip in (0.0, 1.0):
         cfg = TrainConfig(**{**PRESETS["tiny"], "out": str(tmp_path / f"clip{clip}"), "progress": False,

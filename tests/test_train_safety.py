@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from onebitlamb import cli
-from onebitlamb.train import pretrain
+from onebitlamb.train import checkpoints, config, loop, pretrain, ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config(out, **kw):
-    return pretrain.TrainConfig(**{**pretrain.PRESETS["tiny"], "out": str(out), **kw})
+    return config.TrainConfig(**{**config.PRESETS["tiny"], "out": str(out), **kw})
 
 
 def _write(path, text="x"):
@@ -48,7 +48,7 @@ def test_an_earlier_run_is_refused_before_anything_starts(tmp_path, capsys):
     _earlier_run(tmp_path)
     before = _tree(tmp_path)
     with pytest.raises(ValueError, match="--resume.*--overwrite"):
-        pretrain.prepare_out_dir(_config(tmp_path))
+        checkpoints.prepare_out_dir(_config(tmp_path))
     code = cli.main(["pretrain", "--preset", "tiny", "--out", str(tmp_path), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "holds an earlier run" in err and "--resume" in err and "--overwrite" in err
@@ -57,17 +57,17 @@ def test_an_earlier_run_is_refused_before_anything_starts(tmp_path, capsys):
     for i, sign in enumerate(["metrics.json", "ckpt-0000003/model.pt", "checkpoint.json"]):
         _write(str(tmp_path / f"only{i}" / sign))
         with pytest.raises(ValueError, match="earlier run"):
-            pretrain.prepare_out_dir(_config(tmp_path / f"only{i}"))
+            checkpoints.prepare_out_dir(_config(tmp_path / f"only{i}"))
         assert _tree(tmp_path / f"only{i}") == [sign]
     # a folder with nothing of a run in it is used as it is
     _write(str(tmp_path / "fresh" / "ckpt-notes" / "todo.txt"))
-    pretrain.prepare_out_dir(_config(tmp_path / "fresh"))
+    checkpoints.prepare_out_dir(_config(tmp_path / "fresh"))
     assert _tree(tmp_path / "fresh") == ["ckpt-notes/todo.txt"]
 
 
 def test_overwrite_removes_the_runs_own_files_and_nothing_else(tmp_path, capsys):
     _earlier_run(tmp_path)
-    pretrain.prepare_out_dir(_config(tmp_path, overwrite=True))
+    checkpoints.prepare_out_dir(_config(tmp_path, overwrite=True))
     assert _tree(tmp_path) == ["cache/corpus-x/blocks.pt", "ckpt-0000006/model.pt", "ckpt-0000006/notes.txt",
                                "ckpt-notes/todo.txt", "notes.txt", "plots/loss.png"]
     err = capsys.readouterr().err
@@ -82,7 +82,7 @@ def test_a_link_is_never_followed(tmp_path):
     _write(str(out / "metrics.json"))
     os.symlink(elsewhere, out / "ckpt-0000002")
     os.symlink(elsewhere / "model.pt", out / "model_final.pt")
-    pretrain.prepare_out_dir(_config(out, overwrite=True))
+    checkpoints.prepare_out_dir(_config(out, overwrite=True))
     assert (elsewhere / "model.pt").exists() and os.path.islink(out / "ckpt-0000002")
 
 
@@ -139,9 +139,9 @@ def run_copy(stopped_run, tmp_path, common):
     with open(out / "checkpoint.json") as f:
         pointer = json.load(f)
     args = argparse.ArgumentParser()
-    pretrain.add_arguments(args)
-    cfg = pretrain.config_from_args(args.parse_args([*common, "--optimizer", "onebitlamb", "--out", str(out),
-                                                     "--resume"]))
+    config.add_arguments(args)
+    cfg = config.config_from_args(args.parse_args([*common, "--optimizer", "onebitlamb", "--out", str(out),
+                                                   "--resume"]))
     return out, pointer, cfg
 
 
@@ -156,9 +156,9 @@ def test_the_checkpoint_has_a_manifest_and_resumes(run_copy):
     assert pointer["folder"] == "ckpt-0000003" and pointer["step"] == 3 and pointer["world_size"] == 2
     assert set(pointer["sha256"]) == {"model.pt", "trainer.pt", "rank0.pt", "rank1.pt"} == set(os.listdir(folder))
     for name, digest in pointer["sha256"].items():
-        assert pretrain._sha256(str(folder / name)) == digest
+        assert checkpoints._sha256(str(folder / name)) == digest
         torch.load(folder / name, weights_only=True)  # plain data
-    pretrain.check_resumable(cfg)
+    checkpoints.check_resumable(cfg)
 
 
 @pytest.mark.parametrize("damage", ["flip a byte of model.pt", "truncate rank1.pt", "remove trainer.pt"])
@@ -175,7 +175,7 @@ def test_a_damaged_file_is_named_at_the_start(run_copy, damage, capsys):
     else:
         path.unlink()
     with pytest.raises(ValueError, match=name):
-        pretrain.check_resumable(cfg)
+        checkpoints.check_resumable(cfg)
     code = cli.main(["pretrain", *_flags(cfg), "--resume"])
     err = capsys.readouterr().err
     assert code == 2 and name in err and "Traceback" not in err and "EOFError" not in err
@@ -188,7 +188,7 @@ def test_a_missing_rank_file_is_refused_at_the_start(run_copy):
     pointer["sha256"].pop("rank1.pt", None)
     (out / "checkpoint.json").write_text(json.dumps(pointer))
     with pytest.raises(ValueError, match="some rank's file is missing"):
-        pretrain.check_resumable(cfg)
+        checkpoints.check_resumable(cfg)
 
 
 def _flags(cfg):
@@ -226,12 +226,12 @@ def test_a_planted_trainer_pt_runs_no_code(run_copy, tmp_path, manifest, capsys)
     marker = tmp_path / "planted-code-ran"
     _plant(trainer, marker)
     if manifest == "updated":  # whoever can write the file can write the pointer too
-        pointer["sha256"]["trainer.pt"] = pretrain._sha256(str(trainer))
+        pointer["sha256"]["trainer.pt"] = checkpoints._sha256(str(trainer))
     elif manifest == "absent":  # a checkpoint as written before the manifest existed
         del pointer["sha256"]
     _set_pointer(out, pointer)
     with pytest.raises(ValueError, match="trainer.pt"):
-        pretrain.check_resumable(cfg)
+        checkpoints.check_resumable(cfg)
     code = cli.main(["pretrain", *_flags(cfg), "--resume"])
     err = capsys.readouterr().err
     assert code == 2 and "trainer.pt" in err
@@ -245,10 +245,10 @@ def test_a_planted_rank_file_runs_no_code_in_the_workers(run_copy, tmp_path):
     rank1 = out / "ckpt-0000003" / "rank1.pt"
     marker = tmp_path / "planted-code-ran"
     _plant(rank1, marker)
-    pointer["sha256"]["rank1.pt"] = pretrain._sha256(str(rank1))
+    pointer["sha256"]["rank1.pt"] = checkpoints._sha256(str(rank1))
     _set_pointer(out, pointer)
     with pytest.raises(ValueError, match="rank1.pt.*weights_only"):
-        pretrain._load_checkpoint_file(str(out), pointer, "rank1.pt", "cpu")
+        checkpoints._load_checkpoint_file(str(out), pointer, "rank1.pt", "cpu")
     assert not marker.exists()
 
 
@@ -262,7 +262,7 @@ def test_checkpoint_json_must_name_a_plain_folder_inside_out(run_copy, tmp_path,
     _set_pointer(out, pointer)
     before = _tree(tmp_path)
     with pytest.raises(ValueError, match="checkpoint folder|not a folder inside"):
-        pretrain.check_resumable(cfg)
+        checkpoints.check_resumable(cfg)
     assert cli.main(["pretrain", *_flags(cfg), "--resume"]) == 2
     assert repr(folder) in capsys.readouterr().err
     assert _tree(tmp_path) == before  # nothing removed, here or there
@@ -273,15 +273,15 @@ def test_a_linked_checkpoint_folder_is_refused(run_copy, tmp_path):
     shutil.move(out / "ckpt-0000003", tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", out / "ckpt-0000003")
     with pytest.raises(ValueError, match="link"):
-        pretrain.check_resumable(cfg)
+        checkpoints.check_resumable(cfg)
 
 
 def test_a_non_plain_object_is_refused_when_saving_not_when_resuming():
-    pretrain._check_plain({"a": [1, 2.0, (3, None)], "t": torch.zeros(2), "s": "x", "d": torch.float32}, "x.pt")
+    checkpoints._check_plain({"a": [1, 2.0, (3, None)], "t": torch.zeros(2), "s": "x", "d": torch.float32}, "x.pt")
     with pytest.raises(TypeError, match=r"trainer.pt\['history'\]\['f'\] is a Fraction"):
         from fractions import Fraction
 
-        pretrain._check_plain({"history": {"f": Fraction(1, 3)}}, "trainer.pt")
+        checkpoints._check_plain({"history": {"f": Fraction(1, 3)}}, "trainer.pt")
 
 
 class _Stub:
@@ -296,10 +296,12 @@ def test_the_previous_checkpoint_is_removed_only_after_the_switch(tmp_path, monk
     cfg = _config(tmp_path, workers=1)
     model = torch.nn.Linear(2, 2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(model.parameters(), lr=1.0), lambda s: 1.0)
-    save = lambda step: pretrain.save_checkpoint(cfg, 0, 1, step, model, _Stub(), scheduler, {"steps": []}, "cpu")
+    store, state = checkpoints.CheckpointStore(cfg, 0, 1, "cpu"), checkpoints.TrainState(model, _Stub(), scheduler,
+                                                                                        {"steps": []})
+    save = lambda step: store.save(step, state)
     save(2)
     removed = []
-    real_remove = pretrain._remove_checkpoint_folder
+    real_remove = checkpoints._remove_checkpoint_folder
 
     def remove(folder):
         with open(tmp_path / "checkpoint.json") as f:
@@ -307,21 +309,21 @@ def test_the_previous_checkpoint_is_removed_only_after_the_switch(tmp_path, monk
         removed.append(os.path.basename(folder))
         return real_remove(folder)
 
-    monkeypatch.setattr(pretrain, "_remove_checkpoint_folder", remove)
+    monkeypatch.setattr(checkpoints, "_remove_checkpoint_folder", remove)
     # a crash while writing the next checkpoint: the previous one is still named and whole
-    real_save = pretrain.atomic_save
-    monkeypatch.setattr(pretrain, "atomic_save",
+    real_save = checkpoints.atomic_save
+    monkeypatch.setattr(checkpoints, "atomic_save",
                         lambda obj, path: (_ for _ in ()).throw(OSError("disk full")) if "trainer" in path
                         else real_save(obj, path))
     with pytest.raises(OSError):
         save(4)
-    assert pretrain.read_pointer(str(tmp_path))["folder"] == "ckpt-0000002" and removed == []
+    assert checkpoints.read_pointer(str(tmp_path))["folder"] == "ckpt-0000002" and removed == []
     for name in ("model.pt", "trainer.pt", "rank0.pt"):
-        pretrain._load_checkpoint_file(str(tmp_path), pretrain.read_pointer(str(tmp_path)), name, "cpu")
-    monkeypatch.setattr(pretrain, "atomic_save", real_save)
+        checkpoints._load_checkpoint_file(str(tmp_path), checkpoints.read_pointer(str(tmp_path)), name, "cpu")
+    monkeypatch.setattr(checkpoints, "atomic_save", real_save)
     save(4)
     assert removed == ["ckpt-0000002"] and not (tmp_path / "ckpt-0000002").exists()
-    assert pretrain.read_pointer(str(tmp_path))["step"] == 4
+    assert checkpoints.read_pointer(str(tmp_path))["step"] == 4
 
 
 # ---- a non-finite loss
@@ -347,7 +349,7 @@ def test_a_diverging_run_stops_with_an_error_and_keeps_the_last_good_checkpoint(
     # it stops the same way when resumed from there, and compare reports it as a failure too
     proc = _cli("pretrain", *flags, "--resume")
     assert proc.returncode == 1 and "step 4" in proc.stderr
-    assert pretrain.read_pointer(str(tmp_path))["step"] == 2
+    assert checkpoints.read_pointer(str(tmp_path))["step"] == 2
     compared = tmp_path / "compare"
     proc = _cli("compare", *common, "--optimizers", "lamb", "--lr", "1e4", "--out", str(compared))
     assert proc.returncode == 1 and "step 4" in proc.stderr
@@ -364,7 +366,7 @@ def test_non_finite_parameters_are_never_saved(tmp_path, common, monkeypatch):
     corpus, cache = common[common.index("--corpus") + 1], common[common.index("--cache-dir") + 1]
     cfg = _config(tmp_path / "out", optimizer="lamb", workers=1, ckpt_every=1, corpus=[corpus], cache_dir=cache,
                   progress=False)
-    make_optimizer = pretrain.make_optimizer
+    make_optimizer = loop.make_optimizer
 
     def poisoned(cfg, groups):
         optimizer = make_optimizer(cfg, groups)
@@ -381,19 +383,19 @@ def test_non_finite_parameters_are_never_saved(tmp_path, common, monkeypatch):
         optimizer.step = types.MethodType(poisoning_step, optimizer)  # a method, as the scheduler expects
         return optimizer
 
-    monkeypatch.setattr(pretrain, "make_optimizer", poisoned)
+    monkeypatch.setattr(loop, "make_optimizer", poisoned)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        pretrain.prepare_out_dir(cfg)
-        result = pretrain.train_rank(0, 1, cfg)
+        checkpoints.prepare_out_dir(cfg)
+        result = loop.train_rank(0, 1, cfg)
     finally:
         dist.destroy_process_group()
         for s, h in handlers.items():
             signal.signal(s, h)
     assert result["error"] and "parameters are not finite after step 3" in result["error"]
     assert "ckpt-0000002, step 2) is kept" in result["error"] and pretrain.exit_code(result) == 1
-    assert pretrain.read_pointer(cfg.out)["step"] == 2 and not (tmp_path / "out" / "ckpt-0000003").exists()
+    assert checkpoints.read_pointer(cfg.out)["step"] == 2 and not (tmp_path / "out" / "ckpt-0000003").exists()
     model = torch.load(tmp_path / "out" / "ckpt-0000002" / "model.pt", weights_only=True)
     assert all(torch.isfinite(t).all() for t in model.values())
     assert not (tmp_path / "out" / "metrics.json").exists()
@@ -401,7 +403,7 @@ def test_non_finite_parameters_are_never_saved(tmp_path, common, monkeypatch):
 
 def _shared_out_check(rank, world, folders):
     try:
-        pretrain.check_shared_out(folders[rank], rank, world)
+        ranks.check_shared_out(folders[rank], rank, world)
     except ValueError as exc:
         return str(exc)
     return sorted(os.listdir(folders[rank]))
@@ -430,7 +432,7 @@ def _ranks_agree_check(rank, world, drift):
         with torch.no_grad():
             model.bias[0] += 1e-6
     try:
-        pretrain.check_ranks_agree(model, rank, world, 12, torch.device("cpu"))
+        ranks.check_ranks_agree(model, rank, world, 12, torch.device("cpu"))
     except RuntimeError as exc:
         return str(exc)
     return None

@@ -20,14 +20,17 @@ import sys
 import time
 from typing import Dict, List
 
-from onebitlamb.train import pretrain
+from onebitlamb.train import config, pretrain
+from onebitlamb.train.checkpoints import existing_run
+from onebitlamb.train.loop import RankTimeout
+from onebitlamb.train.ranks import under_torchrun
 from onebitlamb.train.plots import LABELS, plot_compare, plot_diagnostics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """pretrain's flags, with --optimizers instead of --optimizer."""
-    pretrain.add_arguments(parser, skip=("optimizer",))
-    parser.add_argument("--optimizers", nargs="+", choices=pretrain.OPTIMIZERS, default=list(pretrain.OPTIMIZERS),
+    config.add_arguments(parser, skip=("optimizer",))
+    parser.add_argument("--optimizers", nargs="+", choices=config.OPTIMIZERS, default=list(config.OPTIMIZERS),
                         help="which to run (default: all three; LAMB is the reference of the table)")
 
 
@@ -42,18 +45,18 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return _run(args)
-    except pretrain.SetupError as exc:
+    except config.SetupError as exc:
         print(f"onebitlamb compare: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    except (pretrain.RankTimeout, WorkerError) as exc:
+    except (RankTimeout, WorkerError) as exc:
         return pretrain.report_timeout(exc, "onebitlamb compare")
 
 
 def _run(args: argparse.Namespace) -> int:
     args.cache_dir = args.cache_dir or os.path.join(args.out, "cache")  # one tokenized corpus for all
     # under torchrun every process runs this; rank 0 alone writes the results
-    master = not pretrain.under_torchrun() or int(os.environ["RANK"]) == 0
-    configs = {name: pretrain.config_from_args(args, optimizer=name, out=os.path.join(args.out, name))
+    master = not under_torchrun() or int(os.environ["RANK"]) == 0
+    configs = {name: config.config_from_args(args, optimizer=name, out=os.path.join(args.out, name))
                for name in args.optimizers}
     check_out_dir(args, configs, remove=master)
     runs: Dict[str, dict] = {}
@@ -107,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_out_dir(args: argparse.Namespace, configs: Dict[str, "pretrain.TrainConfig"], remove: bool) -> None:
+def check_out_dir(args: argparse.Namespace, configs: Dict[str, "config.TrainConfig"], remove: bool) -> None:
     """Before any run starts: without --resume, an earlier comparison or run in OUT is refused
     (--overwrite removes their own files, nothing else); with it, a finished run is reused only
     if its settings are the ones asked for."""
@@ -117,18 +120,18 @@ def check_out_dir(args: argparse.Namespace, configs: Dict[str, "pretrain.TrainCo
             metrics_path = os.path.join(cfg.out, "metrics.json")
             if os.path.exists(metrics_path):
                 with open(metrics_path) as f:
-                    changed = pretrain.changed_settings(cfg, json.load(f).get("config", {}))
+                    changed = config.changed_settings(cfg, json.load(f).get("config", {}))
                 if changed:
-                    raise pretrain.SetupError(f"--resume: the finished run {cfg.out} has different settings "
-                                              f"(saved, now): {changed}")
+                    raise config.SetupError(f"--resume: the finished run {cfg.out} has different settings "
+                                            f"(saved, now): {changed}")
         else:
-            found += [f"{name}/{x}" for x in pretrain.existing_run(cfg.out)]
+            found += [f"{name}/{x}" for x in existing_run(cfg.out)]
     if not args.resume:
         found = [f for f in COMPARE_FILES if os.path.isfile(os.path.join(args.out, f))] + found
     if found and not args.overwrite:
-        raise pretrain.SetupError(f"{args.out} holds an earlier comparison ({', '.join(found)}): continue it with "
-                                  f"--resume, or start over with --overwrite (which removes the runs' own files "
-                                  f"only), or choose another --out")
+        raise config.SetupError(f"{args.out} holds an earlier comparison ({', '.join(found)}): continue it with "
+                                f"--resume, or start over with --overwrite (which removes the runs' own files "
+                                f"only), or choose another --out")
     if remove:
         os.makedirs(args.out, exist_ok=True)
         if args.overwrite:

@@ -1,6 +1,6 @@
 """Figures of a comparison (or of a single run): convergence, communication, per-layer diagnostics.
 
-Each function takes ``{optimizer name: metrics dict}`` as written by ``pretrain.write_metrics``.
+Each function takes ``{optimizer name: metrics dict}`` as written by ``metrics.write_metrics``.
 """
 from __future__ import annotations
 

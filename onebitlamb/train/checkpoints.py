@@ -1,0 +1,351 @@
+"""The checkpoint store and OUT's files: OUT/ckpt-<step>/{model.pt, trainer.pt, rank<r>.pt},
+OUT/checkpoint.json naming the last.
+
+Every file is written to a temporary name, flushed and renamed; checkpoint.json is switched to a
+new folder only after every rank has written its file and rank 0 has checked each file on disk
+against the sha256 its writer computed, and the previous folder is removed only after that switch:
+a crash at any point leaves the previous complete checkpoint in place. checkpoint.json holds those
+sha256 (the manifest), checked again on --resume. Every file is plain data (tensors, numbers,
+strings, lists, dicts), loaded with ``weights_only=True``: a planted pickle runs no code.
+(Multi-node runs need OUT on a shared file system.)
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+import onebitlamb
+from onebitlamb.train import runlog
+from onebitlamb.train.config import SetupError, TrainConfig, changed_settings
+from onebitlamb.train.data import atomic_save
+from onebitlamb.train.ranks import agree_any, barrier, check_ranks_agree, gather_digests
+
+POINTER = "checkpoint.json"
+CKPT_FOLDER = re.compile(r"ckpt-[0-9]{7,}")
+# what a run writes into OUT (with the temporary names it writes them under first) and into a
+# checkpoint folder: --overwrite removes these and nothing else
+RUN_FILE = re.compile(r"(checkpoint|metrics)\.json(\.tmp)?|config\.json|(freeze|curves)\.png|log\.csv"
+                      r"|model_final\.pt(\.tmp\.[0-9]+)?")
+CKPT_FILE = re.compile(r"(model|trainer|rank[0-9]+)\.pt(\.tmp\.[0-9]+)?")
+EVENTS_FILE = re.compile(r"events\.out\.tfevents\..+")  # in OUT/tensorboard (runlog.py)
+RANK_FILE = re.compile(r"rank([0-9]+)\.pt")
+
+
+def checkpoint_folder(step: int) -> str:
+    return f"ckpt-{step:07d}"
+
+
+def existing_run(out: str) -> List[str]:
+    """What shows an earlier run in ``out``: its pointer, its results, its checkpoint folders."""
+    if not os.path.isdir(out):
+        return []
+    return sorted(name for name in os.listdir(out)
+                  if name in (POINTER, "metrics.json", "model_final.pt")
+                  or (CKPT_FOLDER.fullmatch(name) and os.path.isdir(os.path.join(out, name))))
+
+
+def refuse_existing_run(cfg: TrainConfig, out: Optional[str] = None) -> List[str]:
+    """Without --resume or --overwrite, an earlier run in OUT is an error that says how to go on.
+    Returns what shows that run (empty when there is none)."""
+    out = cfg.out if out is None else out
+    found = [] if cfg.resume else existing_run(out)
+    if found and not cfg.overwrite:
+        raise SetupError(f"{out} holds an earlier run ({', '.join(found)}): continue it with --resume, or start "
+                         f"over with --overwrite (which removes that run's own files only), or choose another --out")
+    return found
+
+
+def prepare_out_dir(cfg: TrainConfig, remove: bool = True) -> None:
+    """A new run (no --resume): refuse an earlier run in OUT, or with --overwrite remove its files."""
+    refuse_existing_run(cfg)
+    if remove:
+        os.makedirs(cfg.out, exist_ok=True)
+        if cfg.overwrite:
+            removed, left = remove_run_files(cfg.out, keep=(cfg.cache_dir,))
+            if removed:
+                note = f"; left in place (not written by a run): {', '.join(left)}" if left else ""
+                print(f"[{cfg.optimizer}] --overwrite: removed the earlier run's {', '.join(removed)}{note}",
+                      file=sys.stderr, flush=True)
+
+
+def remove_run_files(out: str, keep=()) -> Tuple[List[str], List[str]]:
+    """Remove the files a run writes into ``out``: its pointer, results, and every checkpoint folder
+    (and its TensorBoard folder) that holds nothing else. Returns (removed, left in place); links
+    are never followed."""
+    keep = {os.path.abspath(k) for k in keep if k}
+    removed, left = [], []
+    for name in sorted(os.listdir(out)):
+        path = os.path.join(out, name)
+        if os.path.abspath(path) in keep:
+            continue
+        if os.path.islink(path):
+            left.append(name)
+        elif os.path.isfile(path) and RUN_FILE.fullmatch(name):
+            os.remove(path)
+            removed.append(name)
+        elif os.path.isdir(path) and (CKPT_FOLDER.fullmatch(name) or name == runlog.TENSORBOARD_DIR):
+            others = _remove_checkpoint_folder(path, CKPT_FILE if CKPT_FOLDER.fullmatch(name) else EVENTS_FILE)
+            if others:
+                left.append(f"{name}/ (also holds {', '.join(others)})")
+            else:
+                removed.append(name + "/")
+        else:
+            left.append(name + ("/" if os.path.isdir(path) else ""))
+    return removed, left
+
+
+def _remove_checkpoint_folder(folder: str, files: re.Pattern = CKPT_FILE) -> List[str]:
+    """Remove a checkpoint folder (or another folder of a run's ``files``) if it holds only the
+    files a run writes there; otherwise remove nothing and return the other entries."""
+    names = os.listdir(folder)
+    others = sorted(n for n in names
+                    if not files.fullmatch(n) or os.path.islink(os.path.join(folder, n))
+                    or not os.path.isfile(os.path.join(folder, n)))
+    if others:
+        return others
+    for name in names:
+        os.remove(os.path.join(folder, name))
+    os.rmdir(folder)
+    return []
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint holds of a run besides its config: the model (saved once, by rank 0, as
+    every rank's is the same), this rank's optimizer (with its byte counts), the learning-rate
+    schedule and the run's record (``history``). Each rank's RNG state is saved with it."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    history: dict
+
+
+class CheckpointStore:
+    """One rank's view of the checkpoints in ``cfg.out``: ``save(step, state)`` on every rank
+    together, ``load(state)`` on --resume."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, world: int, device) -> None:
+        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+
+    def save(self, step: int, state: TrainState) -> None:
+        cfg, rank, world, device = self.cfg, self.rank, self.world, self.device
+        check_ranks_agree(state.model, rank, world, step, device)
+        name = checkpoint_folder(step)
+        folder = os.path.join(cfg.out, name)
+        if rank == 0:
+            os.makedirs(folder, exist_ok=True)
+        barrier()
+        own = {"optimizer": state.optimizer.state_dict(), "comm_stats": state.optimizer.comm_stats.state_dict(),
+               "rng": _rng_state()}
+        _check_plain(own, f"rank{rank}.pt")
+        digest = atomic_save(own, os.path.join(folder, f"rank{rank}.pt"))
+        if rank == 0:
+            trainer = {"step": step, "scheduler": state.scheduler.state_dict(), "history": state.history,
+                       "config": dataclasses.asdict(cfg)}
+            _check_plain(trainer, "trainer.pt")
+            files = {"model.pt": atomic_save(state.model.state_dict(), os.path.join(folder, "model.pt")),
+                     "trainer.pt": atomic_save(trainer, os.path.join(folder, "trainer.pt"))}
+        digests = gather_digests(digest, rank, world, device)  # every rank has written its file
+        problem = None
+        if rank == 0:
+            files.update({f"rank{r}.pt": d for r, d in enumerate(digests)})
+            # what is on disk is what each rank wrote: only then does checkpoint.json move to it
+            problem = next((f for f, d in files.items() if _sha256(os.path.join(folder, f)) != d), None)
+            if problem is None:
+                previous = _previous_folder(cfg.out)
+                _write_json(os.path.join(cfg.out, POINTER),
+                            {"folder": name, "step": step, "world_size": world, "sha256": files})
+                if previous and previous != name:  # keep only the latest, removed after the switch
+                    others = _remove_checkpoint_folder(os.path.join(cfg.out, previous))
+                    if others:
+                        print(f"[{cfg.optimizer}] {previous} left in place: it also holds {', '.join(others)}",
+                              file=sys.stderr, flush=True)
+        if agree_any([problem is not None], device)[0]:
+            raise RuntimeError(f"checkpoint of step {step}: {os.path.join(folder, problem or 'a file')} differs on "
+                               f"disk from what was written; {POINTER} still names the previous checkpoint")
+
+    def load(self, state: TrainState) -> int:
+        """Restore ``state`` from the last checkpoint; returns its step (0 when there is none)."""
+        cfg, rank, world, device = self.cfg, self.rank, self.world, self.device
+        pointer = read_pointer(cfg.out)
+        if pointer is None:
+            if rank == 0:
+                print(f"[{cfg.optimizer}] --resume: no checkpoint in {cfg.out}, starting from scratch",
+                      file=sys.stderr)
+            return 0
+        trainer = _load_checkpoint_file(cfg.out, pointer, "trainer.pt", "cpu")
+        _check_settings(cfg, trainer["config"])
+        saved_ranks = len(_rank_files(cfg.out, pointer))
+        if saved_ranks == world:
+            own = _load_checkpoint_file(cfg.out, pointer, f"rank{rank}.pt", device)
+            optimizer_state = own["optimizer"]
+        else:  # another number of ranks: every rank's compression errors, re-sharded
+            saved = [_load_checkpoint_file(cfg.out, pointer, f"rank{r}.pt", device) for r in range(saved_ranks)]
+            own = saved[rank % saved_ranks]  # the byte counts and RNG state of a rank that was
+            optimizer_state = onebitlamb.reshard_state_dicts([s["optimizer"] for s in saved], world)[rank]
+            if rank == 0:
+                print(f"[{cfg.optimizer}] resuming a checkpoint of {saved_ranks} ranks on {world}: the compression "
+                      f"errors are re-sharded (onebitlamb.reshard_state_dicts)", file=sys.stderr)
+        state.model.load_state_dict(_load_checkpoint_file(cfg.out, pointer, "model.pt", device))
+        state.optimizer.load_state_dict(optimizer_state)
+        state.optimizer.comm_stats.load_state_dict(own["comm_stats"])
+        state.scheduler.load_state_dict(trainer["scheduler"])
+        _set_rng_state(own["rng"])
+        state.history = trainer["history"]
+        return trainer["step"]
+
+
+def check_resumable(cfg: TrainConfig) -> None:
+    """Before any worker starts, refuse a checkpoint that cannot be resumed: checkpoint.json naming
+    anything but a ``ckpt-<digits>`` folder inside OUT, a file missing, damaged (its sha256 is not
+    the manifest's) or not plain data, or settings that change the numbers (changed_settings). A
+    checkpoint of another number of ranks resumes, re-sharded (CheckpointStore.load)."""
+    pointer = read_pointer(cfg.out)
+    if pointer is None:
+        return
+    folder = os.path.join(cfg.out, pointer["folder"])
+    ranks = _rank_files(cfg.out, pointer)
+    if not ranks or ranks != list(range(pointer.get("world_size", len(ranks)))):
+        raise SetupError(f"the checkpoint {folder} of {pointer.get('world_size', '?')} ranks holds the files of "
+                         f"ranks {ranks}: some rank's file is missing")
+    for name in ("trainer.pt", "model.pt", *(f"rank{r}.pt" for r in ranks)):
+        loaded = _load_checkpoint_file(cfg.out, pointer, name, "cpu")
+        if name == "trainer.pt":
+            _check_settings(cfg, loaded["config"])
+
+
+def _rank_files(out: str, pointer: dict) -> List[int]:
+    """The ranks whose files the checkpoint holds (by its manifest, or its folder before manifests)."""
+    names = list(pointer["sha256"]) if "sha256" in pointer else sorted(os.listdir(os.path.join(out, pointer["folder"])))
+    return sorted(int(m.group(1)) for m in map(RANK_FILE.fullmatch, names) if m)
+
+
+def _check_settings(cfg: TrainConfig, saved: dict) -> None:
+    changed = changed_settings(cfg, saved)
+    if changed:
+        raise SetupError(f"--resume with different settings than the checkpoint in {cfg.out} (saved, now): {changed}")
+
+
+def read_pointer(out: str) -> Optional[dict]:
+    """checkpoint.json, or None when there is none. The folder it names must be a plain
+    ``ckpt-<digits>`` folder inside ``out`` (no path, no link): anything else is refused, and
+    nothing is then loaded from it or removed."""
+    path = os.path.join(out, POINTER)
+    try:
+        with open(path) as f:
+            pointer = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise SetupError(f"{path} cannot be read ({exc}); the checkpoint it named cannot be found") from None
+    folder = pointer.get("folder") if isinstance(pointer, dict) else None
+    if not isinstance(folder, str) or not CKPT_FOLDER.fullmatch(folder):
+        raise SetupError(f"{path} names the checkpoint folder {folder!r}: only a plain ckpt-<digits> folder inside "
+                         f"{out} is accepted (no path, no '..'); nothing was loaded or removed")
+    full = os.path.join(out, folder)
+    if os.path.islink(full) or not os.path.isdir(full):
+        raise SetupError(f"{path} names {folder!r}, which is not a folder inside {out} (missing, or a link); "
+                         f"nothing was loaded or removed")
+    if "sha256" in pointer and not isinstance(pointer["sha256"], dict):
+        raise SetupError(f"{path} is damaged: its manifest is not a mapping of files to sha256")
+    return pointer
+
+
+def _previous_folder(out: str) -> Optional[str]:
+    """The folder the current checkpoint.json names, or None (also when it names something that
+    must not be touched)."""
+    try:
+        pointer = read_pointer(out)
+    except SetupError:
+        return None
+    return None if pointer is None else pointer["folder"]
+
+
+def _load_checkpoint_file(out: str, pointer: dict, name: str, map_location):
+    """One file of the checkpoint ``pointer`` names: read once, checked against the manifest (a
+    checkpoint written before the manifest existed is only loaded), loaded as plain data."""
+    path = os.path.join(out, pointer["folder"], name)
+    manifest = pointer.get("sha256")
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except OSError as exc:
+        raise SetupError(f"{path} cannot be read ({exc.strerror or exc}): the checkpoint is incomplete") from None
+    if manifest is not None:
+        if name not in manifest:
+            raise SetupError(f"{path} is not in the manifest of {os.path.join(out, POINTER)}: not loading it")
+        if hashlib.sha256(blob).hexdigest() != manifest[name]:
+            raise SetupError(f"{path} is damaged: its sha256 is not the one recorded when it was written "
+                             f"({POINTER}); not resuming from it")
+    try:
+        return torch.load(io.BytesIO(blob), map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 (unpickling raises many types)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise SetupError(f"{path} cannot be loaded as plain data with weights_only=True ({type(exc).__name__}: "
+                         f"{first}); it was not written by this program as it is: not loading it") from None
+
+
+def _check_plain(obj, where: str, at: str = "") -> None:
+    """A checkpoint holds plain data only (what ``torch.load(weights_only=True)`` reads back):
+    refuse anything else when saving, not when resuming."""
+    if obj is None or type(obj) in (bool, int, float, str, torch.dtype, torch.device, torch.Size):
+        return
+    if type(obj) in (torch.Tensor, torch.nn.Parameter):
+        return
+    if type(obj) in (dict, collections.OrderedDict):
+        for k, v in obj.items():
+            _check_plain(k, where, at)
+            _check_plain(v, where, f"{at}[{k!r}]")
+        return
+    if type(obj) in (list, tuple):
+        for i, v in enumerate(obj):
+            _check_plain(v, where, f"{at}[{i}]")
+        return
+    raise TypeError(f"{where}{at} is a {type(obj).__qualname__}: a checkpoint holds plain data only "
+                    f"(tensors, numbers, strings, lists, dicts), loaded back with weights_only=True")
+
+
+def _sha256(path: str) -> Optional[str]:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,274 @@
+"""The main job's configuration: ``TrainConfig`` (one field a setting, with its default), the
+presets, the command line's flags built from the fields, and what ``--resume`` accepts.
+
+The order in which a run's settings are made: TrainConfig's defaults, then the preset's values,
+then the flags given. Every value is checked here, when the configuration is made, before
+anything starts.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+import onebitlamb
+from onebitlamb.train.model import ModelConfig
+
+OPTIMIZERS = ("lamb", "onebitlamb", "onebitadam")
+# the learning rate of each optimizer unless --lr is given
+DEFAULT_LR = {"lamb": 2e-2, "onebitlamb": 2e-2, "onebitadam": 2e-3}
+
+PRESETS = {
+    # for the tests: a few seconds on 2 workers
+    "tiny": dict(vocab_size=512, seq_len=32, hidden=32, layers=1, heads=2, intermediate=64, workers=2,
+                 micro_batch=4, global_batch=16, steps=8, eval_every=4, eval_samples=32, ckpt_every=2),
+    # `make demo`: the TrainConfig defaults
+    "demo": dict(),
+    # demo at larger global batches (the convergence benchmark's)
+    "b512": dict(global_batch=512, steps=128, eval_every=16),
+    "b1024": dict(global_batch=1024, steps=400, eval_every=50),
+    "b4096": dict(global_batch=4096, steps=100, eval_every=20),
+    # a larger model and corpus, meant for GPUs under torchrun
+    "large": dict(stdlib_tests=True, vocab_size=8192, seq_len=128, hidden=256, layers=4, heads=4,
+                  intermediate=1024, workers=8, micro_batch=32, global_batch=2048, steps=1000, eval_every=50,
+                  eval_samples=2048, ckpt_every=50),
+}
+
+# Settings that may change between a run and its resumption: they do not change the numbers, or
+# only in the last bits: threads (the order of float sums), workers (each step's global batch is
+# the same, split over other ranks, and the compression errors are re-sharded).
+RESUMABLE_CHANGES = {"out", "cache_dir", "resume", "overwrite", "stop_after_steps", "progress", "threads", "workers",
+                     "timeout"}
+
+
+class SetupError(ValueError):
+    """A run refused at its start, before any worker starts: a bad setting, an earlier run in the
+    way, a checkpoint that cannot be trusted. The command line prints the message alone."""
+
+
+def parse_freeze(value: Union[str, float]) -> Union[str, float]:
+    """``"auto"``, or the fraction of the steps after which the 1-bit optimizers freeze, in (0, 1]."""
+    if value == "auto":
+        return value
+    try:
+        fraction = float(value)
+    except (TypeError, ValueError):
+        fraction = math.nan
+    if not 0 < fraction <= 1:  # NaN fails too
+        raise ValueError(f"expected 'auto' or a fraction in (0, 1], got {value!r}")
+    return fraction
+
+
+@dataclass
+class TrainConfig:
+    """One run of the main job. The fields with a help are the command line's flags (the parser is
+    built from them, in this order); the others are set by the presets alone."""
+
+    preset: str = field(default="demo", metadata={
+        "help": "base settings; the defaults below are demo's. tiny: the tests' few seconds, b512/b1024/b4096: "
+                "demo at larger global batches, large: a larger model and corpus for GPUs",
+        "choices": list(PRESETS)})
+    optimizer: str = field(default="onebitlamb", metadata={"help": "what trains the model", "choices": OPTIMIZERS})
+    out: str = field(default="", metadata={"help": "output folder: metrics, checkpoints, plots", "required": True})
+    resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in OUT"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "start over in an OUT that holds a run: remove that run's own files first (nothing else)"})
+    seed: int = field(default=1234, metadata={"help": "seed of the initial model, the data order and the masks"})
+    steps: int = field(default=512, metadata={"help": "optimizer steps"})
+    global_batch: int = field(default=256, metadata={"help": "samples per step over all workers"})
+    micro_batch: int = field(default=16, metadata={
+        "help": "samples per forward pass; each worker accumulates global/(workers x micro) of them"})
+    workers: int = field(default=4, metadata={"help": "local worker processes; torchrun sets its own"})
+    lr: Optional[float] = field(default=None, metadata={
+        "help": "peak learning rate (default: 2e-2 for LAMB and 1-bit LAMB, 2e-3 for 1-bit Adam)"})
+    warmup_frac: float = field(default=0.1, metadata={
+        "help": "fraction of the steps with a linear learning-rate warm-up, then a linear decay to 0",
+        "metavar": "FRACTION"})
+    weight_decay: float = field(default=0.01, metadata={"help": "on weight matrices; none on biases and LayerNorm"})
+    clip: float = field(default=1.0, metadata={"help": "max norm of each worker's local gradient, 0 = off"})
+    freeze: Union[str, float] = field(default="auto", metadata={
+        "help": "1-bit optimizers: when to freeze the variance and start compressing. auto: onebitlamb.AutoFreeze "
+                "with its defaults; a fraction in (0, 1]: after that fraction of the steps", "type": parse_freeze,
+        "metavar": "auto|FRACTION"})
+    warmup_dtype: str = field(default="float32", metadata={
+        "help": "1-bit optimizers: the wire dtype of the warm-up's gradient average (bfloat16: half the bytes)",
+        "choices": ["float32", "bfloat16"]})
+    bucket_cap_mb: Optional[float] = field(default=None, metadata={
+        "help": "send the exchange in buckets of at most this many MiB, each behind the backward as soon as its "
+                "gradients are ready (default: one bucket, sent in the step)", "metavar": "MIB"})
+    local_size: Optional[int] = field(default=None, metadata={
+        "help": "ranks per node: the exchange runs over onebitlamb.comm.node_groups(N), exact inside a node and "
+                "1-bit across nodes (default: one flat group)"})
+    eval_every: int = field(default=32, metadata={"help": "steps between held-out evaluations and diagnostics"})
+    eval_samples: int = field(default=512, metadata={"help": "held-out samples per evaluation"})
+    ckpt_every: int = field(default=64, metadata={"help": "steps between checkpoints"})
+    corpus: Optional[List[str]] = field(default=None, metadata={
+        "help": "text files or folders (default: this Python's standard library)", "metavar": "PATH"})
+    stdlib_tests: bool = field(default=False, metadata={
+        "help": "default corpus: include the standard library's test suites (3x the text)"})
+    cache_dir: str = field(default="", metadata={
+        "help": "where the tokenized corpus is cached (default: OUT/cache)", "metavar": "DIR"})
+    threads: int = field(default=1, metadata={"help": "torch threads per local worker"})
+    progress: bool = field(default=True, metadata={
+        "help": "one plain line per report instead of a progress bar (as when the output is not a terminal)"})
+    stop_after_steps: int = field(default=0, metadata={
+        "help": "checkpoint and stop once N steps are done (0: run to the end)", "metavar": "N"})
+    timeout: float = field(default=600.0, metadata={
+        "help": "seconds a rank waits for the others in a collective before the run ends with an error that "
+                "says where it waited (a rank that died, hung or was paused)", "metavar": "SECONDS"})
+
+    # preset-only; the model's defaults are ModelConfig's
+    heldout_fraction: float = 0.05
+    vocab_size: int = ModelConfig.vocab_size
+    seq_len: int = ModelConfig.seq_len
+    hidden: int = ModelConfig.hidden
+    layers: int = ModelConfig.layers
+    heads: int = ModelConfig.heads
+    intermediate: int = ModelConfig.intermediate
+    dropout: float = ModelConfig.dropout
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-6
+    mask_prob: float = 0.15
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise SetupError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        try:
+            self.freeze = parse_freeze(self.freeze)
+        except ValueError as exc:
+            raise SetupError(f"--freeze: {exc}") from None
+        if self.lr is None:
+            self.lr = DEFAULT_LR[self.optimizer]
+        self._check_values()
+        if not self.cache_dir and self.out:
+            self.cache_dir = os.path.join(self.out, "cache")
+
+    def _check_values(self) -> None:
+        """Every bad value is refused here, at the start, by its flag's name (or the preset
+        setting's) and the value given."""
+        flags = {f.name for f in dataclasses.fields(self) if "help" in f.metadata}
+
+        def refuse(name: str, rule: str) -> None:
+            what = "--" + name.replace("_", "-") if name in flags else f"the preset setting {name}"
+            raise SetupError(f"{what} must be {rule}, got {getattr(self, name)!r}")
+
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                refuse(f.name, "a finite number")
+        for name in ("steps", "global_batch", "micro_batch", "workers", "eval_every", "eval_samples", "ckpt_every",
+                     "threads", "vocab_size", "seq_len", "hidden", "layers", "heads", "intermediate"):
+            if getattr(self, name) < 1:
+                refuse(name, ">= 1")
+        if not self.timeout > 0:
+            refuse("timeout", "> 0")
+        for name in ("stop_after_steps", "lr", "weight_decay", "clip"):
+            if getattr(self, name) < 0:
+                refuse(name, ">= 0")
+        for name in ("warmup_frac", "dropout", "beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                refuse(name, "in [0, 1)")
+        if not 0 < self.heldout_fraction < 1:
+            refuse("heldout_fraction", "in (0, 1)")
+        if not 0 < self.mask_prob <= 1:
+            refuse("mask_prob", "in (0, 1]")
+        if not self.eps > 0:
+            refuse("eps", "> 0")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            refuse("bucket_cap_mb", "> 0")
+        if self.local_size is not None and self.local_size < 1:
+            refuse("local_size", ">= 1")
+        if self.resume and self.overwrite:
+            raise SetupError("--resume continues the run in OUT and --overwrite removes it: give one of them")
+
+    @property
+    def model(self) -> ModelConfig:
+        return ModelConfig(self.vocab_size, self.seq_len, self.hidden, self.layers, self.heads,
+                           self.intermediate, self.dropout)
+
+    @property
+    def warmup_steps(self) -> int:
+        return max(1, round(self.warmup_frac * self.steps))
+
+    def freeze_step(self) -> Union[int, onebitlamb.AutoFreeze]:
+        """The 1-bit optimizers' ``freeze_step``: the automatic policy, or a fixed step."""
+        if self.freeze == "auto":
+            return onebitlamb.AutoFreeze(total_steps=self.steps)
+        return max(1, round(self.freeze * self.steps))
+
+    def check(self, world_size: int) -> None:
+        """What depends on the number of ranks (the values themselves are checked on creation)."""
+        if not self.out:
+            raise SetupError("--out is required")
+        if self.global_batch % (world_size * self.micro_batch):
+            raise SetupError(f"--global-batch {self.global_batch} must be a multiple of workers x micro-batch "
+                             f"= {world_size} x {self.micro_batch}")
+
+
+def _flag_type(hint):
+    """``Optional[X]`` -> (X, None); ``List[X]`` -> (X, "+"); ``X`` -> (X, None)."""
+    if typing.get_origin(hint) is list:
+        return typing.get_args(hint)[0], "+"
+    inner = [a for a in typing.get_args(hint) if a is not type(None)]
+    return _flag_type(inner[0]) if inner else (hint, None)
+
+
+def add_arguments(parser: argparse.ArgumentParser, skip: tuple = ()) -> None:
+    """The flags of ``onebitlamb pretrain``, one per TrainConfig field with a help. Every flag
+    defaults to None here, so that ``config_from_args`` can tell a flag given from the preset's value."""
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        meta = dict(f.metadata)
+        if "help" not in meta or f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if hints[f.name] is bool:  # a switch that turns the default around
+            if f.default:
+                flag = "--no-" + flag[2:]
+            parser.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true",
+                                default=None, help=meta["help"])
+            continue
+        typ, nargs = _flag_type(hints[f.name])
+        if typ is int:
+            meta.setdefault("metavar", "N")
+        shown = f.default not in (None, "", 0) and not meta.get("required") and "(default" not in meta["help"]
+        parse = _with_message(meta.pop("type")) if "type" in meta else typ
+        parser.add_argument(flag, dest=f.name, type=parse, nargs=nargs, default=None,
+                            help=meta.pop("help") + (f" (default: {f.default})" if shown else ""), **meta)
+
+
+def _with_message(parse):
+    """argparse drops the message of a type's ValueError; this keeps it."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def config_from_args(args: argparse.Namespace, optimizer: Optional[str] = None,
+                     out: Optional[str] = None) -> TrainConfig:
+    """The run the command line asks for: TrainConfig's defaults, the preset's values, the flags given."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    values = {**PRESETS[given.get("preset", TrainConfig.preset)], **given}
+    if optimizer is not None:
+        values["optimizer"] = optimizer
+    if out is not None:
+        values["out"] = out
+    return TrainConfig(**values)
+
+
+def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
+    """The settings (name: (saved, now)) in which ``cfg`` differs from a saved run's config, other
+    than those that cannot change its numbers (RESUMABLE_CHANGES; LAMB never reads --freeze)."""
+    ignored = RESUMABLE_CHANGES | ({"freeze"} if cfg.optimizer == "lamb" else set())
+    return {k: (saved.get(k), v) for k, v in dataclasses.asdict(cfg).items()
+            if k not in ignored and saved.get(k) != v}

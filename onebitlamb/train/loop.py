@@ -1,0 +1,264 @@
+"""One rank's run of the main job, top to bottom: data, model, optimizer and schedule, resume,
+the loop (forward and backward over the micro-batches, clip, step, evaluate, checkpoint, stop),
+then the results. ``train_rank`` is what every worker process runs.
+
+The model is not wrapped in DDP: gradients of the micro-batches accumulate locally, with no
+communication, and ``optimizer.step()`` does all of it (averages the gradients in LAMB and in the
+warm-up stage, sends the 1-bit compressed momentum after the freeze). Gradient clipping therefore
+acts on each worker's *local* accumulated gradient right before ``step()``, identically for the
+three optimizers.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from typing import Optional
+
+import torch
+
+import onebitlamb
+from onebitlamb.train import data, runlog
+from onebitlamb.train.checkpoints import CheckpointStore, TrainState, checkpoint_folder
+from onebitlamb.train.config import TrainConfig
+from onebitlamb.train.metrics import evaluate_mlm, freeze_stats, layer_report, write_metrics
+from onebitlamb.train.model import build_model, mlm_loss
+from onebitlamb.train.ranks import agree_any, gather_bytes, rank_device, ranks_flagged
+
+class _Phase:
+    """Where this rank is, for the message when a collective times out."""
+    now = "the start (the checkpoint, the first evaluation)"
+
+
+class RankTimeout(RuntimeError):
+    """A collective timed out: another rank died, hung or was paused."""
+
+
+def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
+    """One rank's run. A collective that times out (another rank died, hung or was paused) ends
+    it with an error that says where this rank waited."""
+    phase = _Phase()
+    try:
+        return _train_rank(rank, world, cfg, phase)
+    except RuntimeError as exc:  # torch.distributed's DistBackendError is one
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        raise RankTimeout(f"rank {rank} waited {cfg.timeout:g} s for the other ranks in {phase.now} and gave up: "
+                           f"another rank has died, hung or been paused. The last checkpoint in {cfg.out} is "
+                           f"complete: continue with --resume (--timeout sets the wait)") from exc
+
+
+def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    device = rank_device()
+    master = rank == 0
+    stop_requested = _install_stop_handler()
+
+    # data: the cached corpus; every step's global batch is a function of (seed, step)
+    corpus = prepare_corpus(cfg, log=lambda *a: None)
+    accum = cfg.global_batch // (world * cfg.micro_batch)
+    eval_inputs, eval_labels = data.eval_batch(corpus, cfg.eval_samples, cfg.seed, cfg.mask_prob)
+    eval_inputs, eval_labels = eval_inputs[rank::world].to(device), eval_labels[rank::world].to(device)
+
+    # model: the same seed on every rank, so the same initial weights
+    model = build_model(cfg.model, cfg.seed).to(device)
+    model.train()
+
+    # optimizer, and the schedule: linear warm-up, then linear decay to 0
+    groups, names = param_groups(model, cfg.weight_decay)
+    optimizer = make_optimizer(cfg, groups)
+    warm, total = cfg.warmup_steps, cfg.steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
+
+    # the run's record (saved in every checkpoint): one entry per step, the evaluations, the diagnostics
+    state = TrainState(model, optimizer, scheduler,
+                       {"steps": [], "eval": [], "diagnostics": [], "train_time_s": 0.0, "wall_time_s": 0.0})
+    store = CheckpointStore(cfg, rank, world, device)
+    start_step = store.load(state) if cfg.resume else 0
+    history = state.history
+    last_saved = start_step or None  # the step of the last checkpoint written (kept when a loss goes non-finite)
+    if master:
+        with open(os.path.join(cfg.out, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=1)
+        print(f"[{cfg.optimizer}] {world} workers on {device}, {cfg.steps} steps of {cfg.global_batch} samples "
+              f"({accum} micro-batches of {cfg.micro_batch} per worker), lr {cfg.lr:g}, warm-up {warm} steps"
+              f"{_freeze_banner(optimizer)}" + (f", resuming at step {start_step}" if start_step else ""),
+              file=sys.stderr, flush=True)
+
+    log = runlog.RunLog(cfg, start_step, history) if master else None  # console, log.csv, TensorBoard
+
+    def evaluate(step: int) -> Optional[str]:
+        """The held-out loss (the same number on every rank); a message when it is not finite."""
+        loss = evaluate_mlm(model, eval_inputs, eval_labels, 2 * cfg.micro_batch, device)
+        if not math.isfinite(loss):
+            return f"the held-out loss is {loss} after step {step}"
+        history["eval"].append([step * cfg.global_batch, loss])
+        return None
+
+    # the loop; a non-finite loss or parameter stops it on every rank alike (`error`), before
+    # anything of that step is applied or saved
+    error = evaluate(0) if start_step == 0 else None
+    if start_step == 0 and error is None and log is not None:
+        log.report(0, history)
+    done, stopped_by, t_wall0 = start_step, None, time.perf_counter()
+    wall_before = history["wall_time_s"]
+    for step in range(start_step, cfg.steps if error is None else start_step):
+        phase.now = f"step {step + 1} (its agreement on a finite loss, or the optimizer's collectives)"
+        t0 = time.perf_counter()
+        # one global batch: this rank's shard, forward and backward over its micro-batches
+        inputs, labels = data.rank_batch(corpus, step, rank, world, cfg.global_batch, cfg.seed, cfg.mask_prob)
+        loss_sum = forward_backward(model, optimizer, inputs, labels, accum, cfg.micro_batch, device)
+        grad_norm = None
+        if cfg.clip > 0:  # this worker's local gradient, before step() communicates anything
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
+        bad = ranks_flagged(not math.isfinite(loss_sum) or not math.isfinite(grad_norm or 0.0), rank, world, device)
+        if bad:
+            error = (f"the training loss or gradient of step {step + 1} is not finite on rank(s) {bad} (rank {rank}: "
+                     f"loss {loss_sum}, gradient norm {grad_norm}); the step was not applied")
+            break
+
+        # the optimizer step: all communication happens in here
+        diagnose = master and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
+        before = [p.detach().clone() for p in names.values()] if diagnose else None
+        stage = optimizer.stage  # the stage this step runs in (a freeze happens at the end of a step)
+        lr = scheduler.get_last_lr()[0]  # this step's (the scheduler's step below sets the next one's)
+        optimizer.step()
+        scheduler.step()
+        history["train_time_s"] += time.perf_counter() - t0
+
+        history["steps"].append({"loss": loss_sum, "bytes": optimizer.comm_stats.bytes_sent,
+                                 "collectives": optimizer.comm_stats.calls, "stage": stage,
+                                 "lr": lr, "freeze": freeze_stats(optimizer)})
+        if diagnose:
+            history["diagnostics"].append(layer_report(step + 1, stage, names, before, optimizer))
+
+        # evaluation, checkpoint, stop
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            phase.now = f"the evaluation after step {done}"
+            error = evaluate(done)
+            if error is not None:
+                break
+        if log is not None:
+            log.report(done, history)
+        history["wall_time_s"] = wall_before + time.perf_counter() - t_wall0
+        phase.now = f"the agreement to go on after step {done}"
+        stop, nonfinite = agree_any([stop_requested(), not _all_finite(names.values())], device)
+        if nonfinite:  # a checkpoint never holds a non-finite parameter
+            error = f"the parameters are not finite after step {done}"
+            break
+        if cfg.stop_after_steps and cfg.stop_after_steps <= done < cfg.steps:
+            stop, stopped_by = True, stopped_by or "stop-after-steps"
+        elif stop:
+            stopped_by = "interrupt"
+        if done % cfg.ckpt_every == 0 or stop or done == cfg.steps:
+            phase.now = f"the checkpoint of step {done}"
+            store.save(done, state)
+            last_saved = done
+        if stop:
+            break
+    if log is not None:
+        log.close()
+    phase.now = "the end of the run (byte counts, metrics)"
+
+    if error is not None:
+        return _stopped_by(error, cfg, done, last_saved, master)
+    completed = stopped_by is None
+    summary = {"completed": completed, "interrupted": stopped_by == "interrupt", "step": done}
+    ranks_bytes = gather_bytes(optimizer.comm_stats.bytes_sent, world, device)
+    if completed and master:
+        summary.update(write_metrics(cfg, world, history, ranks_bytes, list(names), model))
+    elif master:
+        print(f"[{cfg.optimizer}] stopped ({stopped_by}) after step {done}; continue with --resume",
+              file=sys.stderr, flush=True)
+    return summary
+
+
+def forward_backward(model, optimizer, inputs, labels, accum: int, micro_batch: int, device) -> float:
+    """This rank's shard of one global batch, in ``accum`` micro-batches, the gradients accumulated
+    locally: only the last backward lets the optimizer exchange. Returns the shard's loss."""
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = 0.0
+    for i in range(accum):
+        sl = slice(i * micro_batch, (i + 1) * micro_batch)
+        loss = mlm_loss(model, inputs[sl].to(device), labels[sl].to(device)) / accum
+        with optimizer.no_sync() if i < accum - 1 else contextlib.nullcontext():  # the last one exchanges
+            loss.backward()
+        loss_sum += loss.item()
+    return loss_sum
+
+
+def _stopped_by(error: str, cfg: TrainConfig, done: int, last_saved: Optional[int], master: bool) -> dict:
+    """The summary of a run that a non-finite loss or parameter stopped (rank 0 says so)."""
+    kept = (f"the last checkpoint ({checkpoint_folder(last_saved)}, step {last_saved}) is kept"
+            if last_saved else "no checkpoint was written")
+    error = (f"[{cfg.optimizer}] stopped: {error}. Nothing non-finite was saved and no metrics were written; "
+             f"{kept}. A smaller --lr (or a longer --warmup-frac) usually helps; start over with --overwrite")
+    if master:
+        print(error, file=sys.stderr, flush=True)
+    return {"completed": False, "interrupted": False, "step": done, "error": error}
+
+
+def prepare_corpus(cfg: TrainConfig, log=print) -> data.Corpus:
+    """The run's corpus (``data.prepare_corpus``): built once before the workers start, then loaded
+    from the cache by each."""
+    return data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir,
+                               log=log, stdlib_tests=cfg.stdlib_tests)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float):
+    """BERT's two groups: weight decay on the weight matrices, none on biases and LayerNorm.
+    Also returns ``{name: parameter}`` in the optimizer's (flat) order, for the diagnostics."""
+    decay, no_decay = {}, {}
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.numel() > 0:
+            (no_decay if name.endswith("bias") or "LayerNorm" in name else decay)[name] = p
+    groups = [{"params": list(decay.values()), "weight_decay": weight_decay},
+              {"params": list(no_decay.values()), "weight_decay": 0.0}]
+    return groups, {**decay, **no_decay}
+
+
+def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
+    common = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                  process_group=None if cfg.local_size is None else onebitlamb.comm.node_groups(cfg.local_size),
+                  bucket_cap_mb=cfg.bucket_cap_mb, overlap_with_backward=cfg.bucket_cap_mb is not None)
+    if cfg.optimizer == "lamb":  # the exact baseline: its average stays float32
+        return onebitlamb.Lamb(groups, **common)
+    cls = onebitlamb.OneBitLamb if cfg.optimizer == "onebitlamb" else onebitlamb.OneBitAdam
+    return cls(groups, **common, freeze_step=cfg.freeze_step(), warmup_dtype=getattr(torch, cfg.warmup_dtype))
+
+
+def _freeze_banner(optimizer) -> str:
+    stats = freeze_stats(optimizer)
+    if stats is None:
+        return ""
+    if stats["floor_step"] == stats["cap_step"]:
+        return f", freeze at step {stats['cap_step']}"
+    return f", freeze automatically between steps {stats['floor_step']} and {stats['cap_step']}"
+
+
+# ---- stopping on Ctrl-C / SIGTERM at a step boundary, all ranks together
+
+
+def _install_stop_handler():
+    flag = {"stop": False}
+
+    def handle(signum, frame):
+        flag["stop"] = True
+
+    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGTERM, handle)  # torchrun forwards signals as SIGTERM
+    return lambda: flag["stop"]
+
+
+def _all_finite(tensors) -> bool:
+    tensors = list(tensors)
+    return not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())

@@ -1,0 +1,116 @@
+"""What a run measures and writes: the held-out loss, the per-layer diagnostics, the freeze's
+record, and the results: OUT/metrics.json, OUT/model_final.pt, OUT/curves.png, OUT/freeze.png.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from onebitlamb.train import data, plots
+from onebitlamb.train.config import TrainConfig
+from onebitlamb.train.data import atomic_save
+from onebitlamb.train.model import mlm_loss
+
+
+@torch.no_grad()
+def evaluate_mlm(model, inputs, labels, batch: int, device) -> float:
+    """Held-out MLM loss: mean cross-entropy over all masked tokens of the whole evaluation set,
+    each rank doing its share (two scalars all-reduced, outside the optimizer's byte counts)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for i in range(0, len(inputs), batch):
+        lab = labels[i:i + batch]
+        total[0] += mlm_loss(model, inputs[i:i + batch], lab, reduction="sum").double()
+        total[1] += (lab != data.IGNORE_INDEX).sum()
+    model.train()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def layer_report(step: int, stage: str, names: dict, before: List[torch.Tensor], optimizer) -> dict:
+    """Per layer at this step: the coefficient the optimizer applied (LAMB's live trust ratio; in
+    1-bit LAMB's compression stage, frozen coefficient x factor) and the relative step size
+    ``|x_after - x_before| / |x_before|`` measured on the parameters themselves."""
+    diag = optimizer.layer_diagnostics()
+    layers = []
+    for i, ((name, p), x0) in enumerate(zip(names.items(), before)):
+        d = diag[i] if i < len(diag) else {}
+        x0n = float(x0.float().norm())
+        layers.append({"name": name, "trust_ratio": d.get("trust_ratio"), "frozen_coeff": d.get("frozen_coeff"),
+                       "factor": d.get("factor"),
+                       "rel_step": float((p.detach().float() - x0.float()).norm()) / x0n if x0n > 0 else None})
+    return {"step": step, "stage": stage, "layers": layers}
+
+
+def freeze_stats(optimizer) -> Optional[dict]:
+    """The 1-bit optimizers' freeze record of this step; LAMB has none."""
+    stats = getattr(optimizer, "freeze_stats", None)
+    return stats() if stats is not None else None
+
+
+def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List[int], layers: List[str],
+                  model) -> dict:
+    steps = history["steps"]
+    samples = cfg.steps * cfg.global_batch
+    losses = [loss for _, loss in history["eval"]] + [r["loss"] for r in steps]
+    if not all(math.isfinite(v) for v in losses):  # the loop stops before; never report one as a result
+        raise RuntimeError(f"[{cfg.optimizer}] a non-finite loss reached the results; no metrics written")
+    freeze = None if cfg.optimizer == "lamb" else [_json_safe(r["freeze"]) for r in steps]
+    metrics = {
+        "optimizer": cfg.optimizer,
+        "world_size": world,
+        "final_eval_loss": history["eval"][-1][1],
+        "samples": samples,
+        "steps": cfg.steps,
+        "freeze_step": None if freeze is None else freeze[-1]["frozen_at"],
+        "warmup_steps": sum(r["stage"] == "warmup" for r in steps),
+        "bytes_sent_per_rank": sum(ranks_bytes) / len(ranks_bytes),
+        "bytes_sent_by_rank": ranks_bytes,
+        "wall_time_s": history["wall_time_s"],
+        "train_time_s": history["train_time_s"],
+        "samples_per_s": samples / max(history["train_time_s"], 1e-9),
+        "eval_curve": history["eval"],
+        "bytes_curve": [[i + 1, r["bytes"]] for i, r in enumerate(steps)],
+        "train_loss": [r["loss"] for r in steps],
+        "stage": [r["stage"] for r in steps],
+        "lr": [r["lr"] for r in steps],
+        "diagnostics": history["diagnostics"],
+        "config": dataclasses.asdict(cfg),
+        "freeze": freeze,
+        "layers": layers,
+    }
+    atomic_save(model.state_dict(), os.path.join(cfg.out, "model_final.pt"))
+    tmp = os.path.join(cfg.out, "metrics.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(metrics, f)
+    os.replace(tmp, os.path.join(cfg.out, "metrics.json"))
+    for png, draw, what in (("curves.png", plots.plot_run, "loss and bytes"),
+                            ("freeze.png", plots.plot_freeze, "how the automatic freeze decided")):
+        try:  # after the metrics are safe: a figure that fails to draw must not fail the run
+            if draw(metrics, os.path.join(cfg.out, png)):
+                print(f"[{cfg.optimizer}] {what}: {cfg.out}/{png}", file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 (matplotlib's errors have no common type)
+            print(f"[{cfg.optimizer}] {png} not drawn: {exc!r}", file=sys.stderr)
+    print(f"[{cfg.optimizer}] done: held-out loss {metrics['final_eval_loss']:.4f} after {samples} samples, "
+          f"{metrics['bytes_sent_per_rank'] / 1e6:.1f} MB sent per worker, {metrics['wall_time_s']:.0f} s "
+          f"({metrics['samples_per_s']:.0f} samples/s)", file=sys.stderr, flush=True)
+    return {k: metrics[k] for k in ("final_eval_loss", "samples", "bytes_sent_per_rank", "wall_time_s")}
+
+
+def _json_safe(value):
+    """JSON has no infinities: a layer without gradient yet (log 0) is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
