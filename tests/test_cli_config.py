@@ -8,12 +8,14 @@ import torch
 
 import onebitlamb
 from onebitlamb.train import compare, config, loop, pretrain
+from onebitlamb.train.model import ModelConfig
 
 PRETRAIN_FLAGS = {"--preset", "--optimizer", "--out", "--resume", "--overwrite", "--seed", "--steps", "--global-batch",
                   "--micro-batch", "--workers", "--lr", "--warmup-frac", "--weight-decay", "--clip", "--freeze",
                   "--warmup-dtype", "--bucket-cap-mb", "--local-size",
                   "--eval-every", "--eval-samples", "--ckpt-every", "--corpus", "--stdlib-tests", "--cache-dir",
-                  "--threads", "--no-progress", "--stop-after-steps", "--timeout"}
+                  "--threads", "--no-progress", "--stop-after-steps", "--timeout",
+                  "--vocab-size", "--seq-len", "--hidden", "--layers", "--heads", "--intermediate"}
 
 
 def _parser(module):
@@ -56,10 +58,10 @@ def test_every_flag_is_a_field_with_a_help_and_the_rest_are_preset_only():
     fields = {f.name: f for f in dataclasses.fields(config.TrainConfig)}
     dests = {a.dest for a in _parser(pretrain)._actions if a.option_strings and a.dest != "help"}
     assert dests == {name for name, f in fields.items() if "help" in f.metadata}
-    for name in ("hidden", "layers", "beta1", "eps", "mask_prob", "heldout_fraction", "dropout"):
+    for name in ("beta1", "eps", "mask_prob", "heldout_fraction", "dropout"):
         assert "help" not in fields[name].metadata
     for removed in ("--lr-lamb", "--lr-adam", "--auto-freeze", "--freeze-frac", "--freeze-window", "--unfreeze-rise",
-                    "--compression-space", "--update-guard", "--hidden", "--beta2"):
+                    "--compression-space", "--update-guard", "--beta2"):
         with pytest.raises(SystemExit):
             _parser(pretrain).parse_args(["--out", "a", removed, "1"])
 
@@ -73,6 +75,17 @@ def test_flags_override_the_preset_which_overrides_the_defaults():
     assert cfg().cache_dir == "a/cache" and cfg("--cache-dir", "c").cache_dir == "c"
     assert cfg().progress and not cfg("--no-progress").progress and cfg("--stdlib-tests").stdlib_tests
     assert cfg("--corpus", "x", "y").corpus == ["x", "y"]
+
+
+def test_the_model_shape_flags_override_the_preset_and_reach_the_model():
+    shape = cfg("--vocab-size", "600", "--seq-len", "16", "--hidden", "48", "--layers", "3", "--heads", "4",
+                "--intermediate", "96")
+    assert shape.model == ModelConfig(600, 16, 48, 3, 4, 96, 0.0)
+    assert cfg().model == ModelConfig(512, 32, 32, 1, 2, 64, 0.0)  # tiny's own
+    large = config.config_from_args(_parser(pretrain).parse_args(["--preset", "large", "--out", "a", "--layers", "2"]))
+    assert (large.layers, large.hidden, large.heads) == (2, 256, 4)
+    # a run resumed with another shape is refused, as with any setting that changes the numbers
+    assert set(config.changed_settings(cfg("--hidden", "64"), dataclasses.asdict(cfg()))) == {"hidden"}
 
 
 def test_presets():
@@ -138,6 +151,9 @@ BAD_VALUES = [
     ("--lr", "-0.02", ">= 0"),
     ("--lr", "nan", "a finite number"), ("--lr", "inf", "a finite number"), ("--warmup-frac", "nan", "a finite number"),
     ("--clip", "inf", "a finite number"), ("--weight-decay", "inf", "a finite number"),
+    ("--hidden", "0", ">= 1"), ("--layers", "0", ">= 1"), ("--intermediate", "-1", ">= 1"),
+    ("--seq-len", "-1", ">= 1"), ("--seq-len", "7", ">= 8"), ("--vocab-size", "5", r"> 5 \(its special tokens\)"),
+    ("--heads", "3", r"a divisor of --hidden \(32\)"),
 ]
 
 
@@ -157,7 +173,7 @@ def test_a_bad_value_is_refused_at_the_start_by_flag_and_value(flag, value, rule
 
 @pytest.mark.parametrize("name,value", [("mask_prob", 0.0), ("mask_prob", 1.5), ("heldout_fraction", 1.0),
                                         ("dropout", 1.0), ("beta1", 1.0), ("beta2", -0.1), ("eps", 0.0),
-                                        ("eps", float("nan")), ("hidden", 0), ("seq_len", -1)])
+                                        ("eps", float("nan"))])
 def test_a_bad_preset_setting_is_refused_by_name(name, value):
     with pytest.raises(ValueError, match=f"the preset setting {name} must be"):
         config.TrainConfig(out="a", **{name: value})

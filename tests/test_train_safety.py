@@ -105,6 +105,15 @@ def test_compare_resume_reuses_a_finished_run_only_with_the_same_settings(tmp_pa
     assert code == 2 and "different settings" in err and "'lr': (0.5, 0.02)" in err
 
 
+def test_a_vocabulary_smaller_than_the_corpus_alphabet_is_refused_at_the_start(tmp_path, common):
+    """--vocab-size is a flag: a vocabulary smaller than the characters the tokenizer keeps would
+    give token ids beyond the model's embedding and fail in every worker at its first step."""
+    proc = _cli("pretrain", *common, "--vocab-size", "40", "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "--vocab-size must be at least" in proc.stderr and "got 40" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out" / "checkpoint.json").exists()
+
+
 # ---- the checkpoint: a real one, from a tiny run stopped after 3 steps
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
 import onebitlamb
+from onebitlamb.train import data
 from onebitlamb.train.model import ModelConfig
 
 OPTIMIZERS = ("lamb", "onebitlamb", "onebitadam")
@@ -121,14 +122,18 @@ class TrainConfig:
         "help": "seconds a rank waits for the others in a collective before the run ends with an error that "
                 "says where it waited (a rank that died, hung or was paused)", "metavar": "SECONDS"})
 
-    # preset-only; the model's defaults are ModelConfig's
+    # the model's shape (its defaults are ModelConfig's, demo's), then the study's fixed settings,
+    # which only a preset sets; the fields keep this order, that of every saved config
     heldout_fraction: float = 0.05
-    vocab_size: int = ModelConfig.vocab_size
-    seq_len: int = ModelConfig.seq_len
-    hidden: int = ModelConfig.hidden
-    layers: int = ModelConfig.layers
-    heads: int = ModelConfig.heads
-    intermediate: int = ModelConfig.intermediate
+    vocab_size: int = field(default=ModelConfig.vocab_size, metadata={
+        "help": "the model: tokens of the WordPiece vocabulary trained on the corpus"})
+    seq_len: int = field(default=ModelConfig.seq_len, metadata={
+        "help": "the model: tokens per sequence, [CLS] and [SEP] included (>= 8)"})
+    hidden: int = field(default=ModelConfig.hidden, metadata={"help": "the model: width (a multiple of --heads)"})
+    layers: int = field(default=ModelConfig.layers, metadata={"help": "the model: transformer layers"})
+    heads: int = field(default=ModelConfig.heads, metadata={"help": "the model: attention heads per layer"})
+    intermediate: int = field(default=ModelConfig.intermediate, metadata={
+        "help": "the model: width of each layer's feed-forward block"})
     dropout: float = ModelConfig.dropout
     beta1: float = 0.9
     beta2: float = 0.999
@@ -165,6 +170,12 @@ class TrainConfig:
                      "threads", "vocab_size", "seq_len", "hidden", "layers", "heads", "intermediate"):
             if getattr(self, name) < 1:
                 refuse(name, ">= 1")
+        if self.seq_len < 8:  # [CLS], [SEP] and a few tokens (data.encode_blocks)
+            refuse("seq_len", ">= 8")
+        if self.vocab_size <= data.NUM_SPECIAL:
+            refuse("vocab_size", f"> {data.NUM_SPECIAL} (its special tokens)")
+        if self.hidden % self.heads:
+            refuse("heads", f"a divisor of --hidden ({self.hidden})")
         if not self.timeout > 0:
             refuse("timeout", "> 0")
         for name in ("stop_after_steps", "lr", "weight_decay", "clip"):

@@ -26,7 +26,7 @@ import torch
 import onebitlamb
 from onebitlamb.train import data, runlog
 from onebitlamb.train.checkpoints import CheckpointStore, TrainState, checkpoint_folder
-from onebitlamb.train.config import TrainConfig
+from onebitlamb.train.config import SetupError, TrainConfig
 from onebitlamb.train.metrics import evaluate_mlm, freeze_stats, layer_report, write_metrics
 from onebitlamb.train.model import build_model, mlm_loss
 from onebitlamb.train.ranks import agree_any, gather_bytes, rank_device, ranks_flagged
@@ -210,8 +210,15 @@ def _stopped_by(error: str, cfg: TrainConfig, done: int, last_saved: Optional[in
 def prepare_corpus(cfg: TrainConfig, log=print) -> data.Corpus:
     """The run's corpus (``data.prepare_corpus``): built once before the workers start, then loaded
     from the cache by each."""
-    return data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir,
-                               log=log, stdlib_tests=cfg.stdlib_tests)
+    corpus = data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir,
+                                 log=log, stdlib_tests=cfg.stdlib_tests)
+    # the tokenizer keeps every character it saw, whatever the vocabulary size asked for; a token
+    # beyond the model's embedding would fail in every worker at its first step
+    needed = 1 + max(int(corpus.train.max()), int(corpus.heldout.max()))
+    if needed > cfg.vocab_size:
+        raise SetupError(f"--vocab-size must be at least {needed} for this corpus (its tokenizer keeps every "
+                         f"character it saw), got {cfg.vocab_size}")
+    return corpus
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float):
