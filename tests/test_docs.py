@@ -100,3 +100,26 @@ def test_the_comm_modules_import_one_way():
     assert "NodeGroups" not in _read("onebitlamb/comm/collectives.py")
     assert "groups" not in imports["hierarchy"] and "collectives" in imports["hierarchy"]
     assert {"collectives", "hierarchy"} <= imports["groups"]
+
+
+def _anchors(path: str) -> set:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, each space
+    a hyphen (so "Network: LAMB vs 1-bit LAMB / 1-bit Adam" gives "network-lamb-vs-1-bit-lamb--1-bit-adam")."""
+    headings = re.findall(r"^#+ (.+)$", _read(path), flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_the_readme_results_link_each_figure_and_leave_the_seeds_to_the_lab_notes():
+    """The README's results say what a user gets with the defaults, each row linking the section
+    that measured it (a link whose heading exists); seed-by-seed tables and machine-to-machine
+    notes belong to docs/lab/."""
+    section = _read("README.md").split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|") and not line.startswith("|---")][1:]
+    assert rows, "the README has no results table"
+    for row in rows:
+        links = re.findall(r"\]\(([^)#]+)#([^)]+)\)", row.rsplit("|", 2)[1])
+        assert links, f"no link to the numbers: {row}"
+        for path, anchor in links:
+            assert path == "BENCHMARKS.md" or path.startswith("docs/"), path
+            assert anchor in _anchors(path), f"{path} has no heading #{anchor}"
+    assert not re.search(r"\b\d+ seeds\b|another machine|earlier run", section), "lab notes belong to docs/lab/"
