@@ -31,6 +31,7 @@ from onebitlamb.train.metrics import evaluate_mlm, freeze_stats, layer_report, w
 from onebitlamb.train.model import build_model, mlm_loss
 from onebitlamb.train.ranks import agree_any, gather_bytes, rank_device, ranks_flagged
 
+
 class _Phase:
     """Where this rank is, for the message when a collective times out."""
     now = "the start (the checkpoint, the first evaluation)"
