@@ -121,14 +121,14 @@ def _grads(rank, call):
     return [torch.randn(6, 4, generator=g), torch.randn(4, generator=g)]
 
 
-def _nan_run(rank, n, kind, poisoned_calls, omitted_calls):
+def _nan_run(rank, n, kind, poisoned_calls, omitted_calls, value=None):
     """Steps 1..12 of a 2-rank run (freeze at 5); at the ``poisoned_calls`` rank 1's gradient holds
-    a NaN (or an inf), the ``omitted_calls`` are not made at all. Returns the final parameters,
-    the skip count, and what each call reported."""
+    a NaN (or an inf; or ``value``), the ``omitted_calls`` are not made at all. Returns the final
+    parameters, the skip count, what each call reported, and the state after every call."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(4))]
     opt = _make(kind, params, freeze_step=5) if kind != "lamb" else _make(kind, params)
-    skipped = []
+    skipped, states = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for call in range(1, 13):
@@ -136,13 +136,23 @@ def _nan_run(rank, n, kind, poisoned_calls, omitted_calls):
                 continue
             grads = _grads(rank, call)
             if call in poisoned_calls and rank == 1:
-                grads[call % 2].view(-1)[3] = float("nan") if call % 3 else float("inf")
+                poison = value if value is not None else float("nan") if call % 3 else float("inf")
+                grads[call % 2].view(-1)[3] = poison
             for p, g in zip(params, grads):
                 p.grad = g
             opt.step()
             skipped.append(opt.last_step_skipped)
+            states.append({k: v.clone() for k, v in flat_of(opt.state_dict()).items() if isinstance(v, torch.Tensor)})
     return {"params": [p.detach().clone() for p in params], "skipped_steps": opt.skipped_steps,
-            "skipped": skipped, "warnings": [str(w.message) for w in caught], "stage": opt.stage}
+            "skipped": skipped, "warnings": [str(w.message) for w in caught], "stage": opt.stage,
+            "states": states}
+
+
+def _huge_gradient_runs(rank, n, kind, poisoned):
+    """The same run with one element of rank 1's gradient at 3e38 and at 1e30 (finite, but its
+    square is not), and without those steps."""
+    return {"clean": _nan_run(rank, n, kind, (), poisoned),
+            **{value: _nan_run(rank, n, kind, poisoned, (), value) for value in (3e38, 1e30)}}
 
 
 @pytest.mark.parametrize("kind", list(CLASSES))
@@ -159,6 +169,39 @@ def test_a_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(kind):
         for a, b in zip(out[r]["params"], clean[r]["params"]):
             assert torch.isfinite(a).all() and torch.equal(a, b)
         assert out[r]["stage"] == ("warmup" if kind == "lamb" else "compression")
+
+
+@pytest.mark.parametrize("kind", list(CLASSES))
+def test_a_huge_but_finite_gradient_on_one_rank_is_skipped_on_every_rank(kind):
+    """A gradient element of 3e38 or 1e30 on rank 1 is finite, and so is the sum the finite check
+    looked at, but its square (which enters the second moment and the norms) is not: at a warm-up
+    step (3) and a compression step (8) every rank skips, the state stays finite and the same on
+    both ranks at every step, and the run ends bit for bit where a run without those steps ends."""
+    poisoned = (3, 8)
+    out = spawn_local(_huge_gradient_runs, 2, (kind, poisoned), timeout_s=120, collective_timeout_s=60)
+    for value in (3e38, 1e30):
+        for r in range(2):
+            run, clean = out[r][value], out[r]["clean"]
+            assert [i + 1 for i, s in enumerate(run["skipped"]) if s] == list(poisoned), value
+            for state in run["states"]:
+                for key, tensor in state.items():
+                    assert torch.isfinite(tensor).all(), (value, key)
+            for a, b in zip(run["params"], clean["params"]):
+                assert torch.isfinite(a).all() and torch.equal(a, b), value
+        shared = [k for k in out[0][value]["states"][-1] if not k.endswith("_error")]
+        for key in shared:  # the compression errors are each rank's own
+            assert torch.equal(out[0][value]["states"][-1][key], out[1][value]["states"][-1][key]), (value, key)
+
+
+def test_an_update_that_would_not_be_finite_is_refused_before_the_parameters_move():
+    """Parameters at float32's limit: the gradient is fine, but the layer's norms overflow and the
+    trust ratio becomes NaN; the parameters must not take it."""
+    p = torch.nn.Parameter(torch.full((2,), 3e38))
+    opt = onebitlamb.Lamb([p], lr=0.01, weight_decay=1.0)
+    p.grad = torch.ones(2)
+    with pytest.raises(FloatingPointError, match="update of step 1 is not finite"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.full((2,), 3e38))
 
 
 def test_a_run_that_keeps_diverging_ends_with_a_clear_error():

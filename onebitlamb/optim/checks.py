@@ -193,7 +193,7 @@ def _short(value: Any, limit: int = 120) -> str:
 
 def agreed_finite(values: torch.Tensor, group: Optional[dist.ProcessGroup], stats: CommStats,
                   averaged: bool) -> bool:
-    """Whether ``values`` is finite on every rank (a sum that overflows float32 counts as not).
+    """Whether ``values`` and the sum of their squares are finite on every rank (``locally_finite``).
     ``averaged``: the values are already the same on every rank (an averaged gradient, where a
     NaN of any rank shows), so no communication is needed; otherwise one 1-element all-reduce."""
     finite = locally_finite(values)
@@ -203,8 +203,13 @@ def agreed_finite(values: torch.Tensor, group: Optional[dist.ProcessGroup], stat
 
 
 def locally_finite(values: torch.Tensor) -> bool:
-    """Whether ``values`` is finite here (its sum: one pass, and an overflow counts as not)."""
-    return bool(torch.isfinite(values.sum()))
+    """Whether ``values`` and the sum of their squares are finite here, in one pass. The square,
+    not the value: a gradient enters the second moment and the layers' norms squared, so one
+    element of 1e30 (finite, and so is a plain sum) would put ``inf`` into ``exp_avg_sq``, or
+    move the parameters by 1e28 after the freeze. Only a gradient whose norm exceeds ~1.8e19
+    counts as not finite; a NaN or inf anywhere shows too."""
+    flat = values.reshape(-1)
+    return bool(torch.isfinite(torch.dot(flat, flat)))
 
 
 def any_rank(flags: Sequence[bool], group: Optional[dist.ProcessGroup], stats: CommStats,

@@ -417,6 +417,16 @@ class StagedOptimizer(Optimizer):
         return 1 - beta1 ** t, 1 - beta2 ** t
 
     def _apply_(self, update: torch.Tensor, coeff: torch.Tensor) -> None:
+        # The agreed check before the step (checks.locally_finite: the gradient's squares) keeps the
+        # moments finite; this is the guard that the parameters never become non-finite either
+        # (parameters already near float32's limit). The update and coefficients follow from what
+        # is the same on every rank (the averaged gradient, or the exchanged momentum, and the
+        # shared state), so every rank reaches this verdict alike, without a collective.
+        if not (bool(torch.isfinite(update).all()) and bool(torch.isfinite(coeff).all())):
+            raise FloatingPointError(f"{type(self).__name__}: the update of step {self._flat['step']} is not finite "
+                                     f"although every rank's gradient was (the parameters or their weight decay "
+                                     f"are at float32's limit); the parameters were left as they were. Resume "
+                                     f"from an earlier checkpoint with a lower learning rate")
         self._last_coeff = coeff.clone()
         self._layout.apply_(update, coeff, self.param_groups)
 
