@@ -34,16 +34,21 @@ def _optimizer(kind, params, group=None, cap=None, overlap=False):
     return getattr(onebitlamb, kind)(params, lr=0.02, freeze_step=FREEZE, **exchange)
 
 
-def _run(rank, n, kind, cap, accumulate="one", nan_at=None, switch_at=None, local_size=None, resume_overlap=False):
+def _run(rank, n, kind, cap, accumulate="one", nan_at=None, switch_at=None, local_size=None, resume_overlap=False,
+         edit_at=None):
     """Train STEPS steps; ``cap``: bucket_cap_mb, with overlap_with_backward=True (None: serial, one bucket).
     ``accumulate``: "one" micro-batch, "no_sync" (two, the first under no_sync), "forgot" (two,
     without it), "clip" (one, its gradient clipped after the backward). ``nan_at``: rank 1's
     gradient is NaN at that step. ``switch_at``: at that step the state moves, through
-    state_dict(), into a new optimizer with the same buckets (overlapped if ``resume_overlap``)."""
+    state_dict(), into a new optimizer with the same buckets (overlapped if ``resume_overlap``).
+    ``accumulate`` "unscale" / "scaler": a GradScaler loop, with ``scaler.unscale_(opt)`` before
+    ``scaler.step(opt)`` or without it; "data": at step ``edit_at`` the gradients are halved
+    through ``p.grad.data``, which no version counter sees."""
     group = onebitlamb.comm.node_groups(local_size) if local_size else None
     model = _model()
     opt = _optimizer(kind, model.parameters(), group, cap, overlap=cap is not None)
     started, caught = [], []
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if accumulate in ("unscale", "scaler") else None
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for step in range(STEPS):
@@ -59,11 +64,20 @@ def _run(rank, n, kind, cap, accumulate="one", nan_at=None, switch_at=None, loca
             loss = _loss(model, rank, step)
             if step == nan_at and rank == 1:  # during the backward: w[0, 0]'s gradient alone is NaN
                 loss = loss + model[0].weight[0, 0] * (0 * float("nan"))
-            loss.backward()
+            (loss if scaler is None else scaler.scale(loss)).backward()
             if accumulate == "clip":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            if accumulate == "data" and step == edit_at:
+                for p in model.parameters():
+                    p.grad.data.mul_(0.5)
+            if accumulate == "unscale":
+                scaler.unscale_(opt)
             started.append(opt.exchange.started_in_backward)
-            opt.step()
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
             caught.append(opt.last_step_skipped)
         messages = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
     flat = opt.state["flat"]
@@ -138,6 +152,27 @@ def test_gradients_clipped_after_the_backward_are_exchanged_as_clipped():
         # beyond the serial bytes only step 2's average of 195 floats again, 2 (n-1)/n 4 d = 780 bytes, and
         # an 8-byte agreement (finite, stale) per step
         assert o[2] - s[2] <= 780 + STEPS * 8
+
+
+@pytest.mark.parametrize("loop", ["unscale", "scaler"])
+def test_a_grad_scalers_unscaling_is_seen(loop):
+    """GradScaler's unscaling changes the gradients in place without a version bump, after the
+    buckets went out with the scaled gradients (``scaler.unscale_(opt)`` before ``scaler.step``,
+    or inside ``step(grad_scaler=...)``): the step must still be the serial one, bit for bit."""
+    serial, overlapped = _spawn(2, "OneBitLamb", None, loop), _spawn(2, "OneBitLamb", ONE_BUCKET, loop)
+    for s, o in zip(serial, overlapped):
+        assert _equal(s[0], o[0]) and _equal(s[1], o[1])
+        assert o[3][1] == 1 and len(o[5]) == 1 and "unscaling" in o[5][0]  # started early, redone, warned once
+
+
+@pytest.mark.parametrize("edit_at", [2, FREEZE + 2])
+def test_gradients_edited_through_data_are_seen(edit_at):
+    """``p.grad.data.mul_(0.5)`` after the backward, in the warm-up and after the freeze."""
+    serial = _spawn(2, "OneBitLamb", None, "data", None, None, None, False, edit_at)
+    overlapped = _spawn(2, "OneBitLamb", ONE_BUCKET, "data", None, None, None, False, edit_at)
+    for s, o in zip(serial, overlapped):
+        assert _equal(s[0], o[0]) and _equal(s[1], o[1])
+        assert o[3][edit_at] == 1 and len(o[5]) == 1
 
 
 @pytest.mark.parametrize("nan_at", [2, FREEZE + 2])

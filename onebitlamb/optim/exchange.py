@@ -51,10 +51,24 @@ def check_bucket_cap(bucket_cap_mb: Optional[float]) -> None:
         raise ValueError(f"Invalid bucket_cap_mb: {bucket_cap_mb!r} (must be None or a number of MiB > 0)")
 
 
+_SAME_SIZE_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _bits_checksum(t: torch.Tensor) -> int:
+    """The sum, wrapping, of a tensor's elements read as integers of their size: a change to any
+    one element's bits changes it; changes that cancel exactly (values swapped between elements)
+    do not. Summed in the integers' own width: as fast as a float sum (an int64 accumulator is
+    30x slower on CPU), and a wrapping sum is exact, so the same on every call."""
+    ints = _SAME_SIZE_INT[t.element_size()]
+    return int(t.detach().view(ints).sum(dtype=ints))
+
+
 def _grad_marks(layout: FlatLayout, bucket: Bucket) -> list:
-    """Which gradient tensors, at which in-place version, the bucket's parameters hold: any change
-    (a later backward, clipping, ``p.grad = ...``) changes the marks, without a pass over the data."""
-    return [None if p.grad is None else (id(p.grad), p.grad._version)
+    """Which gradient tensors the bucket's parameters hold, at which in-place version, with which
+    bits: a later backward, clipping or ``p.grad = ...`` change the first two; a GradScaler's
+    unscaling and edits through ``p.grad.data`` bump no version counter, and only the checksum
+    of the bits sees them (one read of the gradient: docs/optimizers.md has its cost)."""
+    return [None if p.grad is None else (id(p.grad), p.grad._version, _bits_checksum(p.grad))
             for p, _ in layout.params_in(bucket.start, bucket.end)]
 
 
