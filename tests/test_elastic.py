@@ -174,3 +174,45 @@ def test_nodes_and_flat_groups_reshard_into_each_other():
     assert out[0][1] < 0.5 * initial
     with pytest.raises(ValueError, match="Invalid local_size: 3"):
         onebitlamb.reshard_state_dicts(states, 4, 3)
+
+
+# ------------------------------------------------------------------ rank files of several saves
+def _save_rank_files(rank, n, folder, steps, early=None):
+    """``steps`` steps of 1-bit Adam (frozen at 3), then this rank's file into ``folder``; with
+    ``early``, also a file after step 3 into that folder."""
+    from onebitlamb.integrations import save_rank_state
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, 4))]
+    opt = onebitlamb.OneBitAdam(params, lr=0.01, freeze_step=3)
+    for t in range(1, steps + 1):
+        params[0].grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * t + rank))
+        opt.step()
+        if t == 3 and early:
+            save_rank_state(opt, early)
+    save_rank_state(opt, folder)
+
+
+def _load_rank_files(rank, n, folder):
+    from onebitlamb.integrations import load_rank_state
+    opt = onebitlamb.OneBitAdam([torch.nn.Parameter(torch.randn(6, 4))], lr=0.01, freeze_step=3)
+    try:
+        load_rank_state(opt, folder)
+    except ValueError as e:
+        return str(e)
+    return opt.state["flat"]["step"]
+
+
+def test_the_newest_complete_set_of_rank_files_wins_and_a_mixed_set_is_named(tmp_path):
+    """A folder with a set of 4 rank files saved at step 5 and one of 2 saved at step 9: 4 ranks
+    and 2 ranks both resume step 9 (4 re-sharded from the 2); a set whose rank 1 file comes from
+    an earlier save is refused on every rank, naming the steps."""
+    import shutil
+    folder, early = str(tmp_path / "ckpt"), str(tmp_path / "early")
+    spawn_local(_save_rank_files, 4, (folder, 5), timeout_s=120, collective_timeout_s=60)
+    spawn_local(_save_rank_files, 2, (folder, 9, early), timeout_s=120, collective_timeout_s=60)
+    assert spawn_local(_load_rank_files, 4, (folder,), timeout_s=120, collective_timeout_s=60) == [9] * 4
+    assert spawn_local(_load_rank_files, 2, (folder,), timeout_s=120, collective_timeout_s=60) == [9] * 2
+    name = "onebitlamb-optimizer-rank1-of-2.pt"
+    shutil.copy(f"{early}/{name}", f"{folder}/{name}")
+    for message in spawn_local(_load_rank_files, 2, (folder,), timeout_s=120, collective_timeout_s=60):
+        assert "saved at different steps" in message and "{0: 9, 1: 3}" in message

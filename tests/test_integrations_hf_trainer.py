@@ -156,6 +156,8 @@ def test_every_rank_resumes_its_own_state_exactly(ranks):
     out, got = ranks
     folder = os.path.join(out, "saving", f"checkpoint-{SAVE}")
     saved = [torch.load(rank_state_file(folder, r, 2), weights_only=True) for r in range(2)]
+    for r, state in enumerate(saved):  # each file says where it belongs: step (taken + skipped) and set
+        assert state.pop("onebitlamb_rank_file") == {"steps": SAVE, "rank": r, "world": 2}
     # the compression errors make the ranks' states differ: rank 0's (the Trainer's optimizer.pt) is wrong on 1
     assert not _same(saved[0], saved[1])
     for rank, r in enumerate(got):

@@ -9,6 +9,11 @@ framework's files, one file per rank, and read its own back after the framework'
 A folder written by ``n`` ranks and read by ``m != n`` is re-sharded with
 ``reshard_state_dicts`` (every rank reads all ``n`` files: the folder must be shared, as the
 frameworks' own checkpoints already require).
+
+Each file carries the step it was saved at (``_MARK``: steps taken plus steps skipped, the same on
+every rank) and its set (rank and world size). A folder may hold sets of several world sizes
+(a run resumed elastically into the folder it came from): the newest complete set wins, on
+every rank alike, and a set whose files were saved at different steps is refused, naming them.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ from onebitlamb.optim import StagedOptimizer, reshard_state_dicts
 
 _NAME = "onebitlamb-optimizer-rank{rank}-of-{world}.pt"
 _PATTERN = re.compile(r"onebitlamb-optimizer-rank(\d+)-of-(\d+)\.pt")
+# the key of the state dict a rank file adds, and read_rank_state removes: where the file belongs
+_MARK = "onebitlamb_rank_file"
 
 
 def _rank_and_world(optimizer: StagedOptimizer) -> tuple[int, int]:
@@ -41,7 +48,8 @@ def save_rank_state(optimizer: StagedOptimizer, folder: str) -> str:
     os.makedirs(folder, exist_ok=True)
     path = rank_state_file(folder, rank, world)
     partial = path + ".partial"
-    torch.save(optimizer.state_dict(), partial)
+    torch.save({**optimizer.state_dict(), _MARK: {"steps": _steps_of(optimizer), "rank": rank, "world": world}},
+               partial)
     os.replace(partial, path)
     return path
 
@@ -58,8 +66,9 @@ def saved_worlds(folder: str) -> Dict[int, List[int]]:
 
 def load_rank_state(optimizer: StagedOptimizer, folder: str, map_location: Optional[str] = None) -> None:
     """Load this rank's state from ``folder`` into ``optimizer`` (every rank calls it, after the
-    framework loaded its own files, so this rank's errors are what stays). Files of another world
-    size are re-sharded for this one. A folder without a complete set raises ``FileNotFoundError``
+    framework loaded its own files, so this rank's errors are what stays). Of several complete
+    sets the newest wins (the step each file carries); files of another world size are re-sharded
+    for this one; a set whose files were saved at different steps raises ``ValueError``. A folder without a complete set raises ``FileNotFoundError``
     naming it: resuming from rank 0's state alone would not continue the run."""
     optimizer.load_state_dict(read_rank_state(optimizer, folder, map_location))
 
@@ -90,13 +99,40 @@ def read_rank_state(optimizer: StagedOptimizer, folder: str, map_location: Optio
                                 f"{_NAME.format(rank='<r>', world='<n>')} per rank; found {worlds or 'none'}): "
                                 f"it was not saved through a onebitlamb integration, or some rank's file is "
                                 f"missing")
-    saved = world if world in complete else max(complete)
+    steps = {w: _steps_of_set(folder, w) for w in complete}
+    newest = max(steps.values(), key=lambda s: -1 if s is None else s)
+    candidates = [w for w in complete if steps[w] == newest]
+    saved = world if world in candidates else max(candidates)
     device = map_location or _device_of(optimizer)
 
     def read(r: int) -> dict:
-        return torch.load(rank_state_file(folder, r, saved), map_location=device, weights_only=True)
+        state = torch.load(rank_state_file(folder, r, saved), map_location=device, weights_only=True)
+        state.pop(_MARK, None)
+        return state
 
     return read(rank) if saved == world else reshard_state_dicts([read(r) for r in range(saved)], world)[rank]
+
+
+def _steps_of(optimizer: StagedOptimizer) -> int:
+    """The optimizer's step() calls so far (taken and skipped alike): the same on every rank."""
+    flat = optimizer.state.get("flat", {})
+    return int(flat.get("step", 0)) + int(flat.get("skipped_steps", 0))
+
+
+def _steps_of_set(folder: str, world: int) -> Optional[int]:
+    """The step every file of the ``world``-rank set was saved at (None: files of a version that
+    did not mark them); files saved at different steps are refused, naming each."""
+    found = {}
+    for r in range(world):
+        path = rank_state_file(folder, r, world)
+        # mmap: only the small mark is read from each file, not its tensors
+        mark = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get(_MARK)
+        found[r] = None if mark is None else mark["steps"]
+    if len(set(found.values())) > 1:
+        raise ValueError(f"{folder} holds a set of {world} onebitlamb optimizer states saved at different steps "
+                         f"(rank: steps {found}): the files come from different saves, and the ranks would resume "
+                         f"different points of the run. Resume from a folder that one save wrote whole")
+    return found[0]
 
 
 def _device_of(optimizer: StagedOptimizer) -> str:
