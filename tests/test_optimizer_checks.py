@@ -116,6 +116,35 @@ def test_ranks_that_built_different_optimizers_fail_at_the_first_step(what, name
     assert re.search(named, errors[0]), errors[0]
 
 
+def _drifting_run(rank, n, kind, what):
+    """Rank 1 alone changes its lr or its model after step 1; the ranks compare every 3 steps."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(4))]
+    opt = _make(kind, params, agree_every=3)
+    for call in range(1, 7):
+        if call == 2 and rank == 1:
+            if what == "lr":
+                opt.param_groups[0]["lr"] = 0.02
+            else:
+                params[1].data[0] += 1.0
+        for p, g in zip(params, _grads(rank, call)):
+            p.grad = g
+        try:
+            opt.step()
+        except ValueError as e:
+            return call, str(e)
+    return None
+
+
+@pytest.mark.parametrize("kind,what,named", [("lamb", "lr", "param groups"), ("onebitlamb", "model", "parameter values"),
+                                             ("onebitadam", "lr", "param groups")])
+def test_ranks_that_drift_apart_after_the_first_step_fail_at_the_next_agreement(kind, what, named):
+    """``agree_every`` (1000 by default): the drift is named at the next comparison, on every rank."""
+    for out in spawn_local(_drifting_run, 2, (kind, what), timeout_s=120, collective_timeout_s=60):
+        assert out is not None and out[0] == 3, out
+        assert "drifted apart by step 3" in out[1] and named in out[1], out[1]
+
+
 def _grads(rank, call):
     g = torch.Generator().manual_seed(100 * call + rank)
     return [torch.randn(6, 4, generator=g), torch.randn(4, generator=g)]

@@ -117,10 +117,12 @@ def parameter_checksum(p: torch.Tensor) -> int:
     return zlib.crc32(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
 
 
-def agree_on_setup(setup: Dict[str, Any], group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+def agree_on_setup(setup: Dict[str, Any], group: Optional[dist.ProcessGroup], device: torch.device,
+                   after_step: Optional[int] = None) -> None:
     """Every rank must have built the same optimizer: compare a fingerprint of ``setup`` (name:
     value) across the group with one all-gather of one int64 per entry; if any differs, gather the
-    values themselves and raise on every rank, naming each entry that differs and each rank's value."""
+    values themselves and raise on every rank, naming each entry that differs and each rank's value.
+    ``after_step``: the check is the periodic one (``agree_every``), after that many steps."""
     n = world_size_of(group)
     if n == 1:
         return
@@ -138,6 +140,11 @@ def agree_on_setup(setup: Dict[str, Any], group: Optional[dist.ProcessGroup], de
     hint = ("; under a ZeroRedundancyOptimizer, which gives each rank a share of the parameters: the "
             "optimizers need every parameter on every rank, use DistributedDataParallel with "
             "onebitlamb.register_ddp" if "parameter sizes" in differing else "")
+    if after_step is not None:
+        raise ValueError(f"the ranks drifted apart by step {after_step} (agree_every): {details}. Something changed "
+                         f"one rank's parameters or hyper-parameters after the first step (an lr set on one rank, "
+                         f"a model edited or loaded on one rank only); change them alike on every rank, or resume "
+                         f"from a checkpoint")
     raise ValueError(f"the ranks built different optimizers: {details}. Every rank must pass the same "
                      f"parameters (in the same order and shapes, with the same values: seed every rank "
                      f"alike, or broadcast them from rank 0 before the first step), hyper-parameters and "

@@ -87,10 +87,14 @@ class Exchange:
     """
 
     def __init__(self, owner: str, process_group: ProcessGroupLike, *, warmup_dtype: str,
-                 bucket_cap_mb: Optional[float], overlap_with_backward: bool) -> None:
+                 bucket_cap_mb: Optional[float], overlap_with_backward: bool, agree_every: Optional[int]) -> None:
         if not isinstance(overlap_with_backward, bool):
             raise ValueError(f"Invalid overlap_with_backward: {overlap_with_backward!r} (must be True or False)")
         check_bucket_cap(bucket_cap_mb)
+        if agree_every is not None and (isinstance(agree_every, bool) or not isinstance(agree_every, int)
+                                        or agree_every < 1):
+            raise ValueError(f"Invalid agree_every: {agree_every!r} (must be None or a number of steps >= 1)")
+        self.agree_every = agree_every
         self.owner = owner
         self.process_group = process_group
         self.warmup_dtype = WIRE_DTYPES[wire_dtype_name(warmup_dtype)]
@@ -123,7 +127,7 @@ class Exchange:
         PowerSGD's state it drops the process group (a copy uses the default one), and with it the
         thread, the hooks and the DDP link: a copy exchanges in ``step()``, with the same buckets,
         so it steps as the original would."""
-        keep = ("owner", "warmup_dtype", "bucket_cap_mb", "comm_stats", "buckets")
+        keep = ("owner", "warmup_dtype", "bucket_cap_mb", "agree_every", "comm_stats", "buckets")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -157,7 +161,7 @@ class Exchange:
     def setup(self) -> Dict[str, Any]:
         """What every rank's exchange must have alike (``checks.agree_on_setup``): ranks that differ
         would enter different collectives and wait for each other until the timeout."""
-        return {"overlap_with_backward": self._overlap is not None,
+        return {"overlap_with_backward": self._overlap is not None, "agree_every": self.agree_every,
                 "exchange averaged by DDP (register_ddp)": self.ddp_link is not None,
                 "ranks per node (process_group)": self.local_size}
 

@@ -75,7 +75,12 @@ _EXCHANGE_DOC = """How the ranks talk (keyword-only; ``optimizer.exchange`` hold
             for the last. The numbers are those of the serial step over the same buckets, bit for
             bit. Collective at construction (it copies the process group); with gradient
             accumulation run every backward but the last under ``with optimizer.no_sync():``.
-            Not with ``register_ddp``, whose DDP buckets already overlap."""
+            Not with ``register_ddp``, whose DDP buckets already overlap.
+        agree_every (int or None, default 1000): every this many steps the ranks compare, as at
+            the first step, a CRC-32 of every parameter and their hyper-parameters (one all-gather
+            of about ten int64 per rank, one CRC pass over the parameters: ``docs/optimizers.md``),
+            and raise on every rank, naming what differs, if some rank's parameters or lr were
+            changed alone; None: at the first step only."""
 
 
 def _exchange_defaults(warmup_dtype: Union[str, torch.dtype], bucket_cap_mb: Optional[float]) -> Dict[str, Any]:
@@ -91,14 +96,15 @@ class Lamb(StagedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, maximize: bool = False, *,
                  process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
-                 bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False) -> None:
+                 bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
+                 agree_every: Optional[int] = 1000) -> None:
         validate_common(lr, betas, eps, weight_decay, maximize)
         _validate_trust_bounds(min_coeff, max_coeff)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
                         maximize=maximize, **_exchange_defaults(warmup_dtype, bucket_cap_mb))
         super().__init__(params, defaults, schedule=None, process_group=process_group,
-                         overlap_with_backward=overlap_with_backward)
+                         overlap_with_backward=overlap_with_backward, agree_every=agree_every)
 
 
 Lamb.__doc__ = fr"""LAMB (You et al., "Large Batch Optimization for Deep Learning", arXiv 1904.00962), with the
@@ -128,7 +134,8 @@ class OneBitLamb(_OneBit):
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                  factor_threshold: float = 0.1, maximize: bool = False,
                  process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
-                 bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False) -> None:
+                 bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
+                 agree_every: Optional[int] = 1000) -> None:
         schedule = schedule_for(type(self).__name__, freeze_step, waits_for_trust_peak=True)
         validate_common(lr, betas, eps, weight_decay, maximize)
         _validate_trust_bounds(min_coeff, max_coeff)
@@ -145,7 +152,7 @@ class OneBitLamb(_OneBit):
                         factor_threshold=factor_threshold, maximize=maximize,
                         **_exchange_defaults(warmup_dtype, bucket_cap_mb))
         super().__init__(params, defaults, schedule=schedule, process_group=process_group,
-                         overlap_with_backward=overlap_with_backward)
+                         overlap_with_backward=overlap_with_backward, agree_every=agree_every)
 
 
 OneBitLamb.__doc__ = fr"""1-bit LAMB (Li et al., "1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training
@@ -188,14 +195,15 @@ class OneBitAdam(_OneBit):
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  bias_correction: bool = True, maximize: bool = False,
                  process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
-                 bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False) -> None:
+                 bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
+                 agree_every: Optional[int] = 1000) -> None:
         schedule = schedule_for(type(self).__name__, freeze_step, waits_for_trust_peak=False)
         validate_common(lr, betas, eps, weight_decay, maximize)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, maximize=maximize,
                         **_exchange_defaults(warmup_dtype, bucket_cap_mb))
         super().__init__(params, defaults, schedule=schedule, process_group=process_group,
-                         overlap_with_backward=overlap_with_backward)
+                         overlap_with_backward=overlap_with_backward, agree_every=agree_every)
 
 
 OneBitAdam.__doc__ = fr"""1-bit Adam (Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with

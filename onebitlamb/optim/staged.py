@@ -90,12 +90,13 @@ class StagedOptimizer(Optimizer):
 
     def __init__(self, params: Iterable, defaults: Dict[str, Any],
                  schedule: "FixedSchedule | AutomaticSchedule | None", process_group: ProcessGroupLike,
-                 overlap_with_backward: bool) -> None:
+                 overlap_with_backward: bool, agree_every: Optional[int] = None) -> None:
         super().__init__(params, defaults)
         check_param_groups(type(self).__name__, self.param_groups, defaults)
         self._schedule = schedule
         self.exchange = Exchange(type(self).__name__, process_group, warmup_dtype=defaults["warmup_dtype"],
-                                 bucket_cap_mb=defaults["bucket_cap_mb"], overlap_with_backward=overlap_with_backward)
+                                 bucket_cap_mb=defaults["bucket_cap_mb"], overlap_with_backward=overlap_with_backward,
+                                 agree_every=agree_every)
         self.last_step_bytes = 0
         self._bytes_after_last_step = 0
         self._layout: Optional[FlatLayout] = None
@@ -360,6 +361,11 @@ class StagedOptimizer(Optimizer):
                 self._freeze()
         if not self.last_step_skipped:
             self._flat["consecutive_skips"] = 0
+        calls = self._flat["step"] + self.skipped_steps  # the same on every rank
+        if not first and self.exchange.agree_every and calls % self.exchange.agree_every == 0:
+            # what the first step agreed on, again: a rank whose parameters or lr were changed since
+            agree_on_setup(self._setup(self._layout), spanning_group(self.process_group), self._layout.device,
+                           after_step=calls)
         # with register_ddp the warm-up's bytes were recorded by DDP's hook during the backward
         self.last_step_bytes = self.comm_stats.bytes_sent - self._bytes_after_last_step
         self._bytes_after_last_step = self.comm_stats.bytes_sent
