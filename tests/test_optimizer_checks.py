@@ -116,6 +116,30 @@ def test_ranks_that_built_different_optimizers_fail_at_the_first_step(what, name
     assert re.search(named, errors[0]), errors[0]
 
 
+def _one_rank_differs(rank, n, what):
+    """Rank 0 alone overlaps, or alone passes the node groups every rank made."""
+    groups = onebitlamb.comm.node_groups(2) if what == "node groups" else None
+    params = [torch.nn.Parameter(torch.ones(6, 4))]
+    kw = ({"overlap_with_backward": rank == 0, "bucket_cap_mb": 1.0} if what == "overlap"
+          else {"process_group": groups if rank == 0 else None})
+    opt = _make("onebitlamb", params, **kw)
+    params[0].grad = torch.full((6, 4), float(rank + 1))
+    try:
+        opt.step()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("what,named", [("overlap", "overlap_with_backward"),
+                                        ("node groups", "ranks per node")])
+def test_a_setting_of_one_rank_only_is_an_error_on_every_rank_not_a_wait(what, named):
+    """The overlap made its thread's process group (a collective) at construction: a rank built
+    without it left the others waiting there until the timeout."""
+    for message in spawn_local(_one_rank_differs, 2, (what,), timeout_s=60, collective_timeout_s=20):
+        assert message is not None and "built different optimizers" in message and named in message, message
+
+
 def _drifting_run(rank, n, kind, what):
     """Rank 1 alone changes its lr or its model after step 1; the ranks compare every 3 steps."""
     torch.manual_seed(0)

@@ -35,6 +35,16 @@ def spanning_group(group: Group = None) -> Optional[dist.ProcessGroup]:
     return group.spanning_group if isinstance(group, NodeGroups) else group
 
 
+def check_spans_world(group: Group = None) -> int:
+    """The world size, if ``group`` spans the world (so that ``duplicate_group`` can copy it: every
+    rank of the world makes the copy); else ValueError."""
+    world = flat.world_size_of(None)
+    if world_size_of(group) != world:
+        raise ValueError(f"a process group of {world_size_of(group)} of the world's {world} ranks: a thread's "
+                         f"own copy of it is made by every rank of the world, so it must span the world")
+    return world
+
+
 def duplicate_group(group: Group = None) -> Group:
     """A second group of the same kind over the same ranks, for a thread's own collectives;
     collective (``collectives.duplicate_group``)."""

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from onebitlamb.comm import (CommStats, NodeGroups, allreduce_mean_, compressed_allreduce, duplicate_group,
                              spanning_group, world_size_of)
+from onebitlamb.comm.groups import check_spans_world
 from onebitlamb.optim.checks import agreed_finite, any_rank, locally_finite, refuse_averaged_gradients
 from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, bucket_ranges, buffer_sizes, plan_buckets
 from onebitlamb.optim.overlap import BackwardOverlap
@@ -117,8 +118,10 @@ class Exchange:
         self._overlap: Optional[BackwardOverlap] = None
         self._group = None
         if self.overlap_with_backward and self.world_size > 1:
-            # the thread's collectives never interleave with the caller's on a group of their own
-            self._group = duplicate_group(self.process_group)
+            # the thread's own group (its collectives never interleave with the caller's) is made at
+            # the first step, after the ranks agreed on the settings (bind): made here, a rank
+            # built without the overlap would leave the others waiting in dist.new_group
+            check_spans_world(self.process_group)
             self._overlap = BackwardOverlap(self._prepare_bucket, self._laid_out)
 
     # ------------------------------------------------------------------ copies
@@ -174,6 +177,8 @@ class Exchange:
         self._layout, self._flat, self._scratch = layout, flat, scratch
         self._gather_ref, self._momentum_ref = weakref.WeakMethod(gather), weakref.WeakMethod(momentum)
         self.buckets = plan_buckets(flat["buckets"], self.world_size, self.local_size)
+        if self._overlap is not None and self._group is None:  # collective: every rank agreed on the overlap
+            self._group = duplicate_group(self.process_group)
         if self._overlap is not None:
             self._overlap.set_buckets([[p for p, _ in layout.params_in(b.start, b.end)] for b in self.buckets])
 

@@ -73,7 +73,8 @@ _EXCHANGE_DOC = """How the ranks talk (keyword-only; ``optimizer.exchange`` hold
         overlap_with_backward (bool, default False): start each bucket's exchange on a thread of
             the optimizer's as soon as the backward has produced its gradients; ``step()`` waits
             for the last. The numbers are those of the serial step over the same buckets, bit for
-            bit. Collective at construction (it copies the process group); with gradient
+            bit. The first step copies the process group (every rank's first step is
+            collective anyway); with gradient
             accumulation run every backward but the last under ``with optimizer.no_sync():``.
             Not with ``register_ddp``, whose DDP buckets already overlap.
         agree_every (int or None, default 1000): every this many steps the ranks compare, as at
