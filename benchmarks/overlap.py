@@ -1,4 +1,4 @@
-"""Overlap benchmark: the serial step against overlap_with_backward() on emulated hosts.
+"""Overlap benchmark: the serial step against overlap_with_backward=True on emulated hosts.
 
     sudo .venv/bin/python -m benchmarks.overlap     # from the repository root; default: 2 hosts, 10M, 50M, 200M, 1G
 
