@@ -91,7 +91,6 @@ class Exchange:
                  bucket_cap_mb: Optional[float], overlap_with_backward: bool, agree_every: Optional[int]) -> None:
         if not isinstance(overlap_with_backward, bool):
             raise ValueError(f"Invalid overlap_with_backward: {overlap_with_backward!r} (must be True or False)")
-        check_bucket_cap(bucket_cap_mb)
         if agree_every is not None and (isinstance(agree_every, bool) or not isinstance(agree_every, int)
                                         or agree_every < 1):
             raise ValueError(f"Invalid agree_every: {agree_every!r} (must be None or a number of steps >= 1)")
