@@ -28,27 +28,36 @@ def seeds_from(count: int) -> List[int]:
     return list(range(convergence.FIRST_SEED, convergence.FIRST_SEED + count))
 
 
-def run_variants(out: str, seeds: Sequence[int], variants: Sequence[Variant]) -> Dict[tuple, dict]:
+def variant_folder(v: Variant, preset: str) -> str:
+    """The runs' folder under OUT: the variant's own on the demo, ``PRESET`` + its suffix on another preset
+    (the convergence benchmark's runs of that preset are in OUT/PRESET)."""
+    return v.folder if preset == "demo" else preset + v.folder[len("demo"):]
+
+
+def run_variants(out: str, seeds: Sequence[int], variants: Sequence[Variant],
+                 preset: str = "demo") -> Dict[tuple, dict]:
     """Every variant at every seed (finished runs read back): ``(seed, row name) -> metrics``."""
     results = {}
     for seed in seeds:
         for v in variants:
             results[seed, v.row.name] = convergence.run_one(
-                convergence.run_folder(out, v.folder, seed, v.row),
-                convergence.pretrain_args("demo", seed, v.row), os.path.join(out, "cache"))
+                convergence.run_folder(out, variant_folder(v, preset), seed, v.row),
+                convergence.pretrain_args(preset, seed, v.row), os.path.join(out, "cache"))
     return results
 
 
 def section(title: str, command: str, seeds: Sequence[int], variants: Sequence[Variant],
-            results: Dict[tuple, dict], note: str = "") -> str:
-    """The section: per variant, the held-out loss over the seeds, its gap to LAMB at the same seed,
-    the freeze steps and the whole run's bytes against LAMB's (the first variant must be LAMB)."""
+            results: Dict[tuple, dict], note: str = "", preset: str = "demo") -> str:
+    """The section: per variant, the held-out loss over the seeds, its gap to the first variant (the
+    reference: LAMB, or where LAMB was not run, the default) at the same seed, the freeze steps and the
+    whole run's bytes against the reference's."""
     lamb = [results[s, variants[0].row.name] for s in seeds]
+    ref = "LAMB" if variants[0] is LAMB else "the default"
     lines = [*heading(title, command),
              f"Seeds {', '.join(map(str, seeds))}: held-out loss (mean ± standard deviation over the seeds), its gap "
-             f"to LAMB at the same seed, the freeze step per seed, and the whole run's bytes per worker against "
-             f"LAMB's. Each row is `onebitlamb pretrain --preset demo` with its flags." + note, "",
-             table_row(["row", "held-out loss", "gap to LAMB", "freeze steps", "LAMB's bytes / row's"]),
+             f"to {ref} at the same seed, the freeze step per seed, and the whole run's bytes per worker against "
+             f"{ref}'s. Each row is `onebitlamb pretrain --preset {preset}` with its flags." + note, "",
+             table_row(["row", "held-out loss", f"gap to {ref}", "freeze steps", f"{ref}'s bytes / row's"]),
              "|---|---:|---:|---:|---:|"]
     for v in variants:
         runs = [results[s, v.row.name] for s in seeds]
@@ -60,23 +69,31 @@ def section(title: str, command: str, seeds: Sequence[int], variants: Sequence[V
         gap = ("-" if v is variants[0] else
                f"{statistics.mean(gaps):+.2f}% (from {min(gaps):+.2f}% to {max(gaps):+.2f}%)")
         lines.append(table_row([v.row.name, f"{statistics.mean(losses):.3f}{spread}", gap,
-                                ", ".join(str(m["freeze_step"]) for m in runs) if v is not variants[0] else "-",
+                                ", ".join(str(m["freeze_step"]) for m in runs) if v is not LAMB else "-",
                                 f"{ratio:.2f}x"]))
     return "\n".join(lines)
 
 
 def main_for(prog: str, doc: str, title: str, name: str, variants: Sequence[Variant],
-             argv: Optional[Sequence[str]], note: str = "") -> int:
+             argv: Optional[Sequence[str]], note: str = "", presets: Sequence[str] = ("demo",)) -> int:
     """An experiment's command line: run (or read back) its variants and write its section ``name``."""
     parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3, help=f"how many seeds, from {convergence.FIRST_SEED} up")
     parser.add_argument("--out", default=os.path.join("runs", "convergence"), help="the runs' folder")
     parser.add_argument("--no-write", action="store_true", help="print only; write no file")
+    if len(presets) > 1:
+        parser.add_argument("--preset", choices=presets, default=presets[0], help="default: %(default)s")
+        parser.add_argument("--without-lamb", action="store_true",
+                            help="leave LAMB's runs out; the gaps are then to the default at the same seed")
     args = parser.parse_args(argv)
+    preset = getattr(args, "preset", presets[0])
+    if getattr(args, "without_lamb", False):
+        variants = [v for v in variants if v is not LAMB]
     seeds = seeds_from(args.seeds)
-    body = section(title, command_line(argv), seeds, variants, run_variants(args.out, seeds, variants), note)
+    results = run_variants(args.out, seeds, variants, preset)
+    body = section(title, command_line(argv), seeds, variants, results, note, preset)
     print("\n" + body)
     if not args.no_write:
-        write_section(name, body)
+        write_section(name if preset == "demo" else f"{name}-{preset}", body)
     return 0

@@ -1,13 +1,15 @@
 """1-bit LAMB's warm-up average sent in bfloat16 instead of float32.
 
     python -m benchmarks.warmup_precision --seeds 3     # about 7 demo runs on 2 cores beyond the convergence benchmark's
+    python -m benchmarks.warmup_precision --seeds 3 --preset b1024 --without-lamb   # 6 runs, about 17 minutes each
 
 The warm-up sends full gradients, so it dominates a run's bytes (a 33% warm-up: about 94% of
 them). bfloat16 halves them, as the paper's fp16 baseline does. Rows: LAMB and 1-bit LAMB with the
 main job's defaults (the convergence benchmark's runs, reused from the same folders), and 1-bit
 LAMB with the warm-up average in bfloat16 (``--warmup-dtype bfloat16``: the optimizers'
 ``warmup_dtype=torch.bfloat16``). Writes the "warmup-precision" section of BENCHMARKS.md. Run from
-the repository root.
+the repository root. On ``b1024`` it writes the section "warmup-precision-b1024"; with
+``--without-lamb`` the LAMB runs are left out and the gaps are to the float32 warm-up at the same seed.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ VARIANTS = [LAMB, DEFAULT, BF16]
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     title = "Warm-up average in bfloat16 (an experiment)"
-    return main_for("benchmarks.warmup_precision", __doc__, title, "warmup-precision", VARIANTS, argv)
+    return main_for("benchmarks.warmup_precision", __doc__, title, "warmup-precision", VARIANTS, argv,
+                    presets=("demo", "b1024"))
 
 
 if __name__ == "__main__":
