@@ -53,13 +53,14 @@ class Reference:
     def __init__(self, init: List[torch.Tensor], kind: str, lr: List[float], wd: List[float], *,
                  freeze_step: Optional[int] = None, n: int = 1, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps=1e-8, min_coeff=0.01, max_coeff=10.0, coeff_beta=0.9,
-                 factor_min=0.5, factor_max=4.0, factor_threshold=0.1):
+                 factor_min=0.5, factor_max=4.0, factor_threshold=0.1, compression_space="momentum"):
         self.x = [t.detach().clone().float() for t in init]
         self.kind, self.lr, self.wd, self.T = kind, lr, wd, freeze_step
         self.n, self.bc = n, bias_correction
         self.b1, self.b2 = betas
         self.eps, self.min_c, self.max_c, self.cb = eps, min_coeff, max_coeff, coeff_beta
         self.fmin, self.fmax, self.fthr = factor_min, factor_max, factor_threshold
+        self.space = compression_space
         L = len(self.x)
         self.m = [torch.zeros_like(t) for t in self.x]
         self.v = [torch.zeros_like(t) for t in self.x]
@@ -101,15 +102,17 @@ class Reference:
             d = sum(t.numel() for t in self.x)
             D = self.sim.D
             bufs = []
+            # what is sent per layer: k_l m, or in the update space k_l m / (sqrt(v_frozen) + eps)
+            to_sent = [self.k[l] / self._sent_denominator(l) for l in range(L)]
             for w in local:
                 b = torch.zeros(D)
-                b[:d] = torch.cat([(self.k[l] * w[l]).reshape(-1) for l in range(L)])
+                b[:d] = torch.cat([(to_sent[l] * w[l]).reshape(-1) for l in range(L)])
                 bufs.append(b)
             out = self.sim(bufs)
             off = 0
             for l in range(L):
                 k = self.x[l].numel()
-                self.m[l] = out[off:off + k].reshape(self.x[l].shape) / self.k[l]
+                self.m[l] = out[off:off + k].reshape(self.x[l].shape) / to_sent[l]
                 off += k
         self.m = [self.m[l] * self.mask[l] for l in range(L)]
         for l in range(L):
@@ -131,6 +134,11 @@ class Reference:
                 coef = self.c_frz[l] * r
             self.x[l] = self.x[l] - self.lr[l] * coef * u
 
+    def _sent_denominator(self, l: int):
+        if self.space == "update":
+            return torch.sqrt(self.v_frozen[l]) + self.eps
+        return 1.0
+
     def _freeze(self) -> None:
         L = len(self.x)
         self.v_frozen = [v / self._hat(self.b2) for v in self.v]
@@ -138,7 +146,7 @@ class Reference:
         self.c_frz = [(self.c_avg[l] / (1 - self.cb ** self.c_count[l])) if self.c_count[l] > 0 else 1.0
                       for l in range(L)]
         self.r_prev = [1.0] * L
-        s = [float(self.m[l].norm()) / math.sqrt(self.m[l].numel()) for l in range(L)]
+        s = [float((self.m[l] / self._sent_denominator(l)).norm()) / math.sqrt(self.m[l].numel()) for l in range(L)]
         nonzero = [v for v in s if v > 0]
         s_bar = sum(nonzero) / len(nonzero) if nonzero else 0.0
         self.k = [s_bar / v if v > 0 else 1.0 for v in s]

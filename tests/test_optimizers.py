@@ -3,6 +3,7 @@ on 2 and 4 real gloo ranks; edge cases, checkpoints, hyper-parameter errors, con
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import math
 
@@ -70,14 +71,14 @@ def test_single_process_matches_reference(kind, bias_correction, weight_decay, m
 
 
 # ---------------------------------------------------------------- multi-process
-def _distributed_run(rank, n, kind, steps, freeze, resume_at):
+def _distributed_run(rank, n, kind, steps, freeze, resume_at, **options):
     """Each rank: a full run (params after every step, bytes per step), then a run stopped at each
     ``resume_at`` step, checkpointed through bytes, restored into fresh objects and finished."""
     torch.manual_seed(0)
 
     def fresh(init):
         params = [torch.nn.Parameter(t.clone()) for t in init]
-        return params, make_optimizer(kind, params, LRS, [0.01, 0.0, 0.01, 0.0], freeze)
+        return params, make_optimizer(kind, params, LRS, [0.01, 0.0, 0.01, 0.0], freeze, **options)
 
     def run(params, opt, start, stop):
         history, nbytes, stages = [], [], []
@@ -123,18 +124,20 @@ def _assert_ranks_agree_and_resume_exactly(out):
                 assert torch.equal(a, b), f"rank {r}: resume after step {stop}"
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_ranks_bit_identical_match_simulation_bytes_and_resume(n):
+@pytest.mark.parametrize("n,space", [(2, "momentum"), (4, "momentum"), (2, "update")])
+def test_ranks_bit_identical_match_simulation_bytes_and_resume(n, space):
     steps, freeze = 30, 10
     kind = "onebitlamb"
-    out = spawn_local(_distributed_run, n, (kind, steps, freeze, (5, 17)), timeout_s=180)
+    out = spawn_local(functools.partial(_distributed_run, compression_space=space), n,
+                      (kind, steps, freeze, (5, 17)), timeout_s=180)
     # bit-identical on all ranks after every step
     for t in range(steps):
         for r in range(1, n):
             for a, b in zip(out[0]["history"][t], out[r]["history"][t]):
                 assert torch.equal(a, b), f"rank {r} differs from rank 0 at step {t + 1}"
     # the same trajectory as a one-process simulation of the n workers
-    ref = Reference(initial_params(), kind, LRS, [0.01, 0.0, 0.01, 0.0], freeze_step=freeze, n=n)
+    ref = Reference(initial_params(), kind, LRS, [0.01, 0.0, 0.01, 0.0], freeze_step=freeze, n=n,
+                    compression_space=space)
     for t in range(1, steps + 1):
         ref.step([grads_for(ref.x, r, t) for r in range(n)])
         for a, x in zip(out[0]["history"][t - 1], ref.x):
@@ -877,24 +880,27 @@ def test_state_dict_has_torch_optims_form_and_the_earlier_form_still_loads(kind,
 
 
 @pytest.mark.parametrize("setting, saved, loaded", [("warmup_dtype", torch.bfloat16, torch.float32),
-                                                    ("bucket_cap_mb", 1e-4, None)])
+                                                    ("bucket_cap_mb", 1e-4, None),
+                                                    ("compression_space", "update", "momentum")])
 def test_a_state_saved_with_another_exchange_setting_is_refused(setting, saved, loaded):
-    """warmup_dtype and bucket_cap_mb change the numbers: a state saved with one value is refused,
-    naming both, by an optimizer built with another, before anything changes; a state saved before
-    they were options (no key) had float32 and one bucket."""
+    """warmup_dtype, bucket_cap_mb and compression_space change the numbers: a state saved with one
+    value is refused, naming both, by an optimizer built with another, before anything changes; a
+    state saved before they were options (no key) had float32, one bucket and the momentum space."""
     params = initial_params()
     opt = onebitlamb.OneBitLamb(params, freeze_step=2, **{setting: saved})
     for step in range(1, 4):
         _step(opt, params, grads_for(params, 0, step))
     state = opt.state_dict()
     other = onebitlamb.OneBitLamb(params, freeze_step=2, **{setting: loaded})
-    name = {torch.bfloat16: "'bfloat16'", torch.float32: "'float32'", 1e-4: "0.0001", None: "None"}
+    name = {torch.bfloat16: "'bfloat16'", torch.float32: "'float32'", 1e-4: "0.0001", None: "None",
+            "update": "'update'", "momentum": "'momentum'"}
     with pytest.raises(ValueError, match=f"saved with {setting}={name[saved]} .* with {setting}={name[loaded]}"):
         other.load_state_dict(state)
     assert other.state["flat"]["step"] == 0 and str(other.param_groups[0][setting]) in name[loaded]  # unchanged
     default = onebitlamb.OneBitLamb(params, freeze_step=2)
     old = default.state_dict()
     for group in old["param_groups"]:
-        del group["warmup_dtype"], group["bucket_cap_mb"]
+        del group["warmup_dtype"], group["bucket_cap_mb"], group["compression_space"]
     default.load_state_dict(old)
     assert default.param_groups[0]["warmup_dtype"] == "float32" and default.param_groups[0]["bucket_cap_mb"] is None
+    assert default.param_groups[0]["compression_space"] == "momentum"

@@ -9,7 +9,7 @@ import torch
 
 from onebitlamb.optim.exchange import ProcessGroupLike, check_bucket_cap, wire_dtype_name
 from onebitlamb.optim.freeze import FreezeStep, schedule_for
-from onebitlamb.optim.staged import StagedOptimizer, validate_common
+from onebitlamb.optim.staged import COMPRESSION_SPACES, StagedOptimizer, validate_common
 
 
 def _validate_trust_bounds(min_coeff: float, max_coeff: float) -> None:
@@ -133,7 +133,7 @@ class OneBitLamb(_OneBit):
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  bias_correction: bool = True, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
-                 factor_threshold: float = 0.1, maximize: bool = False,
+                 factor_threshold: float = 0.1, compression_space: str = "momentum", maximize: bool = False,
                  process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
                  bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
                  agree_every: Optional[int] = 1000) -> None:
@@ -147,10 +147,12 @@ class OneBitLamb(_OneBit):
                              f"(need 0 < factor_min <= factor_max)")
         if not 0.0 <= factor_threshold < 1.0:
             raise ValueError(f"Invalid factor_threshold: {factor_threshold!r} (must be in [0, 1))")
+        if compression_space not in COMPRESSION_SPACES:
+            raise ValueError(f"Invalid compression_space: {compression_space!r} (must be one of {COMPRESSION_SPACES})")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
                         coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
-                        factor_threshold=factor_threshold, maximize=maximize,
+                        factor_threshold=factor_threshold, compression_space=compression_space, maximize=maximize,
                         **_exchange_defaults(warmup_dtype, bucket_cap_mb))
         super().__init__(params, defaults, schedule=schedule, process_group=process_group,
                          overlap_with_backward=overlap_with_backward, agree_every=agree_every)
@@ -177,6 +179,12 @@ OneBitLamb.__doc__ = fr"""1-bit LAMB (Li et al., "1-bit LAMB: Communication Effi
             freeze keeps.
         factor_max, factor_min (float, defaults 4.0 and 0.5): bounds of stage 2's per-layer factor.
         factor_threshold (float, default 0.1): how far the factor may move in one step (relative).
+        compression_space (str, default "momentum"): what stage 2 sends through the 1-bit
+            all-reduce: ``"momentum"`` (the paper's: each layer's momentum, scaled to a common
+            RMS) or ``"update"`` (the momentum divided by the frozen ``sqrt(v) + eps``, undone
+            after the exchange; the same bytes), where the 1-bit code's one magnitude per chunk
+            lands on Adam's direction instead of the momentum. Changes the numbers; part of the
+            state. ``docs/algorithm.md``.
         {_MAXIMIZE_DOC}
 
     {_EXCHANGE_DOC.format(warmup_dtype="torch.float32")}

@@ -29,8 +29,11 @@ from onebitlamb.optim.state_format import split_state, to_saved
 
 WARMUP, COMPRESSION = "warmup", "compression"
 
-# The exchange's settings that change the numbers, as states saved before they were options had them.
+# The settings that change the numbers and are checked on load, as states saved before they were
+# options had them: the exchange's, and what the 1-bit optimizers compress.
 EXCHANGE_SETTINGS_BEFORE = {"warmup_dtype": "float32", "bucket_cap_mb": None}
+CHECKED_SETTINGS_BEFORE = {**EXCHANGE_SETTINGS_BEFORE, "compression_space": "momentum"}
+COMPRESSION_SPACES = ("momentum", "update")
 
 # A step whose gradient is not finite on some rank is skipped on every rank; this many in a row
 # means the run has diverged rather than met a rare overflow.
@@ -266,9 +269,10 @@ class StagedOptimizer(Optimizer):
         another would silently become another run. States saved before they were options had
         the defaults of then (float32, one bucket)."""
         groups = []
+        checked = {k: v for k, v in CHECKED_SETTINGS_BEFORE.items() if k in self.defaults}
         for group in saved_groups:
-            group = {**EXCHANGE_SETTINGS_BEFORE, **group}
-            for key in EXCHANGE_SETTINGS_BEFORE:
+            group = {**checked, **group}
+            for key in checked:
                 if group[key] != self.defaults[key]:
                     raise ValueError(f"the optimizer state was saved with {key}={group[key]!r} and is loaded into "
                                      f"{type(self).__name__} with {key}={self.defaults[key]!r}: build the optimizer "
@@ -486,7 +490,10 @@ class StagedOptimizer(Optimizer):
                                                 self.defaults["coeff_beta"])
                                 if self._layerwise else lay.ones())
         flat["prev_factor"] = lay.ones()
-        flat["momentum_scale"] = F.momentum_scales(lay.norms(flat["exp_avg"]), lay.per_layer(lay.numels))
+        sent = flat["exp_avg"]
+        if self._compresses_update():  # the layers' scales are those of what is sent: m / den
+            sent = sent / self._frozen_denominators()[0]
+        flat["momentum_scale"] = F.momentum_scales(lay.norms(sent), lay.per_layer(lay.numels))
         self.exchange.new_error_buffers(flat, lay.device)
 
     def _frozen_denominators(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -499,16 +506,25 @@ class StagedOptimizer(Optimizer):
             derived["denominator_source"] = v_frozen
         return derived["denominator"], derived["inverse_denominator"]
 
+    def _compresses_update(self) -> bool:
+        return self.defaults.get("compression_space", "momentum") == "update"
+
     def _compression_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per element, ``k_l`` (each layer's momentum brought to one common RMS, since the
-        compressor has one scale per chunk) and what the decompressed result is multiplied by:
-        its inverse times the momentum mask, so one pass both undoes the scaling and masks."""
+        """Per element, what the local momentum is multiplied by before compression: ``k_l`` (each
+        layer's momentum brought to one common RMS, since the compressor has one scale per chunk),
+        divided by the frozen denominator where the update space is compressed; and what the
+        decompressed result is multiplied by: its inverse times the momentum mask, so one pass both
+        undoes the scaling and masks."""
         derived, flat = self._scratch.derived, self._flat
-        if derived.get("scale_source") is not flat["momentum_scale"]:
+        source = (flat["momentum_scale"], flat["exp_avg_sq"])
+        held = derived.get("scale_source")  # the tensors themselves: they stay alive, so `is` cannot mistake them
+        if held is None or any(a is not b for a, b in zip(held, source)):
             numels = torch.tensor(self._layout.numels, device=self._layout.device)
             scale = torch.repeat_interleave(flat["momentum_scale"], numels)
+            if self._compresses_update():
+                scale.mul_(self._frozen_denominators()[1])
             derived["scale"], derived["unscale"] = scale, torch.reciprocal(scale).mul_(flat["momentum_mask"])
-            derived["scale_source"] = flat["momentum_scale"]
+            derived["scale_source"] = source
         return derived["scale"], derived["unscale"]
 
     def _compression_step(self, grads: torch.Tensor) -> None:

@@ -98,6 +98,9 @@ class TrainConfig:
     warmup_dtype: str = field(default="float32", metadata={
         "help": "1-bit optimizers: the wire dtype of the warm-up's gradient average (bfloat16: half the bytes)",
         "choices": ["float32", "bfloat16"]})
+    compression_space: str = field(default="momentum", metadata={
+        "help": "1-bit LAMB: what stage 2 compresses: the momentum (the paper's) or the update, the momentum over "
+                "the frozen variance's root", "choices": ["momentum", "update"]})
     bucket_cap_mb: Optional[float] = field(default=None, metadata={
         "help": "send the exchange in buckets of at most this many MiB, each behind the backward as soon as its "
                 "gradients are ready (default: one bucket, sent in the step)", "metavar": "MIB"})

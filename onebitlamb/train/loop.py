@@ -27,7 +27,7 @@ import onebitlamb
 from onebitlamb.train import data, runlog
 from onebitlamb.train.checkpoints import CheckpointStore, TrainState, checkpoint_folder
 from onebitlamb.train.config import SetupError, TrainConfig
-from onebitlamb.train.metrics import evaluate_mlm, freeze_stats, layer_report, write_metrics
+from onebitlamb.train.metrics import WINDOW_STEPS, evaluate_mlm, freeze_stats, layer_report, write_metrics
 from onebitlamb.train.model import build_model, mlm_loss
 from onebitlamb.train.ranks import agree_any, gather_bytes, rank_device, ranks_flagged
 
@@ -95,6 +95,10 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
               file=sys.stderr, flush=True)
 
     log = runlog.RunLog(cfg, start_step, history) if master else None  # console, log.csv, TensorBoard
+    # the diagnostics' window: how far the parameters moved over the last `window` steps, which error
+    # feedback keeps close to LAMB's even where single 1-bit steps are noisy (a run resumed inside a
+    # window has no start for it: that diagnosis records none)
+    window, window_start = min(WINDOW_STEPS, cfg.eval_every), None
 
     def evaluate(step: int) -> Optional[str]:
         """The held-out loss (the same number on every rank); a message when it is not finite."""
@@ -129,6 +133,8 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
         # the optimizer step: all communication happens in here
         diagnose = master and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
         before = [p.detach().clone() for p in names.values()] if diagnose else None
+        if master and (step + window) % cfg.eval_every == 0:  # the parameters `window` steps before a diagnosis
+            window_start = (step, [p.detach().clone() for p in names.values()])
         stage = optimizer.stage  # the stage this step runs in (a freeze happens at the end of a step)
         lr = scheduler.get_last_lr()[0]  # this step's (the scheduler's step below sets the next one's)
         optimizer.step()
@@ -139,7 +145,9 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
                                  "collectives": optimizer.comm_stats.calls, "stage": stage,
                                  "lr": lr, "freeze": freeze_stats(optimizer)})
         if diagnose:
-            history["diagnostics"].append(layer_report(step + 1, stage, names, before, optimizer))
+            start = window_start[1] if window_start is not None and window_start[0] == step + 1 - window else None
+            history["diagnostics"].append({**layer_report(step + 1, stage, names, before, optimizer, start),
+                                           "window": window if start is not None else None})
 
         # evaluation, checkpoint, stop
         done = step + 1
@@ -240,6 +248,8 @@ def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
                   bucket_cap_mb=cfg.bucket_cap_mb, overlap_with_backward=cfg.bucket_cap_mb is not None)
     if cfg.optimizer == "lamb":  # the exact baseline: its average stays float32
         return onebitlamb.Lamb(groups, **common)
+    if cfg.optimizer == "onebitlamb":
+        common["compression_space"] = cfg.compression_space
     cls = onebitlamb.OneBitLamb if cfg.optimizer == "onebitlamb" else onebitlamb.OneBitAdam
     return cls(groups, **common, freeze_step=cfg.freeze_step(), warmup_dtype=getattr(torch, cfg.warmup_dtype))
 

@@ -18,6 +18,10 @@ from onebitlamb.train.config import TrainConfig
 from onebitlamb.train.data import atomic_save
 from onebitlamb.train.model import mlm_loss
 
+# the diagnostics' window (steps; at most the steps between diagnoses): long enough for the error
+# feedback to return what single 1-bit steps leave out, short against the run
+WINDOW_STEPS = 16
+
 
 @torch.no_grad()
 def evaluate_mlm(model, inputs, labels, batch: int, device) -> float:
@@ -35,18 +39,31 @@ def evaluate_mlm(model, inputs, labels, batch: int, device) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
-def layer_report(step: int, stage: str, names: dict, before: List[torch.Tensor], optimizer) -> dict:
+def _relative_move(x: torch.Tensor, x0: Optional[torch.Tensor]) -> Optional[float]:
+    """``|x - x0| / |x0|``; None without a start or where ``x0`` is 0."""
+    if x0 is None:
+        return None
+    x0n = float(x0.float().norm())
+    return float((x.detach().float() - x0.float()).norm()) / x0n if x0n > 0 else None
+
+
+def layer_report(step: int, stage: str, names: dict, before: List[torch.Tensor], optimizer,
+                 window_start: Optional[List[torch.Tensor]] = None) -> dict:
     """Per layer at this step: the coefficient the optimizer applied (LAMB's live trust ratio; in
-    1-bit LAMB's compression stage, frozen coefficient x factor) and the relative step size
-    ``|x_after - x_before| / |x_before|`` measured on the parameters themselves."""
+    1-bit LAMB's compression stage, frozen coefficient x factor), the relative step size
+    ``|x_after - x_before| / |x_before|`` measured on the parameters themselves, and the relative
+    move over the last ``WINDOW_STEPS`` steps (``window_step``; None where the run has no start for
+    it), and the parameter's norm (``norm``, to weigh the layers into the whole model's move). A single 1-bit step is noisy by design; the error feedback should keep the window's move
+    close to LAMB's."""
     diag = optimizer.layer_diagnostics()
     layers = []
-    for i, ((name, p), x0) in enumerate(zip(names.items(), before)):
+    starts = window_start if window_start is not None else [None] * len(before)
+    for i, ((name, p), x0, xw) in enumerate(zip(names.items(), before, starts)):
         d = diag[i] if i < len(diag) else {}
-        x0n = float(x0.float().norm())
         layers.append({"name": name, "trust_ratio": d.get("trust_ratio"), "frozen_coeff": d.get("frozen_coeff"),
-                       "factor": d.get("factor"),
-                       "rel_step": float((p.detach().float() - x0.float()).norm()) / x0n if x0n > 0 else None})
+                       "factor": d.get("factor"), "norm": float(p.detach().float().norm()),
+                       "rel_step": _relative_move(p, x0),
+                       "window_step": _relative_move(p, xw)})
     return {"step": step, "stage": stage, "layers": layers}
 
 
