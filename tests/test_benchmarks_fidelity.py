@@ -1,0 +1,47 @@
+"""benchmarks/fidelity.py's figures, on diagnostics written by hand."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import fidelity
+
+
+def _diag(step, stage, layers):
+    return {"step": step, "stage": stage, "layers": [
+        {"name": n, "trust_ratio": c, "factor": f, "norm": norm, "rel_step": s, "window_step": w}
+        for n, (c, f, norm, s, w) in layers.items()]}
+
+
+def test_fidelity_against_lamb_at_the_same_steps():
+    lamb = {"final_eval_loss": 5.0, "bytes_sent_per_rank": 1000, "freeze_step": None,
+            "diagnostics": [_diag(s, "warmup", {"a": (0.2, None, 3.0, 0.01, 0.1), "b": (0.1, None, 4.0, 0.02, 0.2)})
+                            for s in (16, 32, 48)]}
+    run = {"final_eval_loss": 4.9, "bytes_sent_per_rank": 250, "freeze_step": 20, "diagnostics": [
+        _diag(16, "warmup", {"a": (9.0, None, 3.0, 9.0, 9.0), "b": (9.0, None, 4.0, 9.0, 9.0)}),  # before the freeze
+        _diag(32, "compression", {"a": (0.3, 1.5, 3.0, 0.05, 0.15), "b": (0.1, 1.0, 4.0, 0.02, 1.0)}),
+        _diag(48, "compression", {"a": (0.4, 2.0, 3.0, 0.08, 0.12), "b": (0.05, 0.5, 4.0, 0.04, 0.8)})]}
+    f = fidelity.fidelity(run, lamb)
+    # window ratios: a 1.5 and 1.2 (median 1.35, inside), b 5 and 4 (outside)
+    assert f["layers_inside"] == 0.5
+    # whole model at 32: sqrt((0.15*3)^2 + (1*4)^2)/5 over sqrt((0.1*3)^2 + (0.2*4)^2)/5; at 48 likewise
+    r32 = math.hypot(0.45, 4.0) / math.hypot(0.3, 0.8)
+    r48 = math.hypot(0.36, 3.2) / math.hypot(0.3, 0.8)
+    assert f["whole_window"] == pytest.approx((r32 + r48) / 2)
+    assert f["one_step"] == pytest.approx(statistics_median([5, 1, 8, 2]))
+    # at the last diagnosis: coefficients 0.4/0.2 and 0.05/0.1, factors 2 and 0.5
+    assert f["coeff_median"] == pytest.approx(1.25) and f["coeff_max"] == pytest.approx(2.0)
+    assert f["factor_median"] == pytest.approx(1.25) and f["factor_max"] == 2.0
+    assert f["gap"] == pytest.approx(-2.0) and f["bytes"] == 0.25
+
+
+def statistics_median(values):
+    values = sorted(values)
+    return (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+
+
+def test_the_interval_is_students_t():
+    mean, half = fidelity.mean_interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and half == pytest.approx(4.303 * 1.0 / math.sqrt(3))
+    assert fidelity.mean_interval([1.5]) == (1.5, None)
