@@ -1,6 +1,7 @@
 """Does 1-bit LAMB's stage 2 follow LAMB? Per layer, against LAMB at the same seed (issue 48).
 
     python -m benchmarks.fidelity --preset demo --seeds 3            # LAMB and two 1-bit LAMB rows a seed
+    python -m benchmarks.fidelity --preset demo --seeds 3 --rounding # and seed 1234 again, other rounding
     python -m benchmarks.fidelity --preset demo --seeds 3 --list     # each run's state; runs nothing
 
 Run from the repository root. The runs are the convergence benchmark's (``OUT/PRESET/SEED/ROW``,
@@ -22,6 +23,9 @@ At the diagnoses after the freeze, each row's figures over LAMB's at the same st
 - **held-out loss**: the paired gap to LAMB, mean over the seeds with its 95% interval (Student's
   t; shown from two seeds);
 - **bytes**: the whole run's, against LAMB's.
+
+With ``--rounding``, every row also reruns the first seed with ``--threads 2``: the same run but
+for the order of float sums, so its change of final loss is what machine noise alone does to it.
 
 Writes the section ``fidelity-PRESET`` of BENCHMARKS.md and ``docs/fidelity_PRESET.png`` (per layer,
 the window ratio over the steps; every row beside the paper's).
@@ -144,6 +148,24 @@ def render(preset: str, seeds: Sequence[int], figures: Dict[Tuple[str, int], dic
     return "\n".join(lines) + "\n"
 
 
+ROUNDING_FLAGS = ["--threads", "2"]
+
+
+def rounding_row(row: convergence.Row) -> convergence.Row:
+    """The row rerun with a change that moves only the rounding."""
+    return convergence.Row(row.name, row.folder + "-threads2", [*row.flags, *ROUNDING_FLAGS])
+
+
+def render_rounding(seed: int, runs: Dict[str, Tuple[dict, dict]]) -> str:
+    lines = ["", f"Rounding alone: seed {seed} again with `{' '.join(ROUNDING_FLAGS)}` (the order of float sums "
+                 f"changes, nothing else).", "",
+             table_row(["row", "held-out loss", f"with {' '.join(ROUNDING_FLAGS)}", "change"]), "|---|---:|---:|---:|"]
+    for name, (run, rerun) in runs.items():
+        a, b = run["final_eval_loss"], rerun["final_eval_loss"]
+        lines.append(table_row([name, f"{a:.4f}", f"{b:.4f}", f"{100 * (b / a - 1):+.2f}%"]))
+    return "\n".join(lines) + "\n"
+
+
 def plot(preset: str, seed: int, figures: Dict[Tuple[str, int], dict], path: str) -> None:
     """Per row (a panel each), every layer's window ratio over the steps at one seed, and their median."""
     from onebitlamb.train.plots import _plt
@@ -183,6 +205,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", default=os.path.join("runs", "convergence"), help="the runs' folder")
     parser.add_argument("--list", action="store_true", help="print each run's state and run nothing")
     parser.add_argument("--no-write", action="store_true", help="print only; write no file")
+    parser.add_argument("--rounding", action="store_true",
+                        help=f"also rerun the first seed of every row with {' '.join(ROUNDING_FLAGS)}")
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
@@ -197,6 +221,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for row in ROWS for key, folder in folders.items() if key[0] == row.name}
     figures = {(row.name, s): fidelity(runs[row.name, s], runs[LAMB.name, s]) for row in ROWS[1:] for s in seeds}
     body = render(args.preset, seeds, figures, command_line(argv))
+    if args.rounding:
+        cache, seed = os.path.join(args.out, "cache"), seeds[0]
+        body += render_rounding(seed, {row.name: (runs[row.name, seed], convergence.run_one(
+            convergence.run_folder(args.out, args.preset, seed, rounding_row(row)),
+            convergence.pretrain_args(args.preset, seed, rounding_row(row)), cache)) for row in ROWS})
     print("\n" + body)
     if not args.no_write:
         write_section(f"fidelity-{args.preset}", body)
