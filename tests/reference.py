@@ -53,14 +53,15 @@ class Reference:
     def __init__(self, init: List[torch.Tensor], kind: str, lr: List[float], wd: List[float], *,
                  freeze_step: Optional[int] = None, n: int = 1, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps=1e-8, min_coeff=0.01, max_coeff=10.0, coeff_beta=0.9,
-                 factor_min=0.5, factor_max=4.0, factor_threshold=0.1, compression_space="momentum"):
+                 factor_min=0.5, factor_max=4.0, factor_threshold=0.1, compression_space="momentum",
+                 trust_ratio_after_freeze="frozen"):
         self.x = [t.detach().clone().float() for t in init]
         self.kind, self.lr, self.wd, self.T = kind, lr, wd, freeze_step
         self.n, self.bc = n, bias_correction
         self.b1, self.b2 = betas
         self.eps, self.min_c, self.max_c, self.cb = eps, min_coeff, max_coeff, coeff_beta
         self.fmin, self.fmax, self.fthr = factor_min, factor_max, factor_threshold
-        self.space = compression_space
+        self.space, self.live = compression_space, trust_ratio_after_freeze == "live"
         L = len(self.x)
         self.m = [torch.zeros_like(t) for t in self.x]
         self.v = [torch.zeros_like(t) for t in self.x]
@@ -122,7 +123,11 @@ class Reference:
             u0 = (self.m[l] / self._hat(self.b1)) / den
             u = u0 + self.wd[l] * self.x[l]
             coef = 1.0
-            if self.kind == "onebitlamb":
+            if self.kind == "onebitlamb" and self.live:  # LAMB's ratio on the exchanged momentum
+                xn, un = float(self.x[l].norm()), float(u.norm())
+                if xn > 0 and un > 0:
+                    coef = min(max(xn / un, self.min_c), self.max_c)
+            elif self.kind == "onebitlamb":
                 r = float((den / (torch.sqrt(self.v_fresh[l] / self._hat(self.b2)) + self.eps)).max())
                 if self.wd[l] > 0:
                     un = float(u.norm())

@@ -12,7 +12,7 @@ from onebitlamb.train.model import ModelConfig
 
 PRETRAIN_FLAGS = {"--preset", "--optimizer", "--out", "--resume", "--overwrite", "--seed", "--steps", "--global-batch",
                   "--micro-batch", "--workers", "--lr", "--warmup-frac", "--weight-decay", "--clip", "--freeze",
-                  "--warmup-dtype", "--compression-space", "--bucket-cap-mb", "--local-size",
+                  "--warmup-dtype", "--compression-space", "--trust-ratio-after-freeze", "--bucket-cap-mb", "--local-size",
                   "--eval-every", "--eval-samples", "--ckpt-every", "--corpus", "--stdlib-tests", "--cache-dir",
                   "--threads", "--no-progress", "--stop-after-steps", "--timeout",
                   "--vocab-size", "--seq-len", "--hidden", "--layers", "--heads", "--intermediate"}
@@ -49,8 +49,8 @@ def test_the_exchange_flags_reach_the_optimizer():
     assert opt.exchange.overlap_with_backward and opt.exchange.warmup_dtype == torch.bfloat16
     lamb = loop.make_optimizer(cfg("--warmup-dtype", "bfloat16", optimizer="lamb"), groups())
     assert lamb.exchange.warmup_dtype == torch.float32  # the exact baseline stays float32
-    space = loop.make_optimizer(cfg("--compression-space", "update"), groups())
-    assert space.defaults["compression_space"] == "update"
+    space = loop.make_optimizer(cfg("--compression-space", "update", "--trust-ratio-after-freeze", "live"), groups())
+    assert space.defaults["compression_space"] == "update" and space.defaults["trust_ratio_after_freeze"] == "live"
     for bad in (["--warmup-dtype", "float16"], ["--bucket-cap-mb", "x"], ["--compression-space", "signs"]):
         with pytest.raises(SystemExit):
             cfg(*bad)

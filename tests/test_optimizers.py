@@ -124,12 +124,13 @@ def _assert_ranks_agree_and_resume_exactly(out):
                 assert torch.equal(a, b), f"rank {r}: resume after step {stop}"
 
 
-@pytest.mark.parametrize("n,space", [(2, "momentum"), (4, "momentum"), (2, "update")])
-def test_ranks_bit_identical_match_simulation_bytes_and_resume(n, space):
+@pytest.mark.parametrize("n,space,ratio", [(2, "momentum", "frozen"), (4, "momentum", "frozen"),
+                                           (2, "update", "frozen"), (2, "update", "live")])
+def test_ranks_bit_identical_match_simulation_bytes_and_resume(n, space, ratio):
     steps, freeze = 30, 10
     kind = "onebitlamb"
-    out = spawn_local(functools.partial(_distributed_run, compression_space=space), n,
-                      (kind, steps, freeze, (5, 17)), timeout_s=180)
+    out = spawn_local(functools.partial(_distributed_run, compression_space=space, trust_ratio_after_freeze=ratio),
+                      n, (kind, steps, freeze, (5, 17)), timeout_s=180)
     # bit-identical on all ranks after every step
     for t in range(steps):
         for r in range(1, n):
@@ -137,7 +138,7 @@ def test_ranks_bit_identical_match_simulation_bytes_and_resume(n, space):
                 assert torch.equal(a, b), f"rank {r} differs from rank 0 at step {t + 1}"
     # the same trajectory as a one-process simulation of the n workers
     ref = Reference(initial_params(), kind, LRS, [0.01, 0.0, 0.01, 0.0], freeze_step=freeze, n=n,
-                    compression_space=space)
+                    compression_space=space, trust_ratio_after_freeze=ratio)
     for t in range(1, steps + 1):
         ref.step([grads_for(ref.x, r, t) for r in range(n)])
         for a, x in zip(out[0]["history"][t - 1], ref.x):
@@ -881,7 +882,8 @@ def test_state_dict_has_torch_optims_form_and_the_earlier_form_still_loads(kind,
 
 @pytest.mark.parametrize("setting, saved, loaded", [("warmup_dtype", torch.bfloat16, torch.float32),
                                                     ("bucket_cap_mb", 1e-4, None),
-                                                    ("compression_space", "update", "momentum")])
+                                                    ("compression_space", "update", "momentum"),
+                                                    ("trust_ratio_after_freeze", "live", "frozen")])
 def test_a_state_saved_with_another_exchange_setting_is_refused(setting, saved, loaded):
     """warmup_dtype, bucket_cap_mb and compression_space change the numbers: a state saved with one
     value is refused, naming both, by an optimizer built with another, before anything changes; a
@@ -893,14 +895,15 @@ def test_a_state_saved_with_another_exchange_setting_is_refused(setting, saved, 
     state = opt.state_dict()
     other = onebitlamb.OneBitLamb(params, freeze_step=2, **{setting: loaded})
     name = {torch.bfloat16: "'bfloat16'", torch.float32: "'float32'", 1e-4: "0.0001", None: "None",
-            "update": "'update'", "momentum": "'momentum'"}
+            "update": "'update'", "momentum": "'momentum'", "live": "'live'", "frozen": "'frozen'"}
     with pytest.raises(ValueError, match=f"saved with {setting}={name[saved]} .* with {setting}={name[loaded]}"):
         other.load_state_dict(state)
     assert other.state["flat"]["step"] == 0 and str(other.param_groups[0][setting]) in name[loaded]  # unchanged
     default = onebitlamb.OneBitLamb(params, freeze_step=2)
     old = default.state_dict()
     for group in old["param_groups"]:
-        del group["warmup_dtype"], group["bucket_cap_mb"], group["compression_space"]
+        del group["warmup_dtype"], group["bucket_cap_mb"], group["compression_space"], group["trust_ratio_after_freeze"]
     default.load_state_dict(old)
     assert default.param_groups[0]["warmup_dtype"] == "float32" and default.param_groups[0]["bucket_cap_mb"] is None
     assert default.param_groups[0]["compression_space"] == "momentum"
+    assert default.param_groups[0]["trust_ratio_after_freeze"] == "frozen"

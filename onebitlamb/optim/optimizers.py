@@ -9,7 +9,7 @@ import torch
 
 from onebitlamb.optim.exchange import ProcessGroupLike, check_bucket_cap, wire_dtype_name
 from onebitlamb.optim.freeze import FreezeStep, schedule_for
-from onebitlamb.optim.staged import COMPRESSION_SPACES, StagedOptimizer, validate_common
+from onebitlamb.optim.staged import COMPRESSION_SPACES, TRUST_RATIOS_AFTER_FREEZE, StagedOptimizer, validate_common
 
 
 def _validate_trust_bounds(min_coeff: float, max_coeff: float) -> None:
@@ -133,7 +133,8 @@ class OneBitLamb(_OneBit):
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  bias_correction: bool = True, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
-                 factor_threshold: float = 0.1, compression_space: str = "momentum", maximize: bool = False,
+                 factor_threshold: float = 0.1, compression_space: str = "momentum",
+                 trust_ratio_after_freeze: str = "frozen", maximize: bool = False,
                  process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
                  bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
                  agree_every: Optional[int] = 1000) -> None:
@@ -149,11 +150,17 @@ class OneBitLamb(_OneBit):
             raise ValueError(f"Invalid factor_threshold: {factor_threshold!r} (must be in [0, 1))")
         if compression_space not in COMPRESSION_SPACES:
             raise ValueError(f"Invalid compression_space: {compression_space!r} (must be one of {COMPRESSION_SPACES})")
+        if trust_ratio_after_freeze not in TRUST_RATIOS_AFTER_FREEZE:
+            raise ValueError(f"Invalid trust_ratio_after_freeze: {trust_ratio_after_freeze!r} "
+                             f"(must be one of {TRUST_RATIOS_AFTER_FREEZE})")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
                         coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
-                        factor_threshold=factor_threshold, compression_space=compression_space, maximize=maximize,
+                        factor_threshold=factor_threshold, compression_space=compression_space,
+                        trust_ratio_after_freeze=trust_ratio_after_freeze, maximize=maximize,
                         **_exchange_defaults(warmup_dtype, bucket_cap_mb))
+        # the live ratio needs no fresh variance and no factor
+        self._fresh_variance = trust_ratio_after_freeze == "frozen"
         super().__init__(params, defaults, schedule=schedule, process_group=process_group,
                          overlap_with_backward=overlap_with_backward, agree_every=agree_every)
 
@@ -185,6 +192,11 @@ OneBitLamb.__doc__ = fr"""1-bit LAMB (Li et al., "1-bit LAMB: Communication Effi
             after the exchange; the same bytes), where the 1-bit code's one magnitude per chunk
             lands on Adam's direction instead of the momentum. Changes the numbers; part of the
             state. ``docs/algorithm.md``.
+        trust_ratio_after_freeze (str, default "frozen"): the layer-wise coefficient of stage 2:
+            ``"frozen"`` (the paper's: the trust ratio kept at the freeze times the per-layer
+            factor) or ``"live"`` (LAMB's ``clip(||x|| / ||u||)`` every step, ``u`` from the
+            exchanged momentum and the frozen variance; no factor, no fresh variance). Changes
+            the numbers; part of the state.
         {_MAXIMIZE_DOC}
 
     {_EXCHANGE_DOC.format(warmup_dtype="torch.float32")}

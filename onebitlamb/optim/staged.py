@@ -32,8 +32,10 @@ WARMUP, COMPRESSION = "warmup", "compression"
 # The settings that change the numbers and are checked on load, as states saved before they were
 # options had them: the exchange's, and what the 1-bit optimizers compress.
 EXCHANGE_SETTINGS_BEFORE = {"warmup_dtype": "float32", "bucket_cap_mb": None}
-CHECKED_SETTINGS_BEFORE = {**EXCHANGE_SETTINGS_BEFORE, "compression_space": "momentum"}
+CHECKED_SETTINGS_BEFORE = {**EXCHANGE_SETTINGS_BEFORE, "compression_space": "momentum",
+                           "trust_ratio_after_freeze": "frozen"}
 COMPRESSION_SPACES = ("momentum", "update")
+TRUST_RATIOS_AFTER_FREEZE = ("frozen", "live")
 
 # A step whose gradient is not finite on some rank is skipped on every rank; this many in a row
 # means the run has diverged rather than met a rare overflow.
@@ -563,4 +565,7 @@ class StagedOptimizer(Optimizer):
         else:
             F.adam_direction(m, den, bc1, out=update)
             lay.add_weight_decay_(update, self.param_groups)
+            if self._layerwise:  # LAMB's own ratio, on the exchanged momentum and the frozen variance
+                coeff, _ = F.trust_ratios(lay.param_norms(), lay.norms(update), self.defaults["min_coeff"],
+                                          self.defaults["max_coeff"])
         self._apply_(update, coeff)

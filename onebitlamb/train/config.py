@@ -101,6 +101,9 @@ class TrainConfig:
     compression_space: str = field(default="momentum", metadata={
         "help": "1-bit LAMB: what stage 2 compresses: the momentum (the paper's) or the update, the momentum over "
                 "the frozen variance's root", "choices": ["momentum", "update"]})
+    trust_ratio_after_freeze: str = field(default="frozen", metadata={
+        "help": "1-bit LAMB: the layer-wise coefficient after the freeze: frozen (the paper's: the trust ratio of "
+                "the freeze times a per-layer factor) or live (LAMB's ratio, every step)", "choices": ["frozen", "live"]})
     bucket_cap_mb: Optional[float] = field(default=None, metadata={
         "help": "send the exchange in buckets of at most this many MiB, each behind the backward as soon as its "
                 "gradients are ready (default: one bucket, sent in the step)", "metavar": "MIB"})

@@ -249,7 +249,7 @@ def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
     if cfg.optimizer == "lamb":  # the exact baseline: its average stays float32
         return onebitlamb.Lamb(groups, **common)
     if cfg.optimizer == "onebitlamb":
-        common["compression_space"] = cfg.compression_space
+        common.update(compression_space=cfg.compression_space, trust_ratio_after_freeze=cfg.trust_ratio_after_freeze)
     cls = onebitlamb.OneBitLamb if cfg.optimizer == "onebitlamb" else onebitlamb.OneBitAdam
     return cls(groups, **common, freeze_step=cfg.freeze_step(), warmup_dtype=getattr(torch, cfg.warmup_dtype))
 
