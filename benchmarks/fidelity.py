@@ -1,6 +1,6 @@
 """Does 1-bit LAMB's stage 2 follow LAMB? Per layer, against LAMB at the same seed (issue 48).
 
-    python -m benchmarks.fidelity --preset demo --seeds 3            # LAMB and two 1-bit LAMB rows a seed
+    python -m benchmarks.fidelity --preset demo --seeds 3            # LAMB and three 1-bit LAMB rows a seed
     python -m benchmarks.fidelity --preset demo --seeds 3 --rounding # and seed 1234 again, other rounding
     python -m benchmarks.fidelity --preset demo --seeds 3 --list     # each run's state; runs nothing
 
@@ -47,7 +47,9 @@ from onebitlamb.train.metrics import WINDOW_STEPS
 LAMB, PAPER = convergence.ROWS[0], convergence.ROWS[1]
 UPDATE_SPACE = convergence.Row("1-bit LAMB, update space", "onebitlamb-update",
                                [*PAPER.flags, "--compression-space", "update"])
-ROWS = [LAMB, PAPER, UPDATE_SPACE]
+UPDATE_LIVE = convergence.Row("1-bit LAMB, update space, live trust ratio", "onebitlamb-update-live",
+                              [*UPDATE_SPACE.flags, "--trust-ratio-after-freeze", "live"])
+ROWS = [LAMB, PAPER, UPDATE_SPACE, UPDATE_LIVE]
 BAND = (0.5, 2.0)
 
 # Student's t, two-sided 95%, by degrees of freedom (a standard table; scipy is not a dependency)
