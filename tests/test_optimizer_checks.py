@@ -75,6 +75,13 @@ def test_misuse_after_the_first_step_is_a_clear_error_before_anything_moves(kind
     _assert_untouched(opt, [a, b], snapshot)
     b.requires_grad_(True)
     opt.step()  # back as it was: fine
+    snapshot = _snapshot(opt, [a, b])
+    kept = b.data
+    b.data, b.grad = torch.randn(5), torch.randn(5)  # resized through .data (issue 49): the same tensor object
+    with pytest.raises(ValueError, match=r"parameter 1 .* has 5 elements .* 3 at the first step"):
+        opt.step()
+    b.data, b.grad = kept, torch.randn(3)
+    _assert_untouched(opt, [a, b], snapshot)
 
 
 def _disagreeing_run(rank, n, what):

@@ -94,12 +94,20 @@ def trainable(param_groups: Sequence[Dict[str, Any]]) -> List[torch.Tensor]:
     return [p for g in param_groups for p in g["params"] if p.requires_grad and p.numel() > 0]
 
 
-def check_layout_unchanged(owner: str, held: Sequence[torch.Tensor], param_groups: Sequence[Dict[str, Any]]) -> None:
+def check_layout_unchanged(owner: str, held: Sequence[torch.Tensor], param_groups: Sequence[Dict[str, Any]],
+                           numels: Optional[Sequence[int]] = None) -> None:
     """The flat layout is fixed at the first step: every rank's buffers and the compression errors
-    follow it. A parameter added, removed, resized or (un)frozen later is an error."""
+    follow it. A parameter added, removed, resized (``numels``: the sizes at the first step; a
+    resize through ``p.data`` keeps the same tensor object) or (un)frozen later is an error."""
     now = trainable(param_groups)
-    if len(now) == len(held) and all(a is b and a.shape == b.shape for a, b in zip(now, held)):
-        return
+    if len(now) == len(held) and all(a is b for a, b in zip(now, held)):
+        if numels is None or all(p.numel() == n for p, n in zip(now, numels)):
+            return
+        i, (p, n) = next((i, (p, n)) for i, (p, n) in enumerate(zip(now, numels)) if p.numel() != n)
+        raise ValueError(f"parameter {i} (in the optimizer's order) of {owner} has {p.numel()} elements (shape "
+                         f"{tuple(p.shape)}), {n} at the first step: resized, through .data or in place, after "
+                         f"the first step. Its flat state follows the first step's sizes on every rank; nothing "
+                         f"was changed. Build a new optimizer for the resized model")
     raise ValueError(f"the trainable parameters changed after {owner}'s first step (now {len(now)} tensors, "
                      f"{sum(p.numel() for p in now)} elements; at the first step {len(held)}, "
                      f"{sum(p.numel() for p in held)}): parameters added with add_param_group, resized, or "

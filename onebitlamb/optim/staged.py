@@ -349,7 +349,7 @@ class StagedOptimizer(Optimizer):
         if first:
             self._prepare()
         else:
-            check_layout_unchanged(owner, self._layout.params, self.param_groups)
+            check_layout_unchanged(owner, self._layout.params, self.param_groups, self._layout.numels)
         if self._layout.numel == 0:
             return loss
         grads = self._scratch.buffer("grad", self._layout.numel)
