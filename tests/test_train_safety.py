@@ -31,7 +31,8 @@ def _write(path, text="x"):
 
 def _earlier_run(out):
     """An OUT as a run leaves it, plus a user's own files among them."""
-    for name in ("checkpoint.json", "metrics.json", "model_final.pt", "config.json", "freeze.png",
+    _write(os.path.join(out, "config.json"), json.dumps(dataclasses.asdict(_config(out))))  # as a run writes it
+    for name in ("checkpoint.json", "metrics.json", "model_final.pt", "freeze.png",
                  "curves.png", "log.csv", "tensorboard/events.out.tfevents.1700000000.host.42.0",
                  "metrics.json.tmp", "ckpt-0000002/model.pt", "ckpt-0000002/trainer.pt", "ckpt-0000002/rank0.pt",
                  "ckpt-0000002/rank1.pt", "ckpt-0000004/rank0.pt.tmp.4242",  # an interrupted write
@@ -82,8 +83,14 @@ def test_a_link_is_never_followed(tmp_path):
     _write(str(out / "metrics.json"))
     os.symlink(elsewhere, out / "ckpt-0000002")
     os.symlink(elsewhere / "model.pt", out / "model_final.pt")
+    # a link where the run writes one of its files: refused, by name, --overwrite or not (issue 49)
+    with pytest.raises(ValueError, match="model_final.pt is a link"):
+        checkpoints.prepare_out_dir(_config(out, overwrite=True))
+    assert os.path.islink(out / "model_final.pt") and (out / "metrics.json").exists()
+    os.remove(out / "model_final.pt")
     checkpoints.prepare_out_dir(_config(out, overwrite=True))
     assert (elsewhere / "model.pt").exists() and os.path.islink(out / "ckpt-0000002")
+    assert not (out / "metrics.json").exists()
 
 
 def test_compare_refuses_an_earlier_comparison_before_any_run(tmp_path, capsys):

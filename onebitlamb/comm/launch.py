@@ -21,7 +21,42 @@ from typing import Any, Callable, List, Optional, Sequence
 
 
 class WorkerError(RuntimeError):
-    """A worker raised; the message carries its rank and traceback."""
+    """A worker raised, or died without a report. The message carries the rank and its traceback,
+    or, when ``killed``, one line naming each worker that died and how (its signal, or its exit
+    status)."""
+
+    def __init__(self, message: str, killed: bool = False) -> None:
+        super().__init__(message)
+        self.killed = killed
+
+    def __reduce__(self):
+        return type(self), (str(self), self.killed)
+
+
+def _died(procs, reported, grace_s: float = 0.0, signalled: bool = False) -> Optional[str]:
+    """The workers that ended without a report (``signalled``: killed by a signal), waiting up to
+    ``grace_s`` for one (a peer's error from the broken connection may be reported before the
+    killed worker is reaped)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        dead = [(r, p) for r, p in enumerate(procs)
+                if p.exitcode not in (None, 0) and r not in reported and (p.exitcode < 0 or not signalled)]
+        if dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if not dead:
+        return None
+    import signal
+
+    def how(code: int) -> str:
+        if code < 0:
+            try:
+                return f"was killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with status {code}"
+
+    return "; ".join(f"worker rank {r} (pid {p.pid}) {how(p.exitcode)} without a report" for r, p in dead)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -30,23 +65,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _exit_with(parent: int) -> None:
-    """Leave as soon as the launching process is gone. Killed by a signal it cannot clean up
-    after (SIGTERM, SIGKILL), it leaves its daemon workers behind, and they would train on alone
-    for hours, writing checkpoints into the run's folder."""
+def exit_with(parent: int, message: Optional[str] = None) -> None:
+    """Leave (exit status 1, ``message`` on stderr first) within half a second of the launching
+    process ``parent`` being gone. Killed by a signal it cannot clean up after (SIGKILL), it leaves
+    its workers behind, and they would train on alone for hours, writing checkpoints into the run's
+    folder. A thread polls the parent pid, which is portable and sees the parent's death whichever
+    thread of it started this process (``PR_SET_PDEATHSIG`` fires when that thread ends). Once per
+    process."""
+    global _watching
+    if _watching:
+        return
+    _watching = True
+
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
+        if message:
+            print(message, file=sys.stderr, flush=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
+
+
+_watching = False
 
 
 def _worker(fn, rank, world_size, init_method, timeout_s, threads, args, results, parent) -> None:
     import torch
     import torch.distributed as dist
 
-    _exit_with(parent)
+    exit_with(parent)
     code = 0
     try:
         if threads is not None:
@@ -111,6 +159,7 @@ def spawn_local(
         p.start()
     outputs: dict = {}
     failures: List[str] = []
+    failed: set = set()
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
     try:
         while len(outputs) + len(failures) < world_size:
@@ -121,10 +170,9 @@ def spawn_local(
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 # a rank that reported and then crashed on its way out has lost nothing
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+                dead = _died(procs, outputs)
                 if dead and results.empty():
-                    raise WorkerError(f"worker(s) died without a report: exit codes "
-                                      f"{[p.exitcode for p in procs]}")
+                    raise WorkerError(dead, killed=True)
                 continue
             if ok:
                 import torch
@@ -132,9 +180,15 @@ def spawn_local(
                 outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 failures.append(f"rank {rank}:\n{value}")
+                failed.add(rank)
                 # the other ranks are probably blocked in a collective with the dead one
                 break
         if failures:
+            # a worker killed by a signal breaks its peers' connections: their errors come first,
+            # but the kill is the cause
+            dead = _died(procs, set(outputs) | failed, grace_s=1.0, signalled=True)
+            if dead:
+                raise WorkerError(dead, killed=True)
             raise WorkerError("\n".join(failures))
         for p in procs:
             p.join(timeout=30)

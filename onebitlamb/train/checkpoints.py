@@ -26,16 +26,16 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 import onebitlamb
-from onebitlamb.train import runlog
-from onebitlamb.train.config import SetupError, TrainConfig, changed_settings
+from onebitlamb.train import files, runlog
+from onebitlamb.train.config import RunError, SetupError, TrainConfig, changed_settings
 from onebitlamb.train.data import atomic_save
-from onebitlamb.train.ranks import agree_any, barrier, check_ranks_agree, gather_digests
+from onebitlamb.train.ranks import check_ranks_agree, first_problem, gather_digests
 
 POINTER = "checkpoint.json"
 CKPT_FOLDER = re.compile(r"ckpt-[0-9]{7,}")
 # what a run writes into OUT (with the temporary names it writes them under first) and into a
 # checkpoint folder: --overwrite removes these and nothing else
-RUN_FILE = re.compile(r"(checkpoint|metrics)\.json(\.tmp)?|config\.json|(freeze|curves)\.png|log\.csv"
+RUN_FILE = re.compile(r"(checkpoint|metrics|config)\.json(\.tmp)?|(freeze|curves)\.png|log\.csv"
                       r"|model_final\.pt(\.tmp\.[0-9]+)?")
 CKPT_FILE = re.compile(r"(model|trainer|rank[0-9]+)\.pt(\.tmp\.[0-9]+)?")
 EVENTS_FILE = re.compile(r"events\.out\.tfevents\..+")  # in OUT/tensorboard (runlog.py)
@@ -47,12 +47,40 @@ def checkpoint_folder(step: int) -> str:
 
 
 def existing_run(out: str) -> List[str]:
-    """What shows an earlier run in ``out``: its pointer, its results, its checkpoint folders."""
+    """What shows an earlier run in ``out`` or stands where a run writes: a file (or link) with the
+    name of one of a run's files (its pointer, config, results, logs), its checkpoint folders."""
     if not os.path.isdir(out):
         return []
     return sorted(name for name in os.listdir(out)
-                  if name in (POINTER, "metrics.json", "model_final.pt")
+                  if RUN_FILE.fullmatch(name)
                   or (CKPT_FOLDER.fullmatch(name) and os.path.isdir(os.path.join(out, name))))
+
+
+def is_run_config(path: str) -> bool:
+    """Whether ``path`` is a config.json a run wrote (TrainConfig's fields), not a file of the user's."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and {"optimizer", "out", "seed", "steps", "global_batch"} <= set(saved)
+
+
+def check_run_names(out: str) -> None:
+    """Where a run writes its own files in ``out`` there must be nothing of anybody else's: a link
+    at one of those names, or a config.json that a run did not write, is refused by name, with
+    --overwrite too (which removes the run's own files only)."""
+    if not os.path.isdir(out):
+        return
+    for name in sorted(os.listdir(out)):
+        path = os.path.join(out, name)
+        if (RUN_FILE.fullmatch(name) or name == files.LOCK_FILE) and os.path.islink(path):
+            raise SetupError(f"{path} is a link, where the run writes its own {name}: not following it; remove "
+                             f"the link, or choose another --out")
+        if name == "config.json" and os.path.isfile(path) and not is_run_config(path):
+            raise SetupError(f"{path} is not a configuration a run wrote (a file of yours?): the run writes its "
+                             f"own config.json there and --overwrite removes the run's own files only; move "
+                             f"it, or choose another --out")
 
 
 def refuse_existing_run(cfg: TrainConfig, out: Optional[str] = None) -> List[str]:
@@ -67,7 +95,9 @@ def refuse_existing_run(cfg: TrainConfig, out: Optional[str] = None) -> List[str
 
 
 def prepare_out_dir(cfg: TrainConfig, remove: bool = True) -> None:
-    """A new run (no --resume): refuse an earlier run in OUT, or with --overwrite remove its files."""
+    """A new run (no --resume): refuse an earlier run in OUT, or with --overwrite remove its files;
+    refuse a file of someone else's at a name the run writes (check_run_names)."""
+    check_run_names(cfg.out)
     refuse_existing_run(cfg)
     if remove:
         os.makedirs(cfg.out, exist_ok=True)
@@ -87,7 +117,7 @@ def remove_run_files(out: str, keep=()) -> Tuple[List[str], List[str]]:
     removed, left = [], []
     for name in sorted(os.listdir(out)):
         path = os.path.join(out, name)
-        if os.path.abspath(path) in keep:
+        if os.path.abspath(path) in keep or name == files.LOCK_FILE:  # held by this run (files.RunLock)
             continue
         if os.path.islink(path):
             left.append(name)
@@ -144,37 +174,61 @@ class CheckpointStore:
         check_ranks_agree(state.model, rank, world, step, device)
         name = checkpoint_folder(step)
         folder = os.path.join(cfg.out, name)
-        if rank == 0:
-            os.makedirs(folder, exist_ok=True)
-        barrier()
-        own = {"optimizer": state.optimizer.state_dict(), "comm_stats": state.optimizer.comm_stats.state_dict(),
-               "rng": _rng_state()}
-        _check_plain(own, f"rank{rank}.pt")
-        digest = atomic_save(own, os.path.join(folder, f"rank{rank}.pt"))
-        if rank == 0:
-            trainer = {"step": step, "scheduler": state.scheduler.state_dict(), "history": state.history,
-                       "config": dataclasses.asdict(cfg)}
-            _check_plain(trainer, "trainer.pt")
-            files = {"model.pt": atomic_save(state.model.state_dict(), os.path.join(folder, "model.pt")),
-                     "trainer.pt": atomic_save(trainer, os.path.join(folder, "trainer.pt"))}
-        digests = gather_digests(digest, rank, world, device)  # every rank has written its file
+        # A file of the run's that cannot be written safely (a link planted where it goes, at the
+        # next ckpt-<step> folder or at checkpoint.json.tmp) stops the run on every rank with rank
+        # 0's sentence; checkpoint.json still names the previous checkpoint, which is kept.
         problem = None
         if rank == 0:
-            files.update({f"rank{r}.pt": d for r, d in enumerate(digests)})
-            # what is on disk is what each rank wrote: only then does checkpoint.json move to it
-            problem = next((f for f, d in files.items() if _sha256(os.path.join(folder, f)) != d), None)
-            if problem is None:
-                previous = _previous_folder(cfg.out)
-                _write_json(os.path.join(cfg.out, POINTER),
-                            {"folder": name, "step": step, "world_size": world, "sha256": files})
-                if previous and previous != name:  # keep only the latest, removed after the switch
-                    others = _remove_checkpoint_folder(os.path.join(cfg.out, previous))
-                    if others:
-                        print(f"[{cfg.optimizer}] {previous} left in place: it also holds {', '.join(others)}",
-                              file=sys.stderr, flush=True)
-        if agree_any([problem is not None], device)[0]:
-            raise RuntimeError(f"checkpoint of step {step}: {os.path.join(folder, problem or 'a file')} differs on "
-                               f"disk from what was written; {POINTER} still names the previous checkpoint")
+            try:
+                files.make_folder(folder)
+            except files.OutError as exc:
+                problem = str(exc)
+        problem = first_problem(problem, world)
+        if problem is None:
+            own = {"optimizer": state.optimizer.state_dict(), "comm_stats": state.optimizer.comm_stats.state_dict(),
+                   "rng": _rng_state()}
+            _check_plain(own, f"rank{rank}.pt")
+            digest = "00" * 32
+            try:
+                digest = atomic_save(own, os.path.join(folder, f"rank{rank}.pt"))
+                if rank == 0:
+                    trainer = {"step": step, "scheduler": state.scheduler.state_dict(), "history": state.history,
+                               "config": dataclasses.asdict(cfg)}
+                    _check_plain(trainer, "trainer.pt")
+                    written = {"model.pt": atomic_save(state.model.state_dict(), os.path.join(folder, "model.pt")),
+                               "trainer.pt": atomic_save(trainer, os.path.join(folder, "trainer.pt"))}
+            except files.OutError as exc:
+                problem = str(exc)
+            digests = gather_digests(digest, rank, world, device)  # every rank has written its file
+            if rank == 0 and problem is None:
+                written.update({f"rank{r}.pt": d for r, d in enumerate(digests)})
+                # what is on disk is what each rank wrote: only then does checkpoint.json move to it
+                bad = next((f for f, d in written.items() if _sha256(os.path.join(folder, f)) != d), None)
+                if bad is not None:
+                    problem = f"{os.path.join(folder, bad)} differs on disk from what was written"
+                else:
+                    problem = self._switch_to(name, step, written)
+            problem = first_problem(problem, world)
+        if problem is not None:
+            raise RunError(f"checkpoint of step {step}: {problem}. {POINTER} still names the previous checkpoint, "
+                           f"which is kept: continue with --resume once that is fixed")
+
+    def _switch_to(self, name: str, step: int, written: dict) -> Optional[str]:
+        """Rank 0: point checkpoint.json at the new folder, then remove the previous one. Returns
+        what went wrong (the pointer unchanged), or None."""
+        cfg = self.cfg
+        previous = _previous_folder(cfg.out)
+        try:
+            files.write_json(os.path.join(cfg.out, POINTER),
+                             {"folder": name, "step": step, "world_size": self.world, "sha256": written})
+        except files.OutError as exc:
+            return str(exc)
+        if previous and previous != name:  # keep only the latest, removed after the switch
+            others = _remove_checkpoint_folder(os.path.join(cfg.out, previous))
+            if others:
+                print(f"[{cfg.optimizer}] {previous} left in place: it also holds {', '.join(others)}",
+                      file=sys.stderr, flush=True)
+        return None
 
     def load(self, state: TrainState) -> int:
         """Restore ``state`` from the last checkpoint; returns its step (0 when there is none)."""
@@ -212,6 +266,7 @@ def check_resumable(cfg: TrainConfig) -> None:
     anything but a ``ckpt-<digits>`` folder inside OUT, a file missing, damaged (its sha256 is not
     the manifest's) or not plain data, or settings that change the numbers (changed_settings). A
     checkpoint of another number of ranks resumes, re-sharded (CheckpointStore.load)."""
+    check_run_names(cfg.out)
     pointer = read_pointer(cfg.out)
     if pointer is None:
         return
@@ -326,15 +381,6 @@ def _sha256(path: str) -> Optional[str]:
     except OSError:
         return None
     return h.hexdigest()
-
-
-def _write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _rng_state() -> dict:

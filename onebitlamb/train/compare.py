@@ -14,15 +14,15 @@ before anything starts, as ``pretrain`` refuses an earlier run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from typing import Dict, List
 
-from onebitlamb.train import config, pretrain
-from onebitlamb.train.checkpoints import existing_run
-from onebitlamb.train.loop import RankTimeout
+from onebitlamb.train import config, files, pretrain
+from onebitlamb.train.checkpoints import check_run_names, existing_run
 from onebitlamb.train.ranks import under_torchrun
 from onebitlamb.train.plots import LABELS, plot_compare, plot_diagnostics
 
@@ -45,11 +45,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return _run(args)
-    except config.SetupError as exc:
+    except (config.SetupError, files.OutError) as exc:
         print(f"onebitlamb compare: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    except (RankTimeout, WorkerError) as exc:
-        return pretrain.report_timeout(exc, "onebitlamb compare")
+    except (config.RunError, WorkerError) as exc:
+        return pretrain.report_stop(exc, "onebitlamb compare")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -58,7 +58,14 @@ def _run(args: argparse.Namespace) -> int:
     master = not under_torchrun() or int(os.environ["RANK"]) == 0
     configs = {name: config.config_from_args(args, optimizer=name, out=os.path.join(args.out, name))
                for name in args.optimizers}
-    check_out_dir(args, configs, remove=master)
+    files.usable_out(args.out, args.resume)
+    # held for the comparison's life, as each run holds its OUT/<optimizer> (pretrain.train)
+    with files.RunLock(args.out) if master else contextlib.nullcontext():
+        check_out_dir(args, configs, remove=master)
+        return _compare(args, configs, master)
+
+
+def _compare(args: argparse.Namespace, configs: Dict[str, "config.TrainConfig"], master: bool) -> int:
     runs: Dict[str, dict] = {}
     t_start = time.perf_counter()
     for name, cfg in configs.items():
@@ -77,8 +84,7 @@ def _run(args: argparse.Namespace) -> int:
             with open(metrics_path) as f:
                 m = json.load(f)
             m["process_time_s"] = time.perf_counter() - t0  # including start-up and data loading
-            with open(metrics_path, "w") as f:
-                json.dump(m, f)
+            files.write_json(metrics_path, m)
         if master:
             with open(metrics_path) as f:
                 runs[name] = json.load(f)
@@ -90,8 +96,7 @@ def _run(args: argparse.Namespace) -> int:
     table += f"\ntotal {total:.0f} s for the {len(runs)} runs including start-up (this invocation: " \
              f"{time.perf_counter() - t_start:.0f} s)"
     print(table)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(table + "\n")
+    files.write_text(os.path.join(args.out, "table.md"), table + "\n")
     summary = {name: {k: m.get(k) for k in ("final_eval_loss", "samples", "bytes_sent_per_rank", "wall_time_s",
                                             "train_time_s", "samples_per_s", "freeze_step", "world_size",
                                             "eval_curve", "bytes_curve", "diagnostics")}
@@ -100,10 +105,7 @@ def _run(args: argparse.Namespace) -> int:
         m["eval_curve"] = [list(p) for p in m["eval_curve"]]
     out = {"optimizers": summary, "comparison": comparison(runs), "config": runs[args.optimizers[0]]["config"],
            "table": table}
-    tmp = os.path.join(args.out, "metrics.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(tmp, os.path.join(args.out, "metrics.json"))
+    files.write_json(os.path.join(args.out, "metrics.json"), out, indent=1)
     plot_compare(runs, os.path.join(args.out, "compare.png"))
     plot_diagnostics(runs, os.path.join(args.out, "diagnostics.png"))
     print(f"wrote {args.out}/metrics.json, table.md, compare.png, diagnostics.png", file=sys.stderr)
@@ -116,6 +118,7 @@ def check_out_dir(args: argparse.Namespace, configs: Dict[str, "config.TrainConf
     if its settings are the ones asked for."""
     found: List[str] = []
     for name, cfg in configs.items():
+        check_run_names(cfg.out)  # a file of the user's where a run writes its own: refused, --overwrite too
         if args.resume:
             metrics_path = os.path.join(cfg.out, "metrics.json")
             if os.path.exists(metrics_path):
@@ -126,6 +129,10 @@ def check_out_dir(args: argparse.Namespace, configs: Dict[str, "config.TrainConf
                                             f"(saved, now): {changed}")
         else:
             found += [f"{name}/{x}" for x in existing_run(cfg.out)]
+    for f in COMPARE_FILES:
+        if os.path.islink(os.path.join(args.out, f)):
+            raise config.SetupError(f"{os.path.join(args.out, f)} is a link, where the comparison writes its own "
+                                    f"{f}: not following it; remove the link, or choose another --out")
     if not args.resume:
         found = [f for f in COMPARE_FILES if os.path.isfile(os.path.join(args.out, f))] + found
     if found and not args.overwrite:

@@ -51,6 +51,12 @@ class SetupError(ValueError):
     way, a checkpoint that cannot be trusted. The command line prints the message alone."""
 
 
+class RunError(RuntimeError):
+    """A run stopped partway for a reason its message states, the same on every rank (a link where
+    a checkpoint goes, ranks whose parameters drifted apart, a diverging optimizer): the command
+    prints the message alone and exits with status 1."""
+
+
 def parse_freeze(value: Union[str, float]) -> Union[str, float]:
     """``"auto"``, or the fraction of the steps after which the 1-bit optimizers freeze, in (0, 1]."""
     if value == "auto":

@@ -29,6 +29,8 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from onebitlamb.train import files
+
 # Fixed ids: the tokenizer trainer assigns them in this order.
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))
@@ -275,7 +277,7 @@ def prepare_corpus(paths: Optional[Sequence[str]], vocab_size: int, seq_len: int
     folder = os.path.join(cache_dir, f"corpus-{digest}")
     tensors = os.path.join(folder, "blocks.pt")
     if os.path.exists(tensors):
-        saved = load_cache(tensors)
+        saved = load_cache(tensors, _tokenizer_size(os.path.join(folder, "tokenizer.json")), seq_len)
         return Corpus(saved["train"], saved["heldout"], vocab_size, saved["info"])
 
     log(f"preparing corpus ({'--corpus ' + ' '.join(paths) if paths else 'Python standard library'}) "
@@ -300,9 +302,20 @@ def prepare_corpus(paths: Optional[Sequence[str]], vocab_size: int, seq_len: int
     return Corpus(train, heldout, vocab_size, info)
 
 
-def load_cache(path: str) -> dict:
+def _tokenizer_size(path: str) -> Optional[int]:
+    """The number of tokens of the cached tokenizer (its ids are 0..n-1), None if unreadable."""
+    try:
+        with open(path) as f:
+            return len(json.load(f)["model"]["vocab"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def load_cache(path: str, vocab_size: Optional[int] = None, seq_len: Optional[int] = None) -> dict:
     """The cached tensors, read as plain data (``weights_only=True``: unpickling a planted file
-    runs no code); a file that is not is refused with a clear error."""
+    runs no code), and checked: both splits non-empty, ``seq_len`` tokens a row, every token id in
+    ``[0, vocab_size)`` (the tokenizer's size, not the model's: ``loop.prepare_corpus`` checks that). A file that is not so is refused with a clear error (an empty held-out
+    split reported a held-out loss of 0.0000; an id beyond the vocabulary failed inside the model)."""
     try:
         saved = torch.load(path, weights_only=True)
         if not isinstance(saved, dict) or not {"train", "heldout", "info"} <= set(saved):
@@ -311,6 +324,21 @@ def load_cache(path: str) -> dict:
         raise ValueError(f"the corpus cache {path} cannot be read as plain data "
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                          f"delete {os.path.dirname(path)} to rebuild it") from None
+    for split in ("train", "heldout"):
+        blocks = saved[split]
+        problem = None
+        if not isinstance(blocks, torch.Tensor) or blocks.dim() != 2 or blocks.dtype.is_floating_point:
+            problem = "is not a table of token ids"
+        elif len(blocks) == 0 or blocks.shape[1] == 0:
+            problem = "is empty"
+        elif seq_len is not None and blocks.shape[1] != seq_len:
+            problem = f"has rows of {blocks.shape[1]} tokens, not {seq_len}"
+        elif int(blocks.min()) < 0 or (vocab_size is not None and int(blocks.max()) >= vocab_size):
+            problem = (f"holds token ids from {int(blocks.min())} to {int(blocks.max())}, outside the vocabulary "
+                       f"[0, {vocab_size})")
+        if problem:
+            raise ValueError(f"the corpus cache {path} is damaged: its {split} split {problem}; delete "
+                             f"{os.path.dirname(path)} to rebuild it")
     return saved
 
 
@@ -322,7 +350,7 @@ def atomic_save(obj, path: str) -> str:
     torch.save(obj, buffer)
     blob = buffer.getbuffer()
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with files.create(tmp) as f:  # never through a link (files.py); the rename replaces one
         f.write(blob)
         f.flush()
         os.fsync(f.fileno())

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import random
@@ -24,9 +23,9 @@ from typing import Optional
 import torch
 
 import onebitlamb
-from onebitlamb.train import data, runlog
+from onebitlamb.train import data, files, runlog
 from onebitlamb.train.checkpoints import CheckpointStore, TrainState, checkpoint_folder
-from onebitlamb.train.config import SetupError, TrainConfig
+from onebitlamb.train.config import RunError, SetupError, TrainConfig
 from onebitlamb.train.metrics import WINDOW_STEPS, evaluate_mlm, freeze_stats, layer_report, write_metrics
 from onebitlamb.train.model import build_model, mlm_loss
 from onebitlamb.train.ranks import agree_any, gather_bytes, rank_device, ranks_flagged
@@ -37,7 +36,13 @@ class _Phase:
     now = "the start (the checkpoint, the first evaluation)"
 
 
-class RankTimeout(RuntimeError):
+# A run whose optimizer skipped more than this fraction of its steps (a gradient not finite on some
+# rank: the step is skipped on every rank alike) ends with an error, its metrics written: its
+# result is not that of the steps asked for.
+MAX_SKIPPED_FRACTION = 0.1
+
+
+class RankTimeout(RunError):
     """A collective timed out: another rank died, hung or was paused."""
 
 
@@ -87,8 +92,7 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
     history = state.history
     last_saved = start_step or None  # the step of the last checkpoint written (kept when a loss goes non-finite)
     if master:
-        with open(os.path.join(cfg.out, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=1)
+        files.write_json(os.path.join(cfg.out, "config.json"), dataclasses.asdict(cfg), indent=1)
         print(f"[{cfg.optimizer}] {world} workers on {device}, {cfg.steps} steps of {cfg.global_batch} samples "
               f"({accum} micro-batches of {cfg.micro_batch} per worker), lr {cfg.lr:g}, warm-up {warm} steps"
               f"{_freeze_banner(optimizer)}" + (f", resuming at step {start_step}" if start_step else ""),
@@ -137,13 +141,18 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
             window_start = (step, [p.detach().clone() for p in names.values()])
         stage = optimizer.stage  # the stage this step runs in (a freeze happens at the end of a step)
         lr = scheduler.get_last_lr()[0]  # this step's (the scheduler's step below sets the next one's)
-        optimizer.step()
+        try:
+            optimizer.step()
+        except FloatingPointError as exc:  # on every rank alike: skips in a row, or an update not finite
+            error = f"step {step + 1}: {exc}"
+            break
         scheduler.step()
         history["train_time_s"] += time.perf_counter() - t0
 
         history["steps"].append({"loss": loss_sum, "bytes": optimizer.comm_stats.bytes_sent,
                                  "collectives": optimizer.comm_stats.calls, "stage": stage,
-                                 "lr": lr, "freeze": freeze_stats(optimizer)})
+                                 "lr": lr, "freeze": freeze_stats(optimizer),
+                                 "skipped": bool(optimizer.last_step_skipped)})
         if diagnose:
             start = window_start[1] if window_start is not None and window_start[0] == step + 1 - window else None
             history["diagnostics"].append({**layer_report(step + 1, stage, names, before, optimizer, start),
@@ -185,10 +194,35 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
     ranks_bytes = gather_bytes(optimizer.comm_stats.bytes_sent, world, device)
     if completed and master:
         summary.update(write_metrics(cfg, world, history, ranks_bytes, list(names), model))
+    skipped = skipped_steps(history)
+    if completed and len(skipped) > MAX_SKIPPED_FRACTION * cfg.steps:
+        summary["error"] = (f"[{cfg.optimizer}] {len(skipped)} of {cfg.steps} steps were skipped (a gradient not "
+                            f"finite on some rank; steps {_ranges(skipped)}): more than "
+                            f"{MAX_SKIPPED_FRACTION:.0%}, so the result is not that of the run asked for (metrics.json "
+                            f"records them). A smaller --lr, or --clip, usually helps")
+        if master:
+            print(summary["error"], file=sys.stderr, flush=True)
     elif master:
         print(f"[{cfg.optimizer}] stopped ({stopped_by}) after step {done}; continue with --resume",
               file=sys.stderr, flush=True)
     return summary
+
+
+def skipped_steps(history: dict) -> list:
+    """The steps (1-based) the optimizer skipped, from the run's record."""
+    return [i + 1 for i, r in enumerate(history["steps"]) if r.get("skipped")]
+
+
+def _ranges(steps: list) -> str:
+    """``[2, 3, 4, 9]`` -> ``"2-4, 9"``."""
+    out, start = [], None
+    for i, s in enumerate(steps):
+        if start is None:
+            start = s
+        if i + 1 == len(steps) or steps[i + 1] != s + 1:
+            out.append(str(start) if start == s else f"{start}-{s}")
+            start = None
+    return ", ".join(out)
 
 
 def forward_backward(model, optimizer, inputs, labels, accum: int, micro_batch: int, device) -> float:
@@ -219,8 +253,11 @@ def _stopped_by(error: str, cfg: TrainConfig, done: int, last_saved: Optional[in
 def prepare_corpus(cfg: TrainConfig, log=print) -> data.Corpus:
     """The run's corpus (``data.prepare_corpus``): built once before the workers start, then loaded
     from the cache by each."""
-    corpus = data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir,
-                                 log=log, stdlib_tests=cfg.stdlib_tests)
+    try:
+        corpus = data.prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.heldout_fraction, cfg.cache_dir,
+                                     log=log, stdlib_tests=cfg.stdlib_tests)
+    except ValueError as exc:  # a corpus too small, a damaged cache: the message says which and what to do
+        raise SetupError(str(exc)) from None
     # the tokenizer keeps every character it saw, whatever the vocabulary size asked for; a token
     # beyond the model's embedding would fail in every worker at its first step
     needed = 1 + max(int(corpus.train.max()), int(corpus.heldout.max()))

@@ -4,7 +4,6 @@ record, and the results: OUT/metrics.json, OUT/model_final.pt, OUT/curves.png, O
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -13,7 +12,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from onebitlamb.train import data, plots
+from onebitlamb.train import data, files, plots
 from onebitlamb.train.config import TrainConfig
 from onebitlamb.train.data import atomic_save
 from onebitlamb.train.model import mlm_loss
@@ -81,6 +80,7 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
     if not all(math.isfinite(v) for v in losses):  # the loop stops before; never report one as a result
         raise RuntimeError(f"[{cfg.optimizer}] a non-finite loss reached the results; no metrics written")
     freeze = None if cfg.optimizer == "lamb" else [_json_safe(r["freeze"]) for r in steps]
+    skipped = [i + 1 for i, r in enumerate(steps) if r.get("skipped")]
     metrics = {
         "optimizer": cfg.optimizer,
         "world_size": world,
@@ -89,6 +89,9 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
         "steps": cfg.steps,
         "freeze_step": None if freeze is None else freeze[-1]["frozen_at"],
         "warmup_steps": sum(r["stage"] == "warmup" for r in steps),
+        # steps the optimizer skipped on every rank (a gradient not finite on some rank): their data
+        # went unused, the schedule moved on
+        "skipped_steps": skipped,
         "bytes_sent_per_rank": sum(ranks_bytes) / len(ranks_bytes),
         "bytes_sent_by_rank": ranks_bytes,
         "wall_time_s": history["wall_time_s"],
@@ -105,10 +108,7 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
         "layers": layers,
     }
     atomic_save(model.state_dict(), os.path.join(cfg.out, "model_final.pt"))
-    tmp = os.path.join(cfg.out, "metrics.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(metrics, f)
-    os.replace(tmp, os.path.join(cfg.out, "metrics.json"))
+    files.write_json(os.path.join(cfg.out, "metrics.json"), metrics)
     for png, draw, what in (("curves.png", plots.plot_run, "loss and bytes"),
                             ("freeze.png", plots.plot_freeze, "how the automatic freeze decided")):
         try:  # after the metrics are safe: a figure that fails to draw must not fail the run
@@ -118,7 +118,9 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
             print(f"[{cfg.optimizer}] {png} not drawn: {exc!r}", file=sys.stderr)
     print(f"[{cfg.optimizer}] done: held-out loss {metrics['final_eval_loss']:.4f} after {samples} samples, "
           f"{metrics['bytes_sent_per_rank'] / 1e6:.1f} MB sent per worker, {metrics['wall_time_s']:.0f} s "
-          f"({metrics['samples_per_s']:.0f} samples/s)", file=sys.stderr, flush=True)
+          f"({metrics['samples_per_s']:.0f} samples/s)"
+          + (f", {len(skipped)} of {cfg.steps} steps skipped (a gradient not finite on some rank; "
+             f"metrics.json's skipped_steps)" if skipped else ""), file=sys.stderr, flush=True)
     return {k: metrics[k] for k in ("final_eval_loss", "samples", "bytes_sent_per_rank", "wall_time_s")}
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+from onebitlamb.train import files
+
 LABELS = {"lamb": "LAMB", "onebitlamb": "1-bit LAMB", "onebitadam": "1-bit Adam"}
 COLORS = {"lamb": "tab:blue", "onebitlamb": "tab:orange", "onebitadam": "tab:green"}
 # line and marker per optimizer, so that curves can be told apart where they overlap (the two
@@ -25,7 +27,7 @@ def _plt():
 def plot_compare(runs: Dict[str, dict], path: str) -> None:
     """Left: held-out MLM loss vs samples. Right: cumulative bytes sent per worker vs step."""
     fig = compare_figure(runs)
-    fig.savefig(path, dpi=110)
+    files.save_figure(fig, path, dpi=110)
     _plt().close(fig)
 
 
@@ -86,7 +88,7 @@ def plot_run(metrics: dict, path: str) -> bool:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    files.save_figure(fig, path, dpi=100)
     plt.close(fig)
     return True
 
@@ -165,7 +167,7 @@ def plot_diagnostics(runs: Dict[str, dict], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    files.save_figure(fig, path, dpi=100)
     plt.close(fig)
 
 
@@ -236,6 +238,6 @@ def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    files.save_figure(fig, path, dpi=100)
     plt.close(fig)
     return True

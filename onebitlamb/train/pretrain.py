@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import datetime
 import os
 import signal
@@ -26,37 +27,52 @@ import sys
 import torch
 import torch.distributed as dist
 
+from onebitlamb.train import files
 from onebitlamb.train.checkpoints import check_resumable, prepare_out_dir
-from onebitlamb.train.config import SetupError, TrainConfig, add_arguments, config_from_args
-from onebitlamb.train.loop import RankTimeout, prepare_corpus, train_rank
+from onebitlamb.train.config import RunError, SetupError, TrainConfig, add_arguments, config_from_args
+from onebitlamb.train.loop import prepare_corpus, train_rank
 from onebitlamb.train.ranks import check_shared_out, gpus_shared, under_torchrun
 
 # what onebitlamb.cli calls: add_arguments(parser) and run(args); train(cfg) for a script of one's own
-__all__ = ["add_arguments", "run", "train", "report_timeout", "exit_code"]
+__all__ = ["add_arguments", "run", "train", "report_stop", "exit_code"]
 
 
 def run(args: argparse.Namespace) -> int:
-    """0: done (or stopped by --stop-after-steps), 130: interrupted, 1: stopped by a non-finite
-    loss, 2: refused at the start (the message says why)."""
+    """0: done (or stopped by --stop-after-steps), 130: interrupted (Ctrl-C, SIGTERM), 1: stopped
+    partway (a non-finite loss, too many skipped steps, a rank that died or stopped answering, a
+    link where a checkpoint goes), 2: refused at the start. Each says why in one line."""
     from onebitlamb.comm.launch import WorkerError
 
     try:
         result = train(config_from_args(args))
-    except SetupError as exc:
+    except (SetupError, files.OutError) as exc:
         print(f"onebitlamb pretrain: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    except (RankTimeout, WorkerError) as exc:
-        return report_timeout(exc, "onebitlamb pretrain")
+    except (RunError, WorkerError) as exc:
+        return report_stop(exc, "onebitlamb pretrain")
     return exit_code(result)
 
 
-def report_timeout(exc: Exception, prog: str) -> int:
-    """A rank that gave up waiting: its message alone, exit status 1 (anything else is raised again)."""
-    # a local worker's error carries the worker's traceback, whose last line says it
-    gave_up = [line.split("RankTimeout: ", 1)[1] for line in str(exc).splitlines() if "RankTimeout: " in line]
-    if not isinstance(exc, RankTimeout) and not gave_up:
-        raise exc
-    print(f"{prog}: error: {gave_up[0] if gave_up else exc}", file=sys.stderr, flush=True)
+# the errors a worker may end with whose message says it all (the last line of its traceback)
+_ONE_LINE = ("RankTimeout: ", "RunError: ", "OutError: ")
+
+
+def report_stop(exc: Exception, prog: str) -> int:
+    """A run that stopped partway for a stated reason (``RunError``: a rank that gave up waiting,
+    a link where a checkpoint goes, ranks that drifted apart; a local worker killed): its message
+    alone, exit status 1. Anything else is raised again, with its traceback."""
+    from onebitlamb.comm.launch import WorkerError
+
+    if isinstance(exc, WorkerError) and exc.killed:
+        message = f"{exc}; the last checkpoint is complete: continue with --resume"
+    elif isinstance(exc, RunError):
+        message = str(exc)
+    else:  # a local worker's error carries the worker's traceback, whose last line says it
+        said = [line.split(m, 1)[1] for line in str(exc).splitlines() for m in _ONE_LINE if m in line]
+        if not said:
+            raise exc
+        message = said[0]
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     return 1
 
 
@@ -72,40 +88,48 @@ def exit_code(result: dict) -> int:
 
 def train(cfg: TrainConfig) -> dict:
     """Run one pretraining job to its end (or to a stop); returns rank 0's summary: ``completed``,
-    ``interrupted``, ``step`` and, when a non-finite loss stopped it, ``error`` (the message).
-    Raises SetupError before anything starts when the run is refused."""
+    ``interrupted``, ``step`` and, when the run stopped partway, ``error`` (the message).
+    Raises SetupError or files.OutError before anything starts when the run is refused (OUT
+    missing on --resume, a file, read-only, used by another run; an earlier run in it)."""
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         cfg.check(world)
-        if cfg.resume:
-            check_resumable(cfg)
-        else:
-            prepare_out_dir(cfg, remove=rank == 0)  # every rank refuses alike; rank 0 alone removes
-        if rank == 0:
-            prepare_corpus(cfg)
-        if not dist.is_initialized():  # once per process: `compare` trains three times in it
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-            backend = "gloo" if gpus_shared() or not torch.cuda.is_available() else "nccl"
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout))
-            atexit.register(_leave_together)
-        check_shared_out(cfg.out, rank, world)
-        dist.barrier()  # rank 0 has written the corpus cache (shared folder assumed)
-        return train_rank(rank, world, cfg)
+        _exit_with_agent()
+        files.usable_out(cfg.out, cfg.resume)
+        # rank 0 holds OUT for the run's life; the other ranks of a second run wait in the group's
+        # start until torchrun ends them when rank 0 is refused
+        with files.RunLock(cfg.out) if rank == 0 else contextlib.nullcontext():
+            if cfg.resume:
+                check_resumable(cfg)
+            else:
+                prepare_out_dir(cfg, remove=rank == 0)  # every rank refuses alike; rank 0 alone removes
+            if rank == 0:
+                prepare_corpus(cfg)
+            if not dist.is_initialized():  # once per process: `compare` trains three times in it
+                if torch.cuda.is_available():
+                    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+                backend = "gloo" if gpus_shared() or not torch.cuda.is_available() else "nccl"
+                dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout))
+                atexit.register(_leave_together)
+            check_shared_out(cfg.out, rank, world)
+            dist.barrier()  # rank 0 has written the corpus cache (shared folder assumed)
+            return train_rank(rank, world, cfg)
 
     from onebitlamb.comm.launch import spawn_local
 
     cfg.check(cfg.workers)
     # fail here, before starting anything
-    if cfg.resume:
-        check_resumable(cfg)
-    else:
-        prepare_out_dir(cfg)
-    # the slow part of a first run, done once here instead of once per worker
-    prepare_corpus(cfg)
-    with _forward_interrupts():
-        results = spawn_local(_local_worker, cfg.workers, args=(cfg,), timeout_s=7 * 24 * 3600,
-                              collective_timeout_s=cfg.timeout, threads_per_worker=cfg.threads)
+    files.usable_out(cfg.out, cfg.resume)
+    with files.RunLock(cfg.out):  # this process holds OUT until its workers are done
+        if cfg.resume:
+            check_resumable(cfg)
+        else:
+            prepare_out_dir(cfg)
+        # the slow part of a first run, done once here instead of once per worker
+        prepare_corpus(cfg)
+        with _forward_stops():
+            results = spawn_local(_local_worker, cfg.workers, args=(cfg,), timeout_s=7 * 24 * 3600,
+                                  collective_timeout_s=cfg.timeout, threads_per_worker=cfg.threads)
     return results[0]
 
 
@@ -122,30 +146,52 @@ def _leave_together() -> None:
         dist.destroy_process_group()
 
 
-class _forward_interrupts:
-    """While local workers run, Ctrl-C asks them to checkpoint and stop at the end of the step
-    instead of killing them; a second Ctrl-C kills them (the last periodic checkpoint remains)."""
+def _exit_with_agent() -> None:
+    """Under torchrun: stop when the agent that started this worker is gone. The agent forwards
+    Ctrl-C and SIGTERM to its workers (which checkpoint and stop, ``loop``), but killed with
+    SIGKILL it forwards nothing, and its workers trained on for hours, moving the checkpoint.
+    A thread polls the parent pid twice a second (``comm.launch.exit_with``, as the local
+    launcher's workers do); the last complete checkpoint stays."""
+    from onebitlamb.comm.launch import exit_with
+
+    exit_with(os.getppid(), f"onebitlamb pretrain: error: rank {os.environ.get('RANK')}: its torchrun agent "
+                            f"(pid {os.getppid()}) is gone, so it stops; the last complete checkpoint stays: "
+                            f"continue with --resume")
+
+
+class _forward_stops:
+    """While local workers run, Ctrl-C or SIGTERM asks them to checkpoint and stop at the end of the
+    step instead of killing them; a second one kills them (the last periodic checkpoint remains)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __enter__(self):
-        self.previous = signal.getsignal(signal.SIGINT)
+        self.previous = {s: signal.getsignal(s) for s in self.SIGNALS}
         self.count = 0
-        signal.signal(signal.SIGINT, self._handle)
+        for s in self.SIGNALS:
+            signal.signal(s, self._handle)
         return self
 
     def _handle(self, signum, frame):
         import multiprocessing
 
         self.count += 1
+        name = signal.Signals(signum).name
         if self.count > 1:
-            signal.signal(signal.SIGINT, self.previous)
+            self._restore()
             raise KeyboardInterrupt
-        print("\ninterrupt: checkpointing at the end of this step (Ctrl-C again to kill)", file=sys.stderr)
+        print(f"\n{'interrupt' if signum == signal.SIGINT else name}: checkpointing at the end of this step "
+              f"({'Ctrl-C' if signum == signal.SIGINT else name} again to kill)", file=sys.stderr, flush=True)
         for child in multiprocessing.active_children():  # the workers may not share our terminal
             try:
-                os.kill(child.pid, signal.SIGINT)
+                os.kill(child.pid, signum)  # a worker stops at the end of its step on either (loop.py)
             except ProcessLookupError:
                 pass
 
+    def _restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
     def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self.previous)
+        self._restore()
         return False

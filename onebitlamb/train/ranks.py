@@ -12,7 +12,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from onebitlamb.train.config import SetupError
+from onebitlamb.train import files
+from onebitlamb.train.config import RunError, SetupError
 
 
 def under_torchrun() -> bool:
@@ -46,10 +47,9 @@ def check_shared_out(out: str, rank: int, world: int) -> None:
     mine = os.path.join(out, f"{name[0]}.rank{rank}")
     problem = None
     try:
-        with open(mine, "w") as f:
-            f.write(str(rank))
-    except OSError as exc:
-        problem = f"cannot write {out} ({exc.strerror or exc})"
+        files.write_text(mine, str(rank))
+    except (OSError, files.OutError) as exc:
+        problem = f"cannot write {out} ({getattr(exc, 'strerror', None) or exc})"
     dist.barrier()
     if problem is None and not os.path.exists(os.path.join(out, f"{name[0]}.rank0")):
         problem = f"does not see the files rank 0 writes into {out}"
@@ -72,6 +72,16 @@ def agree_any(flags: List[bool], device) -> List[bool]:
     t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [bool(v) for v in t.tolist()]
+
+
+def first_problem(problem: Optional[str], world: int) -> Optional[str]:
+    """The first rank's ``problem`` that is not None (with that rank named when it is not rank 0),
+    the same on every rank (one small all-gather): every rank stops alike, with the sentence."""
+    if world == 1 or not dist.is_initialized():
+        return problem
+    problems: List[Optional[str]] = [None] * world
+    dist.all_gather_object(problems, problem)
+    return next((p if r == 0 else f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None), None)
 
 
 def ranks_flagged(flag: bool, rank: int, world: int, device) -> List[int]:
@@ -124,6 +134,6 @@ def check_ranks_agree(model: torch.nn.Module, rank: int, world: int, step: int, 
     dist.all_gather(rows, mine)
     differ = [r for r, row in enumerate(rows) if int(row) != int(rows[0])]
     if differ:
-        raise RuntimeError(f"rank {rank}: after step {step} the parameters of rank(s) {differ} differ from rank 0's; "
+        raise RunError(f"rank {rank}: after step {step} the parameters of rank(s) {differ} differ from rank 0's; "
                            f"the optimizers keep every rank bit-identical, so something outside them changed a "
                            f"rank's model. Not saving; the last checkpoint is kept")

@@ -15,6 +15,8 @@ import sys
 import time
 from typing import IO, List, Optional
 
+from onebitlamb.train import files
+
 COLUMNS = ("step", "loss", "heldout_loss", "bytes", "collectives", "lr", "stage")
 CSV_FILE = "log.csv"
 TENSORBOARD_DIR = "tensorboard"
@@ -32,7 +34,7 @@ class RunLog:
         self.last_line = time.monotonic()
         self.bar = _progress_bar(self.name, cfg.steps, start_step, self.stream) \
             if cfg.progress and _is_terminal(self.stream) else None
-        self.file = open(os.path.join(cfg.out, CSV_FILE), "w", newline="")
+        self.file = files.create(os.path.join(cfg.out, CSV_FILE), binary=False, newline="")
         self.csv = csv.writer(self.file)
         self.csv.writerow(COLUMNS)
         for step in range(start_step + 1) if start_step else ():  # the rows up to the checkpoint
@@ -128,6 +130,9 @@ def _progress_bar(name: str, steps: int, start: int, stream):
 def _tensorboard(log_dir: str, start_step: int, say):
     """A SummaryWriter when ``tensorboard`` is installed, else None without a word: it is optional.
     A resumed run purges the events after its checkpoint's step, as log.csv rewrites its rows."""
+    if os.path.islink(log_dir):  # SummaryWriter would write through it
+        say(f"TensorBoard events not written: {log_dir} is a link (not followed); log.csv has the same numbers")
+        return None
     try:
         from torch.utils.tensorboard import SummaryWriter
 
