@@ -183,6 +183,7 @@ def test_workers_stop_when_their_torchrun_agent_is_killed(tmp_path, common):
     workers = []
     try:
         _until(agent, "step 0: held-out loss")
+        assert _wait_for(lambda: (tmp_path / "checkpoint.json").exists(), 60), "no checkpoint"
         workers = _children(agent.pid, "onebitlamb")
         assert len(workers) == 2, workers
         agent.kill()  # SIGKILL: the agent forwards nothing
@@ -256,14 +257,15 @@ def test_a_damaged_corpus_cache_is_refused_by_name(tmp_path, common, capsys):
 # ---- points 4 and 7: skipped steps in the main job (one rank in this process)
 
 
-def _run_with_huge_gradients(tmp_path, common, monkeypatch, steps, bad):
-    """A tiny LAMB run without clipping whose gradient holds 3e38 at the steps ``bad`` (1-based):
-    finite, so no check of the main job's sees it; the optimizer skips the step."""
+def _run_with_huge_gradients(tmp_path, common, monkeypatch, steps, bad, clip=0.0):
+    """A tiny LAMB run whose gradient holds 3e38 at the steps ``bad`` (1-based): finite, and its
+    loss too, but not its square: the optimizer skips the step (with clipping too, which leaves
+    such a gradient as it is)."""
     import torch.distributed as dist
 
     tmp_path.mkdir(parents=True, exist_ok=True)  # the file store's folder must exist
     corpus, cache = common[common.index("--corpus") + 1], common[common.index("--cache-dir") + 1]
-    cfg = _config(tmp_path / "out", optimizer="lamb", workers=1, steps=steps, clip=0.0, ckpt_every=1000,
+    cfg = _config(tmp_path / "out", optimizer="lamb", workers=1, steps=steps, clip=clip, ckpt_every=1000,
                   eval_every=steps, corpus=[corpus], cache_dir=cache, progress=False)
     real, calls = loop.forward_backward, []
 
@@ -293,11 +295,13 @@ def _run_with_huge_gradients(tmp_path, common, monkeypatch, steps, bad):
 
 
 def test_skipped_steps_are_recorded_and_too_many_fail_the_run(tmp_path, common, monkeypatch, capfd):
-    cfg, result = _run_with_huge_gradients(tmp_path / "one", common, monkeypatch, 12, {5})
+    cfg, result = _run_with_huge_gradients(tmp_path / "one", common, monkeypatch, 12, {5}, clip=1.0)
     err = capfd.readouterr().err
     assert pretrain.exit_code(result) == 0 and "1 of 12 steps skipped" in err, err[-3000:]
     with open(os.path.join(cfg.out, "metrics.json")) as f:
         assert json.load(f)["skipped_steps"] == [5]
+    last = torch.load(os.path.join(cfg.out, "ckpt-0000012", "model.pt"), weights_only=True)
+    assert all(torch.isfinite(t).all() for t in last.values())
     monkeypatch.undo()
     cfg, result = _run_with_huge_gradients(tmp_path / "nine", common, monkeypatch, 12, set(range(2, 11)))
     err = capfd.readouterr().err

@@ -125,13 +125,12 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
         # one global batch: this rank's shard, forward and backward over its micro-batches
         inputs, labels = data.rank_batch(corpus, step, rank, world, cfg.global_batch, cfg.seed, cfg.mask_prob)
         loss_sum = forward_backward(model, optimizer, inputs, labels, accum, cfg.micro_batch, device)
-        grad_norm = None
         if cfg.clip > 0:  # this worker's local gradient, before step() communicates anything
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
-        bad = ranks_flagged(not math.isfinite(loss_sum) or not math.isfinite(grad_norm or 0.0), rank, world, device)
+            clip_gradients(model, cfg.clip)
+        bad = ranks_flagged(not math.isfinite(loss_sum), rank, world, device)
         if bad:
-            error = (f"the training loss or gradient of step {step + 1} is not finite on rank(s) {bad} (rank {rank}: "
-                     f"loss {loss_sum}, gradient norm {grad_norm}); the step was not applied")
+            error = (f"the training loss of step {step + 1} is not finite on rank(s) {bad} (rank {rank}: loss "
+                     f"{loss_sum}); the step was not applied")
             break
 
         # the optimizer step: all communication happens in here
@@ -206,6 +205,17 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
         print(f"[{cfg.optimizer}] stopped ({stopped_by}) after step {done}; continue with --resume",
               file=sys.stderr, flush=True)
     return summary
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
+    """``clip_grad_norm_`` when this rank's gradient norm is finite; returns the norm. A gradient
+    whose norm is not (NaN, inf, or an element so large that its square is: 3e38, 1e30) is left as
+    it is: clipping would scale it to zeros or NaN, and the optimizer's agreed check must see it to
+    skip the step on every rank (issue 49.2)."""
+    norms = [torch.linalg.vector_norm(p.grad.detach()) for p in model.parameters() if p.grad is not None]
+    if norms and not bool(torch.isfinite(torch.linalg.vector_norm(torch.stack(norms)))):
+        return math.inf
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
 
 def skipped_steps(history: dict) -> list:

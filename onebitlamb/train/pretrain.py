@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 # the errors a worker may end with whose message says it all (the last line of its traceback)
-_ONE_LINE = ("RankTimeout: ", "RunError: ", "OutError: ")
+_ONE_LINE = ("RankTimeout: ", "RunError: ", "OutError: ", "SetupError: ")
 
 
 def report_stop(exc: Exception, prog: str) -> int:
