@@ -112,7 +112,7 @@ def test_the_runs_files_are_created_anew_never_through_a_link(tmp_path):
     files.make_folder(str(out / "ckpt-0000006"))
 
 
-def test_a_link_at_the_next_checkpoint_is_refused_and_the_run_stays_resumable(stopped, tmp_path, common):
+def test_a_link_at_the_next_checkpoint_is_refused_and_the_run_stays_resumable(stopped, tmp_path, common, capsys):
     out = tmp_path / "run"
     shutil.copytree(stopped, out, symlinks=True)
     victim = tmp_path / "victim.csv"
@@ -120,8 +120,9 @@ def test_a_link_at_the_next_checkpoint_is_refused_and_the_run_stays_resumable(st
     # at the start: a link where the run writes one of its files is refused, by name
     os.remove(out / "log.csv")
     os.symlink(victim, out / "log.csv")
-    proc = _cli("pretrain", *common, "--out", str(out), "--resume")
-    assert proc.returncode == 2 and "log.csv is a link" in proc.stderr, proc.stderr[-3000:]
+    code = cli.main(["pretrain", *common, "--out", str(out), "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and "log.csv is a link" in err and "Traceback" not in err, err[-3000:]
     os.remove(out / "log.csv")
     # during the run: a link planted at the next checkpoint folder is neither followed nor removed
     elsewhere = tmp_path / "elsewhere"
@@ -138,15 +139,16 @@ def test_a_link_at_the_next_checkpoint_is_refused_and_the_run_stays_resumable(st
     assert not (out / files.LOCK_FILE).exists()  # released and removed at the end
 
 
-def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tmp_path, common):
+def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tmp_path, common, capsys):
     out = str(tmp_path / "run")
     first = _start(sys.executable, "-m", "onebitlamb", "pretrain", *common, *LONG, "--out", out)
     try:
         _until(first, "step 0: held-out loss")
-        for extra in (["--resume"], ["--overwrite"]):
-            proc = _cli("pretrain", *common, "--out", out, *extra)
-            assert proc.returncode == 2, proc.stderr[-3000:]
-            assert f"is in use by another run (pid {first.pid}" in proc.stderr and "Traceback" not in proc.stderr
+        for extra in (["--resume"], ["--overwrite"]):  # here, in this process: a lock is per open file
+            code = cli.main(["pretrain", *common, "--out", out, *extra])
+            err = capsys.readouterr().err
+            assert code == 2 and f"is in use by another run (pid {first.pid}" in err, err[-3000:]
+            assert "Traceback" not in err and os.path.exists(os.path.join(out, files.LOCK_FILE))
         first.send_signal(signal.SIGINT)
         assert first.wait(timeout=120) == 130
     finally:
