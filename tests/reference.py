@@ -196,3 +196,120 @@ class HierarchicalAllReduceSim:
         """Rank ``k L + r``'s server error: ``D / n`` elements, piece ``k`` of chunk ``r``."""
         k, r = divmod(rank, self.L)
         return self.sims[r].server_errors[k] if self.N > 1 else torch.zeros(self.chunk)
+
+
+class ZeroOneReference:
+    """0/1 Adam as docs/algorithm.md states it, for ``n`` simulated workers: every worker's
+    parameters and momentum are kept (they part between syncs), the variance is shared.
+
+    Steps ``t <= var_freeze_step``: ``t`` a multiple of the variance interval: the mean gradient
+    into ``m`` and ``v``; otherwise the 1-bit average of the gradients (each layer scaled by the
+    ``k`` of the last variance step) into ``m``. Then Adam's update. After the freeze each worker
+    steps alone and sums ``lr * u``; every ``local interval`` steps the sums (times the
+    denominator) go through the 1-bit average, the parameters become the last sync's minus the
+    average over the denominator, and the momentum the average over the summed learning rates."""
+
+    def __init__(self, init: List[torch.Tensor], lr: List[float], wd: List[float], *, n: int,
+                 var_freeze_step: int, var_update_scaler: int, local_step_scaler: int, local_step_clipper: int,
+                 bias_correction: bool = True, betas=(0.9, 0.999), eps=1e-8):
+        self.n, self.lr, self.wd, self.bc = n, lr, wd, bias_correction
+        self.b1, self.b2 = betas
+        self.eps = eps
+        self.T, self.kappa, self.scaler, self.clipper = var_freeze_step, var_update_scaler, local_step_scaler, \
+            local_step_clipper
+        L = len(init)
+        self.x = [[t.detach().clone().float() for t in init] for _ in range(n)]
+        self.m = [[torch.zeros_like(t) for t in self.x[0]] for _ in range(n)]
+        self.v = [torch.zeros_like(t) for t in self.x[0]]
+        self.t = self.kv = 0
+        self.var_interval, self.var_counter = 1, 0
+        self.local_interval, self.local_counter = 1, 0
+        self.frozen = False
+        self.k = [1.0] * L
+        self.mask = [torch.zeros_like(t) for t in self.x[0]]
+        d = sum(t.numel() for t in self.x[0])
+        self.d, self.D = d, -(-d // (8 * n)) * 8 * n
+        self.sim = OneBitAllReduceSim(n, self.D) if n > 1 else None
+
+    def _average_1bit(self, per_worker: List[List[torch.Tensor]]) -> List[torch.Tensor]:
+        """The 1-bit average of per-layer values, each layer scaled by ``k`` and masked after."""
+        L = len(self.k)
+        if self.n == 1:
+            out = [t.clone() for t in per_worker[0]]
+        else:
+            bufs = []
+            for w in per_worker:
+                b = torch.zeros(self.D)
+                b[:self.d] = torch.cat([(self.k[l] * w[l]).reshape(-1) for l in range(L)])
+                bufs.append(b)
+            flat = self.sim(bufs)
+            out, off = [], 0
+            for l in range(L):
+                size = self.x[0][l].numel()
+                out.append(flat[off:off + size].reshape(self.x[0][l].shape) / self.k[l])
+                off += size
+        return [out[l] * self.mask[l] for l in range(L)]
+
+    def _scales(self, values: List[float], numels: List[int]) -> List[float]:
+        s = [v / math.sqrt(k) for v, k in zip(values, numels)]
+        nonzero = [v for v in s if v > 0]
+        s_bar = sum(nonzero) / len(nonzero) if nonzero else 0.0
+        return [s_bar / v if v > 0 else 1.0 for v in s]
+
+    def step(self, grads_per_worker: List[List[torch.Tensor]]) -> None:
+        self.t += 1
+        t, n, L = self.t, self.n, len(self.v)
+        b1, b2 = self.b1, self.b2
+        bc1 = (1 - b1 ** t) if self.bc else 1.0
+        numels = [p.numel() for p in self.x[0]]
+        if not self.frozen:
+            if t % self.var_interval == 0:
+                g = [sum(w[l] for w in grads_per_worker) / n for l in range(L)]
+                m = [b1 * self.m[0][l] + (1 - b1) * g[l] for l in range(L)]
+                self.v = [b2 * self.v[l] + (1 - b2) * g[l] * g[l] for l in range(L)]
+                self.kv += 1
+                self.var_counter += 1
+                if self.var_counter == self.kappa:
+                    self.var_counter, self.var_interval = 0, self.var_interval * 2
+                self.k = self._scales([float(t_.norm()) for t_ in m], numels)
+                self.mask = [(v != 0).float() for v in self.v]
+            else:
+                avg = self._average_1bit(grads_per_worker)
+                m = [b1 * self.m[0][l] + (1 - b1) * avg[l] for l in range(L)]
+            bc2 = (1 - b2 ** self.kv) if self.bc else 1.0
+            for i in range(n):
+                self.m[i] = [t_.clone() for t_ in m]
+                for l in range(L):
+                    u = (m[l] / bc1) / (torch.sqrt(self.v[l] / bc2) + self.eps) + self.wd[l] * self.x[i][l]
+                    self.x[i][l] = self.x[i][l] - self.lr[l] * u
+            if t == self.T:
+                self.frozen = True
+                self.mask = [(v != 0).float() for v in self.v]
+                self.den = [torch.sqrt(v / bc2) + self.eps for v in self.v]
+                self.k = self._scales([float(self.m[0][l].norm()) * self.lr[l] for l in range(L)], numels)
+                if n > 1:
+                    self.sim = OneBitAllReduceSim(n, self.D)  # the errors restart
+                self.x_sync = [p.clone() for p in self.x[0]]
+                self.acc = [[torch.zeros_like(p) for p in self.x[0]] for _ in range(n)]
+                self.lrs = [0.0] * L
+                self.local_interval, self.local_counter = 1, 0
+            return
+        for i in range(n):
+            for l in range(L):
+                self.m[i][l] = (b1 * self.m[i][l] + (1 - b1) * grads_per_worker[i][l]) * self.mask[l]
+                u = (self.m[i][l] / bc1) / self.den[l] + self.wd[l] * self.x[i][l]
+                self.acc[i][l] = self.acc[i][l] + self.lr[l] * u
+                if t % self.local_interval != 0:
+                    self.x[i][l] = self.x[i][l] - self.lr[l] * u
+        self.lrs = [self.lrs[l] + self.lr[l] for l in range(L)]
+        if t % self.local_interval == 0:
+            avg = self._average_1bit([[w[l] * self.den[l] for l in range(L)] for w in self.acc])
+            self.x_sync = [self.x_sync[l] - avg[l] / self.den[l] for l in range(L)]
+            for i in range(n):
+                self.x[i] = [p.clone() for p in self.x_sync]
+                self.m[i] = [avg[l] / self.lrs[l] * bc1 for l in range(L)]
+            self.acc = [[torch.zeros_like(p) for p in self.x[0]] for _ in range(n)]
+            self.lrs = [0.0] * L
+        self.local_counter += 1
+        if self.local_counter == self.scaler:
+            self.local_counter, self.local_interval = 0, min(self.clipper, self.local_interval * 2)

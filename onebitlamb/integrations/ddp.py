@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from onebitlamb.comm import spanning_group, world_size_of
 from onebitlamb.comm.stats import allreduce_bytes
-from onebitlamb.optim.staged import COMPRESSION, StagedOptimizer
+from onebitlamb.optim.staged import WARMUP, StagedOptimizer
 
 
 class DDPLink:
@@ -44,7 +44,7 @@ class DDPLink:
 def _stage_hook(link: DDPLink, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     link.buckets_since_step += 1
     buffer = bucket.buffer()
-    if link.optimizer.stage == COMPRESSION:
+    if link.optimizer.stage != WARMUP:  # compression, or 0/1 Adam's local steps: DDP sends nothing
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(buffer)
         return done

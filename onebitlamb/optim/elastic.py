@@ -11,7 +11,10 @@ on ``m`` when
 - the server errors, chunks of one vector in the averaged domain, are joined and cut into ``m``
   chunks again.
 
-Both are cut to the model's ``d`` elements and padded with zeros to the new ``D``: the padding
+0/1 Adam's local momentum and update sum (``"rank_local"``), which differ between its syncs,
+become their mean over the old ranks on every new rank: what the next sync averages.
+
+Both errors are cut to the model's ``d`` elements and padded with zeros to the new ``D``: the padding
 never reaches a parameter. The same holds bucket by bucket (``overlap_with_backward``) and between
 flat and hierarchical groups (``node_groups``), whose ranks hold other parts of the two vectors.
 """
@@ -70,6 +73,8 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int,
         flat = {k: v for k, v in flats[0].items() if k not in ("worker_error", "server_error")}
         flat = copy.deepcopy(flat)
         flat["world_size"], flat["rank"], flat["local_size"] = world_size, rank, local_size
+        for key in flats[0].get("rank_local", ()):  # 0/1 Adam between syncs: what the next sync averages
+            flat[key] = torch.stack([f[key].double() for f in flats]).mean(dim=0).to(flats[0][key].dtype)
         if per_rank and world_size > 1:
             _, worker_size, server_size = buffer_sizes(new)
             device = flats[0]["worker_error"].device

@@ -213,13 +213,15 @@ class Exchange:
         return 0 if self._overlap is None else self._overlap.started
 
     # ------------------------------------------------------------------ the step's exchange
-    def run(self, grads: torch.Tensor, compressing: bool, first: bool) -> bool:
+    def run(self, grads: torch.Tensor, compressing: bool, first: bool, exchange: bool = True) -> bool:
         """The step's exchange, after the backward: the warm-up's average into ``grads``, or the
-        compressed all-reduce of each bucket's momentum into the communication buffer. Returns
-        whether every rank's gradient was finite (else the step is skipped on every rank)."""
+        compressed all-reduce of each bucket's momentum into the communication buffer
+        (``exchange=False``: a local step of 0/1 Adam, which only agrees that every gradient is
+        finite). Returns whether every rank's gradient was finite (else the step is skipped on
+        every rank)."""
         if self._overlap is not None and not first:
             return self._finish_overlapped(grads, compressing)
-        return self._serial(grads, compressing, first)
+        return self._serial(grads, compressing, first, exchange)
 
     def _gather(self, grads: torch.Tensor, bucket: Optional[Bucket] = None) -> None:
         self._gather_ref()(grads, bucket)
@@ -227,7 +229,7 @@ class Exchange:
     def _momentum(self, bucket: Bucket) -> torch.Tensor:
         return self._momentum_ref()(bucket)
 
-    def _serial(self, grads: torch.Tensor, compressing: bool, first: bool) -> bool:
+    def _serial(self, grads: torch.Tensor, compressing: bool, first: bool, exchange: bool = True) -> bool:
         self._gather(grads)
         spanning = spanning_group(self.process_group)
         if self.ddp_link is None:
@@ -241,7 +243,7 @@ class Exchange:
                                f"DDP model, or its last micro-batch ran under no_sync()")
         # in the warm-up the average shows any rank's NaN; in stage 2 one flag is agreed on first
         finite = agreed_finite(grads, spanning, self.comm_stats, averaged=not compressing)
-        if finite and compressing and self.world_size > 1:
+        if finite and compressing and exchange and self.world_size > 1:
             for b in self.buckets:
                 self._exchange_bucket(b, self._momentum(b), self.process_group)
         return finite

@@ -227,3 +227,39 @@ def window_spread(history: torch.Tensor, count: int) -> Optional[float]:
         return None
     window = history[:, finite]
     return float((window.max(dim=0).values - window.min(dim=0).values).max())
+
+
+# ---------------------------------------------------------------------- 0/1 Adam (zero_one.py)
+def interval_after(interval: int, counter: int, scaler: int, clipper: Optional[int] = None) -> tuple[int, int]:
+    """0/1 Adam's two exponential schedules, after one more event (a variance update, or a step
+    after the variance froze): ``counter`` counts the events at this ``interval``; after
+    ``scaler`` of them the interval doubles (at most to ``clipper``) and the count restarts.
+    Returns the new ``(interval, counter)``."""
+    counter += 1
+    if counter == scaler:
+        counter, interval = 0, interval * 2
+        if clipper is not None:
+            interval = min(interval, clipper)
+    return interval, counter
+
+
+def accumulate_update_(update_sum: torch.Tensor, update: torch.Tensor, lrs: Sequence[float],
+                       slices: List[slice]) -> None:
+    """``update_sum += lr * u`` per layer: what the local steps moved the parameters by since the
+    last sync (0/1 Adam's ``u``, with the sign of a descent)."""
+    for s, lr in zip(slices, lrs):
+        update_sum[s].add_(update[s], alpha=lr)
+
+
+def synced_momentum_(m: torch.Tensor, averaged: torch.Tensor, lr_sums: torch.Tensor, slices: List[slice],
+                     bias_correction1: float) -> None:
+    """After a sync, each layer's momentum is the averaged accumulated update (in the momentum's
+    units, times the denominator) divided by the sum of the learning rates it was taken with;
+    times ``bias_correction1``, so that the next step's ``m / bias_correction1`` starts from it."""
+    for s, total in zip(slices, lr_sums.tolist()):
+        if total == 0:  # a layer whose learning rate was 0 since the sync did not move
+            m[s].zero_()
+        else:
+            torch.div(averaged[s], total, out=m[s])
+    if bias_correction1 != 1.0:
+        m.mul_(bias_correction1)

@@ -113,6 +113,19 @@ class FlatLayout:
                 p.copy_(p.float().add_(u, alpha=-step_size))
 
 
+    def assign_(self, values: torch.Tensor) -> None:
+        """Every parameter set to its slice of the flat float32 ``values`` (rounded once to a
+        low-precision parameter's dtype)."""
+        for p, s in zip(self.params, self.slices):
+            p.copy_(values[s].view(p.shape))
+
+    def gather_params(self, out: torch.Tensor) -> torch.Tensor:
+        """The parameters in the flat layout, as float32."""
+        for p, s in zip(self.params, self.slices):
+            out[s].copy_(p.detach().reshape(-1))
+        return out
+
+
 def new_flat_state(layout: FlatLayout, owner: str, world_size: int, rank: int, local_size: int = 1,
                    buckets: Optional[List[Tuple[int, int]]] = None) -> Dict[str, Any]:
     """The state every optimizer starts from: the moments and the trust ratio's running average."""

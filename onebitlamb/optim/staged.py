@@ -28,6 +28,8 @@ from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, buffer_sizes, c
 from onebitlamb.optim.state_format import split_state, to_saved
 
 WARMUP, COMPRESSION = "warmup", "compression"
+# 0/1 Adam's local steps: no exchange but the agreed non-finite check (zero_one.py)
+LOCAL = "local"
 
 # The settings that change the numbers and are checked on load, as states saved before they were
 # options had them: the exchange's, and what the 1-bit optimizers compress.
@@ -89,6 +91,8 @@ class StagedOptimizer(Optimizer):
 
     _layerwise = True
     _fresh_variance = True
+    # the compression errors exist from the first step (0/1 Adam), not from the freeze
+    _errors_from_start = False
     # GradScaler.step then calls step(grad_scaler=scaler) instead of skipping it on the ranks whose
     # own gradient overflowed: every rank enters the step's collectives, and the skip is agreed
     _step_supports_amp_scaling = True
@@ -162,10 +166,11 @@ class StagedOptimizer(Optimizer):
             check_loaded_state(self._flat, layout, owner, world, rank, self.exchange.local_size)
             if self._schedule is not None:
                 self._schedule.check_state(self._flat)
-            if self._flat["frozen_at"] is None:  # the errors, made at the freeze, will follow them
+            has_errors = self._flat["frozen_at"] is not None or self._errors_from_start
+            if not has_errors:  # the errors, made at the freeze, will follow them
                 self._flat["buckets"] = self.exchange.bucket_ranges(layout)
-            if self._flat["frozen_at"] is not None and "worker_error" not in self._flat:
-                self.exchange.new_error_buffers(self._flat, layout.device)  # frozen on one process, resumed on several
+            if has_errors and "worker_error" not in self._flat:
+                self.exchange.new_error_buffers(self._flat, layout.device)  # saved on one process, resumed on several
         agree_on_setup(self._setup(layout), spanning_group(self.process_group), layout.device)
         self._layout, self._scratch = layout, Scratch(layout.device)
         self.exchange.bind(layout, self._flat, self._scratch, self._gather, self._bucket_momentum)
@@ -353,18 +358,13 @@ class StagedOptimizer(Optimizer):
         if self._layout.numel == 0:
             return loss
         grads = self._scratch.buffer("grad", self._layout.numel)
-        compressing = self.stage == COMPRESSION  # decided by the steps completed so far
-        self.last_step_skipped = not self.exchange.run(grads, compressing, first)
+        stage = self.stage  # decided by the steps completed so far
+        self.last_step_skipped = not self.exchange.run(grads, stage != WARMUP, first, exchange=stage == COMPRESSION)
         if self.last_step_skipped:
             self._skip(warn=grad_scaler is None)
-        elif compressing:
-            self._flat["step"] += 1
-            self._compression_step(grads)
         else:
             self._flat["step"] += 1
-            self._warmup_step(grads)
-            if self._schedule is not None and self._schedule.due(self._flat):
-                self._freeze()
+            self._take_step(stage, grads)
         if not self.last_step_skipped:
             self._flat["consecutive_skips"] = 0
         calls = self._flat["step"] + self.skipped_steps  # the same on every rank
@@ -378,6 +378,16 @@ class StagedOptimizer(Optimizer):
         for flag in found_inf.values():  # what the scaler's update() reads: the verdict of every rank
             flag.fill_(1.0 if self.last_step_skipped else 0.0)
         return loss
+
+    def _take_step(self, stage: str, grads: torch.Tensor) -> None:
+        """The update after the step's exchange (its gradients finite on every rank): the warm-up
+        and, at the end of the step the schedule names, the freeze; or stage 2."""
+        if stage == COMPRESSION:
+            self._compression_step(grads)
+        else:
+            self._warmup_step(grads)
+            if self._schedule is not None and self._schedule.due(self._flat):
+                self._freeze()
 
     def _unscaled_by(self, scaler: Optional[GradScaler]) -> Dict[torch.device, torch.Tensor]:
         """The gradients unscaled by ``scaler`` (unless ``scaler.unscale_(self)`` did it) and the

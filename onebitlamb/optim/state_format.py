@@ -10,7 +10,8 @@ state dict it is the state of the first trainable parameter, in the form that
   it, so a new optimizer's state dict is a template into which DCP can load any later checkpoint
   (DCP loads only the entries, and the shapes, its template has);
 - this rank's compression errors sit under ``"rank<r>"``: they differ between ranks, and DCP
-  keeps one copy of an entry that has the same name on every rank.
+  keeps one copy of an entry that has the same name on every rank (0/1 Adam's local momentum
+  and update sum too, which differ between its syncs: ``"rank_local"``).
 
 State dicts of the earlier form (a ``"flat"`` entry) still load.
 """
@@ -50,10 +51,17 @@ def _error_templates(flat: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     return {"worker_error": torch.zeros(worker, **f32), "server_error": torch.zeros(server, **f32)}
 
 
+def per_rank_keys(flat: Dict[str, Any]) -> tuple:
+    """The entries that differ between ranks: the compression errors, and those a state names in
+    ``"rank_local"`` (0/1 Adam's local momentum and update sum, which differ between syncs)."""
+    return PER_RANK + tuple(flat.get("rank_local", ()))
+
+
 def to_saved(flat: Dict[str, Any], compresses: bool, fresh_variance: bool) -> Dict[str, Any]:
     """The flat state as the state dict holds it (its tensors are the live ones, as torch.optim's)."""
-    saved = {k: v for k, v in flat.items() if k not in PER_RANK and k != "rank"}
-    errors = {k: flat[k] for k in PER_RANK if k in flat}
+    own = per_rank_keys(flat)
+    saved = {k: v for k, v in flat.items() if k not in own and k != "rank"}
+    errors = {k: flat[k] for k in own if k in flat}
     if compresses and flat["frozen_at"] is None:
         saved.update(_frozen_templates(flat, fresh_variance))
         if flat["world_size"] > 1:
@@ -70,9 +78,9 @@ def from_saved(saved: Dict[str, Any]) -> Dict[str, Any]:
                          f"{ranks or 'none'}")
     flat = {k: v for k, v in saved.items() if k != ranks[0]}
     flat["rank"] = int(_RANK_KEY.fullmatch(ranks[0]).group(1))
-    if flat["frozen_at"] is None:  # the templates of a state saved before the freeze
+    if flat["frozen_at"] is None and "rank_local" not in flat:  # the templates of a state saved before the freeze
         flat = {k: v for k, v in flat.items() if k not in FROZEN}
-    else:
+    else:  # 0/1 Adam (``rank_local``) holds its whole state, errors included, from the first step
         flat.update(saved[ranks[0]])
     return flat
 

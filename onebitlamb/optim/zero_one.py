@@ -1,0 +1,333 @@
+"""0/1 Adam (Lu, Li, Zhang, De Sa, He, "Maximizing Communication Efficiency for Large-scale
+Training via 0/1 Adam", arXiv 2202.06009) on the staged machinery: fewer rounds, not only fewer bits.
+
+Two phases, each counted from the optimizer's own first step ``s`` (``docs/algorithm.md``):
+
+- the variance phase, ``s <= var_freeze_step``: a step is a *variance step* (``s`` a multiple of
+  the variance interval) that averages the gradients in full precision and updates both moments,
+  or a *1-bit step* that averages them with the error-compensated 1-bit all-reduce and updates
+  the momentum only. The interval doubles after every ``var_update_scaler`` variance updates.
+- after it (the variance frozen, the compression errors restarted): *local steps*, each rank
+  moving its own parameters with its own momentum and summing what it moved them by; every
+  ``local_interval`` steps a *sync* averages that sum (times the denominator, so in the
+  momentum's units) with the 1-bit all-reduce, sets the parameters to the last sync's plus the
+  average, the same on every rank, and the momentum to the average per unit of learning rate.
+  The interval doubles every ``local_step_scaler`` steps, up to ``local_step_clipper``.
+
+The stages of ``StagedOptimizer`` name what a step exchanges: ``WARMUP`` (a full-precision
+average: the variance steps), ``COMPRESSION`` (a 1-bit all-reduce: the 1-bit steps and the syncs)
+and ``LOCAL`` (only the agreed check that every rank's gradient is finite).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterable, Optional, Tuple, Union
+
+import torch
+
+from onebitlamb.comm import world_size_of
+from onebitlamb.optim import functional as F
+from onebitlamb.optim.checks import parameter_checksum
+from onebitlamb.optim.exchange import ProcessGroupLike
+from onebitlamb.optim.layout import Bucket, FlatLayout, buffer_sizes
+from onebitlamb.optim.optimizers import (_ADAM_DOC, _EXCHANGE_DOC, _MAXIMIZE_DOC, _PARAMS_DOC,
+                                         _exchange_defaults)
+from onebitlamb.optim.staged import COMPRESSION, LOCAL, WARMUP, StagedOptimizer, validate_common
+
+StepsOrFraction = Union[int, float]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def steps_of(name: str, value: Any, total_steps: Optional[int]) -> int:
+    """A schedule value as a number of steps: an int >= 1 as it is, a float in (0, 1] as that
+    fraction of ``total_steps`` (rounded, at least 1)."""
+    if _is_int(value):
+        if value < 1:
+            raise ValueError(f"Invalid {name}: {value!r} (must be a number of steps >= 1, or a fraction of "
+                             f"total_steps in (0, 1] given as a float)")
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        if not 0 < value <= 1:
+            raise ValueError(f"Invalid {name}: {value!r} (a fraction of total_steps must be in (0, 1]; pass an "
+                             f"int for a number of steps)")
+        if total_steps is None:
+            raise ValueError(f"Invalid {name}: {value!r} is a fraction of the run; pass total_steps=... as well")
+        return max(1, round(value * total_steps))
+    raise ValueError(f"Invalid {name}: {value!r} (must be a number of steps >= 1, or a fraction of total_steps in "
+                     f"(0, 1] given as a float)")
+
+
+class ZeroOneAdam(StagedOptimizer):
+    _layerwise, _fresh_variance = False, False
+    _errors_from_start = True
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, *, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
+                 var_freeze_step: StepsOrFraction, var_update_scaler: int = 16,
+                 local_step_scaler: StepsOrFraction = 32678, local_step_clipper: int = 16,
+                 total_steps: Optional[int] = None, maximize: bool = False,
+                 process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
+                 bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
+                 agree_every: Optional[int] = 1000) -> None:
+        validate_common(lr, betas, eps, weight_decay, maximize)
+        if not isinstance(bias_correction, bool):
+            raise ValueError(f"Invalid bias_correction: {bias_correction!r} (must be True or False)")
+        if total_steps is not None and (not _is_int(total_steps) or total_steps < 1):
+            raise ValueError(f"Invalid total_steps: {total_steps!r} (must be None or an integer >= 1)")
+        freeze = steps_of("var_freeze_step", var_freeze_step, total_steps)
+        if total_steps is not None and freeze > total_steps:
+            raise ValueError(f"Invalid var_freeze_step: {var_freeze_step!r} is beyond the run of total_steps="
+                             f"{total_steps} steps (the variance would never freeze and no local step be taken)")
+        for name, value in (("var_update_scaler", var_update_scaler), ("local_step_clipper", local_step_clipper)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= 1)")
+        scaler = steps_of("local_step_scaler", local_step_scaler, total_steps)
+        if overlap_with_backward:
+            raise ValueError("Invalid overlap_with_backward: True (ZeroOneAdam exchanges in step(); its local steps "
+                             "send nothing to overlap, and its syncs need the step's update first)")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, var_freeze_step=freeze, var_update_scaler=var_update_scaler,
+                        local_step_scaler=scaler, local_step_clipper=local_step_clipper, maximize=maximize,
+                        **_exchange_defaults(warmup_dtype, bucket_cap_mb))
+        super().__init__(params, defaults, schedule=None, process_group=process_group,
+                         overlap_with_backward=overlap_with_backward, agree_every=agree_every)
+
+    # ------------------------------------------------------------------ state
+    def _new_state(self, layout: FlatLayout) -> None:
+        super()._new_state(layout)
+        flat, d, layers = self._flat, layout.numel, len(layout.params)
+        f32 = dict(dtype=torch.float32, device=layout.device)
+        # Every entry exists from the start (DCP loads into a template of the same entries); those
+        # that differ between ranks from the freeze on are saved under this rank's key.
+        flat.update({
+            "rank_local": ["exp_avg", "update_sum"],
+            "variance_updates": 0, "var_interval": 1, "var_counter": 0,
+            "local_interval": 1, "local_counter": 0,
+            "momentum_scale": torch.ones(layers, **f32),
+            "momentum_mask": torch.zeros(d, dtype=torch.bool, device=layout.device),
+            "update_sum": torch.zeros(d, **f32),  # sum of lr * u since the last sync
+            "lr_sums": torch.zeros(layers, dtype=torch.float64, device=layout.device),
+            "sync_params": torch.zeros(d, **f32),  # the parameters at the last sync, alike on every rank
+        })
+        self.exchange.new_error_buffers(flat, layout.device)
+
+    def _setup(self, layout: FlatLayout) -> Dict[str, Any]:
+        setup = super()._setup(layout)
+        flat = self._flat
+        setup["schedule (var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)"] = tuple(
+            self.defaults[k] for k in ("var_freeze_step", "var_update_scaler", "local_step_scaler",
+                                       "local_step_clipper"))
+        setup["0/1 Adam schedule (var_interval, var_counter, variance_updates, local_interval, local_counter)"] = (
+            flat["var_interval"], flat["var_counter"], flat["variance_updates"], flat["local_interval"],
+            flat["local_counter"])
+        if flat["frozen_at"] is not None:  # between syncs the ranks' parameters differ; the last sync's do not
+            setup["parameter values (crc32 of each tensor)"] = [parameter_checksum(flat["sync_params"][s])
+                                                                for s in layout.slices]
+        return setup
+
+    @property
+    def stage(self) -> str:
+        """What the next step exchanges: ``"warmup"`` (a variance step: the full-precision
+        average), ``"compression"`` (a 1-bit step, or a sync after the freeze) or ``"local"``."""
+        if "flat" not in self.state:
+            return WARMUP
+        flat = self._flat
+        s = flat["step"] + 1
+        if flat["frozen_at"] is None:
+            return WARMUP if s % flat["var_interval"] == 0 else COMPRESSION
+        return COMPRESSION if s % flat["local_interval"] == 0 else LOCAL
+
+    def freeze_stats(self) -> Dict[str, Any]:
+        """Where the schedules stand: ``stage`` (the next step's), ``frozen_at`` (the step at whose
+        end the variance froze, None before), ``floor_step`` and ``cap_step`` (both
+        ``var_freeze_step``), ``variance_updates``, ``var_interval`` and ``local_interval``."""
+        flat = self.state.get("flat")
+        step = self.defaults["var_freeze_step"]
+        out = {"stage": self.stage, "frozen_at": None, "floor_step": step, "cap_step": step}
+        if flat is not None:
+            out.update(frozen_at=flat["frozen_at"], variance_updates=flat["variance_updates"],
+                       var_interval=flat["var_interval"], local_interval=flat["local_interval"])
+        return out
+
+    def _bias_corrections(self) -> tuple[float, float]:
+        """``1 - beta1^s`` and ``1 - beta2^k``, ``k`` the variance updates so far: the variance is an
+        average over those alone."""
+        if not self.defaults["bias_correction"]:
+            return 1.0, 1.0
+        beta1, beta2 = self._betas()
+        return 1 - beta1 ** self._flat["step"], 1 - beta2 ** self._flat["variance_updates"]
+
+    # ------------------------------------------------------------------ the exchange's callback
+    def _bucket_momentum(self, b: Bucket) -> torch.Tensor:
+        """What bucket ``b`` sends through the 1-bit all-reduce, each layer scaled: this rank's
+        gradient at a 1-bit step; at a sync, its update sum times the frozen denominator."""
+        flat = self._flat
+        scale, _ = self._compression_scales()
+        buf = self._scratch.buffer("comm", buffer_sizes(self.exchange.buckets)[0])[b.comm]
+        mine = buf[:b.numel]
+        if flat["frozen_at"] is None:
+            torch.mul(self._scratch.buffers["grad"][b.start:b.end], scale[b.start:b.end], out=mine)
+        else:
+            self._local_update_once(flat["step"] + 1)
+            den, _ = self._frozen_denominators()
+            torch.mul(flat["update_sum"][b.start:b.end], den[b.start:b.end], out=mine)
+            mine.mul_(scale[b.start:b.end])
+        buf[b.numel:].zero_()
+        return buf
+
+    def _averaged(self, local: torch.Tensor) -> torch.Tensor:
+        """The 1-bit average the buckets' exchanges left in the communication buffer, unscaled and
+        masked; with one process, ``local`` masked."""
+        _, unscale = self._compression_scales()
+        out = self._scratch.buffer("averaged", self._layout.numel)
+        if world_size_of(self.process_group) > 1:
+            buf = self._scratch.buffers["comm"]
+            for b in self.exchange.buckets:
+                torch.mul(buf[b.comm][:b.numel], unscale[b.start:b.end], out=out[b.start:b.end])
+        else:
+            torch.mul(local, self._flat["momentum_mask"], out=out)
+        return out
+
+    # ------------------------------------------------------------------ steps
+    def _take_step(self, stage: str, grads: torch.Tensor) -> None:
+        flat = self._flat
+        if flat["frozen_at"] is None:
+            self._variance_phase_step(stage, grads)
+            if flat["step"] == self.defaults["var_freeze_step"]:
+                self._freeze()
+            return
+        if stage == LOCAL:
+            self._apply_(self._local_update_once(flat["step"]), self._layout.ones())
+        else:
+            self._sync()
+        flat["local_interval"], flat["local_counter"] = F.interval_after(
+            flat["local_interval"], flat["local_counter"], self.defaults["local_step_scaler"],
+            self.defaults["local_step_clipper"])
+
+    def _variance_phase_step(self, stage: str, grads: torch.Tensor) -> None:
+        """A variance step (the averaged gradient into both moments) or a 1-bit step (the 1-bit
+        average into the momentum), then Adam's update with the variance as it stands."""
+        flat, lay = self._flat, self._layout
+        beta1, beta2 = self._betas()
+        m, v = flat["exp_avg"], flat["exp_avg_sq"]
+        if stage == WARMUP:
+            F.update_moments_(m, v, grads, beta1, beta2)
+            flat["variance_updates"] += 1
+            flat["var_interval"], flat["var_counter"] = F.interval_after(
+                flat["var_interval"], flat["var_counter"], self.defaults["var_update_scaler"])
+            # the 1-bit steps' per-layer scales follow the synchronized momentum; elements that
+            # never had a gradient at a variance step stay masked (1-bit signs cannot send a 0)
+            flat["momentum_scale"] = F.momentum_scales(lay.norms(m), lay.per_layer(lay.numels))
+            flat["momentum_mask"] = v != 0
+        else:
+            m.mul_(beta1).add_(self._averaged(grads), alpha=1 - beta1)
+        bc1, bc2 = self._bias_corrections()
+        update = self._scratch.buffer("update", lay.numel)
+        den = F.adam_denominator(v, bc2, self.defaults["eps"], out=update)
+        F.adam_direction(m, den, bc1, out=update)
+        lay.add_weight_decay_(update, self.param_groups)
+        self._apply_(update, lay.ones())
+
+    def _freeze(self) -> None:
+        """End of the variance phase: the variance frozen (bias-corrected), the errors restarted
+        (they will hold another quantity), the scales set for the update sums, and the
+        parameters kept as the first sync point."""
+        flat, lay = self._flat, self._layout
+        _, bc2 = self._bias_corrections()
+        v = flat["exp_avg_sq"]
+        flat["momentum_mask"] = v != 0
+        v.div_(bc2)
+        # what a sync sends is about lr * m per layer: groups with another lr get another scale
+        lrs = torch.tensor([float(self.param_groups[g]["lr"]) for g in lay.groups], dtype=torch.float32,
+                           device=lay.device)
+        flat["momentum_scale"] = F.momentum_scales(lay.norms(flat["exp_avg"]) * lrs, lay.per_layer(lay.numels))
+        for key in ("worker_error", "server_error"):
+            if key in flat:
+                flat[key].zero_()
+        lay.gather_params(flat["sync_params"])
+        flat["update_sum"].zero_()
+        flat["lr_sums"].zero_()
+        flat["local_interval"], flat["local_counter"] = 1, 0
+        flat["frozen_at"] = flat["step"]
+
+    def _local_update_once(self, step: int) -> torch.Tensor:
+        """Step ``step``'s local update from this rank's gradient, once (a sync's exchange asks for
+        it before ``step()`` gets to it): the momentum, Adam's direction with the frozen variance,
+        and the update sum. Returns the update (the parameters are not moved here)."""
+        scratch, flat, lay = self._scratch, self._flat, self._layout
+        update = scratch.buffer("update", lay.numel)
+        if scratch.derived.get("local_update_of") == step:
+            return update
+        beta1, _ = self._betas()
+        m = flat["exp_avg"]
+        m.mul_(beta1).add_(scratch.buffers["grad"], alpha=1 - beta1).mul_(flat["momentum_mask"])
+        den, _ = self._frozen_denominators()
+        bc1 = 1 - beta1 ** step if self.defaults["bias_correction"] else 1.0
+        F.adam_direction(m, den, bc1, out=update)
+        lay.add_weight_decay_(update, self.param_groups)
+        lrs = [float(self.param_groups[g]["lr"]) for g in lay.groups]
+        F.accumulate_update_(flat["update_sum"], update, lrs, lay.slices)
+        flat["lr_sums"].add_(torch.tensor(lrs, dtype=torch.float64, device=lay.device))
+        scratch.derived["local_update_of"] = step
+        return update
+
+    def _sync(self) -> None:
+        """The ranks' update sums averaged: every rank's parameters become the last sync's minus the
+        average (over the frozen denominator), bit for bit alike, and its momentum the average
+        per unit of learning rate."""
+        flat, lay = self._flat, self._layout
+        self._local_update_once(flat["step"])  # one process: no exchange asked for it
+        den, _ = self._frozen_denominators()
+        if world_size_of(self.process_group) > 1:
+            averaged = self._averaged(flat["update_sum"])
+        else:
+            averaged = self._averaged(torch.mul(flat["update_sum"], den))
+        synced = self._scratch.buffer("synced", lay.numel)
+        torch.div(averaged, den, out=synced)
+        torch.sub(flat["sync_params"], synced, out=synced)
+        if not bool(torch.isfinite(synced).all()):
+            raise FloatingPointError(f"ZeroOneAdam: the sync of step {flat['step']} is not finite although every "
+                                     f"rank's gradient was; the parameters were left as they were. Resume from an "
+                                     f"earlier checkpoint with a lower learning rate")
+        flat["sync_params"].copy_(synced)
+        lay.assign_(synced)
+        beta1, _ = self._betas()
+        bc1 = 1 - beta1 ** flat["step"] if self.defaults["bias_correction"] else 1.0
+        F.synced_momentum_(flat["exp_avg"], averaged, flat["lr_sums"], lay.slices, bc1)
+        flat["update_sum"].zero_()
+        flat["lr_sums"].zero_()
+        self._last_coeff = lay.ones()
+
+
+ZeroOneAdam.__doc__ = fr"""0/1 Adam (Lu et al., "Maximizing Communication Efficiency for Large-scale Training via 0/1
+    Adam", arXiv 2202.06009), with DeepSpeed's argument names. Fewer rounds as well as fewer bits:
+    the variance is refreshed with a full-precision average on an exponentially thinning
+    schedule only, every other step sends the error-compensated 1-bit average of the gradients,
+    and after ``var_freeze_step`` the ranks take local steps and synchronise what they moved by
+    with the 1-bit all-reduce every ``local_interval`` steps (between syncs the ranks'
+    parameters differ; each rank's state and parameters are its own). ``docs/algorithm.md`` has
+    the rule and each departure from DeepSpeed's ``ZeroOneAdam``.
+
+    Args:
+        {_PARAMS_DOC}
+        {_ADAM_DOC}
+        bias_correction (bool, default True): bias-correct the momentum by the steps taken and the
+            variance by its updates; ``False`` reproduces DeepSpeed's numerics.
+        var_freeze_step (int or float, required): the variance phase's last step; a float in
+            (0, 1]: that fraction of ``total_steps``.
+        var_update_scaler (int, default 16): variance updates between two doublings of the
+            variance interval (the paper's kappa).
+        local_step_scaler (int or float, default 32678): steps after the freeze between two
+            doublings of the local-step interval; a float in (0, 1]: that fraction of
+            ``total_steps`` (DeepSpeed's default is sized for runs of ~10^5 steps).
+        local_step_clipper (int, default 16): the largest local-step interval (the paper's H).
+        total_steps (int, default None): the run's length, which fractional schedule values refer
+            to and ``var_freeze_step`` must not exceed.
+        {_MAXIMIZE_DOC}
+
+    {_EXCHANGE_DOC.format(warmup_dtype="torch.float32")}
+        ``overlap_with_backward=True`` is refused: a sync needs the step's update first.
+    """
