@@ -16,12 +16,18 @@ import torch.distributed as dist
 import onebitlamb
 from onebitlamb.comm.launch import spawn_local
 
-CLASSES = {"lamb": onebitlamb.Lamb, "onebitlamb": onebitlamb.OneBitLamb, "onebitadam": onebitlamb.OneBitAdam}
+CLASSES = {"lamb": onebitlamb.Lamb, "onebitlamb": onebitlamb.OneBitLamb, "onebitadam": onebitlamb.OneBitAdam,
+           "zerooneadam": onebitlamb.ZeroOneAdam}
 FREEZE = 3
+# 0/1 Adam through every phase in a few steps: variance steps 1 and 2, a 1-bit step 3, the freeze
+# after it, then syncs at every step, then at every second
+ZERO_ONE = dict(var_freeze_step=FREEZE, var_update_scaler=1, local_step_scaler=2, local_step_clipper=2)
 
 
 def _make(kind, params, **kw):
-    if kind != "lamb":
+    if kind == "zerooneadam":
+        kw = {**ZERO_ONE, **kw}
+    elif kind != "lamb":
         kw.setdefault("freeze_step", FREEZE)
     return CLASSES[kind](params, lr=0.01, **kw)
 
@@ -194,13 +200,16 @@ def _scaler_run(rank, n, kind, unscale_first):
     return [p.detach() for p in model.parameters()], skipped, scales, opt.stage
 
 
-@pytest.mark.parametrize("kind,unscale_first", [("onebitlamb", False), ("onebitadam", True), ("lamb", False)])
+@pytest.mark.parametrize("kind,unscale_first", [("onebitlamb", False), ("onebitadam", True), ("lamb", False),
+                                                ("zerooneadam", False)])
 def test_grad_scaler_loop_with_one_rank_overflowing_keeps_the_ranks_together(kind, unscale_first):
+    """0/1 Adam: the overflows at a variance step (2) and at a sync (6); its 6 steps end with a sync
+    (the ranks' parameters alike), the next step local."""
     out = spawn_local(_scaler_run, 2, (kind, unscale_first), timeout_s=120, collective_timeout_s=30)
     (p0, skipped0, scales0, stage0), (p1, skipped1, scales1, stage1) = out
     assert skipped0 == skipped1 == [t in (2, 6) for t in range(1, 9)]
     assert scales0 == scales1 and scales0[-1] == 2.0 ** 10 * 0.5 ** 2  # backed off twice, on both ranks
-    assert stage0 == stage1 == ("warmup" if kind == "lamb" else "compression")
+    assert stage0 == stage1 == {"lamb": "warmup", "zerooneadam": "local"}.get(kind, "compression")
     assert all(torch.equal(a, b) and torch.isfinite(a).all() for a, b in zip(p0, p1))
 
 

@@ -461,3 +461,42 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank_and_resh
     assert opt.state_dict()["state"][0]["step"] == 18 and all(bool(torch.isfinite(p).all()) for p in params)
     assert all(torch.equal(p.detach().reshape(-1), flat_of(opt.state_dict())["sync_params"][s])
                for p, s in zip(params, opt._layout.slices))
+
+
+# ---------------------------------------------------------------- surface, rounds
+def test_the_constructor_follows_the_contributors_rules():
+    """docs/contributing.md, as for the other optimizers (tests/test_optimizers.py): the exchange
+    options keyword-only, every argument's default stated, the settings that change the numbers in
+    ``defaults``; DeepSpeed's argument names."""
+    import inspect
+
+    from test_optimizers import EXCHANGE_OPTIONS, _argument_entry
+
+    cls = onebitlamb.ZeroOneAdam
+    signature = inspect.signature(cls)
+    for name in EXCHANGE_OPTIONS + ("var_freeze_step", "var_update_scaler", "local_step_scaler",
+                                    "local_step_clipper", "betas", "eps", "weight_decay", "bias_correction"):
+        assert signature.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+    assert list(signature.parameters)[:2] == ["params", "lr"] and "arXiv 2202.06009" in cls.__doc__
+    for name, parameter in signature.parameters.items():
+        if name != "params":
+            entry = _argument_entry(cls.__doc__, name)
+            assert ("required" if parameter.default is inspect.Parameter.empty else "default") in entry, entry
+    opt = _opt(var_freeze_step=5)
+    assert {"warmup_dtype", "bucket_cap_mb", "var_freeze_step", "var_update_scaler", "local_step_scaler",
+            "local_step_clipper"} <= set(opt.defaults) and "overlap_with_backward" not in opt.defaults
+
+
+def test_comm_stats_count_rounds_beside_bytes():
+    stats = onebitlamb.CommStats()
+    stats.record("all_to_all", 10)
+    stats.record("all_gather", 4)
+    stats.record("all_gather", 4)
+    assert (stats.rounds, stats.bytes_sent) == (3, 18)
+    assert stats.rounds_by_op == {"all_to_all": 1, "all_gather": 2}
+    copy = onebitlamb.CommStats()
+    copy.load_state_dict(stats.state_dict())
+    assert copy == stats
+    old = {k: v for k, v in stats.state_dict().items() if k != "rounds_by_op"}  # saved before rounds_by_op
+    copy.load_state_dict(old)
+    assert copy.rounds == 3 and copy.rounds_by_op == {}

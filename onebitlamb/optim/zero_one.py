@@ -140,6 +140,13 @@ class ZeroOneAdam(StagedOptimizer):
             return WARMUP if s % flat["var_interval"] == 0 else COMPRESSION
         return COMPRESSION if s % flat["local_interval"] == 0 else LOCAL
 
+    @property
+    def parameters_synchronized(self) -> bool:
+        """Whether every rank's parameters are alike now: in the variance phase and after a sync;
+        not after a local step (a checkpoint then needs each rank's parameters)."""
+        flat = self.state.get("flat")
+        return flat is None or flat["frozen_at"] is None or not bool(flat["lr_sums"].any())
+
     def freeze_stats(self) -> Dict[str, Any]:
         """Where the schedules stand: ``stage`` (the next step's), ``frozen_at`` (the step at whose
         end the variance froze, None before), ``floor_step`` and ``cap_step`` (both
