@@ -27,30 +27,41 @@ def all_gather_bytes(nbytes_per_rank: int, world_size: int) -> int:
 
 @dataclass
 class CommStats:
-    """Running totals of what this rank sent: ``bytes_sent`` over all collectives, ``calls``, and
-    the bytes per kind of collective in ``bytes_by_op``."""
+    """Running totals of what this rank sent: ``bytes_sent`` over all collectives, ``calls`` (the
+    rounds: each collective is a round trip on the network whatever its size, which a slow link's
+    latency charges for), and per kind of collective ``bytes_by_op`` and ``rounds_by_op``."""
 
     bytes_sent: int = 0
     calls: int = 0
     bytes_by_op: Dict[str, int] = field(default_factory=dict)
+    rounds_by_op: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def rounds(self) -> int:
+        """The collectives called so far (``calls``)."""
+        return self.calls
 
     def record(self, op: str, nbytes: int) -> None:
         self.bytes_sent += nbytes
         self.calls += 1
         self.bytes_by_op[op] = self.bytes_by_op.get(op, 0) + nbytes
+        self.rounds_by_op[op] = self.rounds_by_op.get(op, 0) + 1
 
     def reset(self) -> None:
         self.bytes_sent = 0
         self.calls = 0
         self.bytes_by_op.clear()
+        self.rounds_by_op.clear()
 
     def state_dict(self) -> dict:
-        return {"bytes_sent": self.bytes_sent, "calls": self.calls, "bytes_by_op": dict(self.bytes_by_op)}
+        return {"bytes_sent": self.bytes_sent, "calls": self.calls, "bytes_by_op": dict(self.bytes_by_op),
+                "rounds_by_op": dict(self.rounds_by_op)}
 
     def load_state_dict(self, state: dict) -> None:
         self.bytes_sent = int(state["bytes_sent"])
         self.calls = int(state["calls"])
         self.bytes_by_op = dict(state["bytes_by_op"])
+        self.rounds_by_op = dict(state.get("rounds_by_op", {}))  # saved before rounds were counted by op
 
 
 #: What the library's collectives record when no ``stats`` object is passed to them.
