@@ -12,7 +12,8 @@ from onebitlamb.train.model import ModelConfig
 
 PRETRAIN_FLAGS = {"--preset", "--optimizer", "--out", "--resume", "--overwrite", "--seed", "--steps", "--global-batch",
                   "--micro-batch", "--workers", "--lr", "--warmup-frac", "--weight-decay", "--clip", "--freeze",
-                  "--warmup-dtype", "--compression-space", "--trust-ratio-after-freeze", "--bucket-cap-mb", "--local-size",
+                  "--var-freeze", "--local-step-scaler", "--warmup-dtype", "--compression-space",
+                  "--trust-ratio-after-freeze", "--bucket-cap-mb", "--local-size",
                   "--eval-every", "--eval-samples", "--ckpt-every", "--corpus", "--stdlib-tests", "--cache-dir",
                   "--threads", "--no-progress", "--stop-after-steps", "--timeout",
                   "--vocab-size", "--seq-len", "--hidden", "--layers", "--heads", "--intermediate"}
@@ -126,6 +127,35 @@ def test_a_bad_freeze_is_refused_by_name(bad, capsys):
         config.TrainConfig(out="a", freeze=bad)
 
 
+def test_zero_one_adam_takes_its_schedules_as_fractions_of_the_run():
+    """--optimizer zerooneadam: var_freeze_step and local_step_scaler as fractions of --steps, the
+    rest DeepSpeed's defaults; its learning rate that of 1-bit Adam."""
+    from onebitlamb.train.loop import make_optimizer
+
+    c = cfg("--steps", "40", optimizer="zerooneadam")
+    assert (c.var_freeze, c.local_step_scaler, c.lr) == (0.25, 0.1, 2e-3)
+    opt = make_optimizer(c, [torch.nn.Parameter(torch.zeros(4))])
+    assert isinstance(opt, onebitlamb.ZeroOneAdam)
+    assert {k: opt.defaults[k] for k in ("var_freeze_step", "local_step_scaler", "var_update_scaler",
+                                         "local_step_clipper")} == {"var_freeze_step": 10, "local_step_scaler": 4,
+                                                                    "var_update_scaler": 16, "local_step_clipper": 16}
+    c = cfg("--steps", "40", "--var-freeze", "0.5", "--local-step-scaler", "1", optimizer="zerooneadam")
+    assert make_optimizer(c, [torch.nn.Parameter(torch.zeros(4))]).defaults["var_freeze_step"] == 20
+    # compare accepts it; its default stays the three optimizers of the demo's tables
+    parser = _parser(compare)
+    assert parser.parse_args(["--out", "a", "--optimizers", "lamb", "zerooneadam"]).optimizers == ["lamb", "zerooneadam"]
+    assert parser.parse_args(["--out", "a"]).optimizers == ["lamb", "onebitlamb", "onebitadam"]
+
+
+@pytest.mark.parametrize("flag", ["--var-freeze", "--local-step-scaler"])
+@pytest.mark.parametrize("bad", ["0", "1.5", "-0.2", "nan"])
+def test_a_bad_zero_one_fraction_is_refused_by_name(flag, bad, capsys):
+    with pytest.raises(SystemExit):
+        cfg(flag, bad, optimizer="zerooneadam")
+    err = capsys.readouterr().err
+    assert flag in err and repr(bad) in err
+
+
 def test_resume_refuses_every_changed_setting_but_the_output_and_display():
     def changed(saved_flags, now_flags, optimizer="onebitlamb"):
         saved = dataclasses.asdict(cfg(*saved_flags, optimizer=optimizer))
@@ -140,6 +170,10 @@ def test_resume_refuses_every_changed_setting_but_the_output_and_display():
     assert changed(["--freeze", "0.35"], [], optimizer="onebitadam") == {"freeze"}
     assert changed(["--freeze", "0.35"], [], optimizer="lamb") == set()  # LAMB never freezes
     assert changed([], [], optimizer="lamb") == set()
+    assert changed(["--var-freeze", "0.5"], [], optimizer="zerooneadam") == {"var_freeze"}
+    assert changed(["--local-step-scaler", "0.5"], [], optimizer="zerooneadam") == {"local_step_scaler"}
+    assert changed(["--freeze", "0.35"], [], optimizer="zerooneadam") == set()  # read by the 1-bit optimizers only
+    assert changed(["--var-freeze", "0.5"], [], optimizer="onebitlamb") == set()
     assert set(config.changed_settings(cfg(), dataclasses.asdict(cfg(optimizer="lamb")))) == {"optimizer"}
 
 

@@ -315,3 +315,26 @@ def test_ctrl_c_leaves_a_usable_checkpoint(compared, tmp_path, corpus_dir):
     _cli("pretrain", *common, "--resume", "--stop-after-steps", str(step + 2))
     with open(tmp_path / "checkpoint.json") as f:
         assert json.load(f)["step"] == step + 2
+
+
+def test_zero_one_adam_resumes_between_syncs_and_counts_its_rounds(compared, tmp_path, corpus_dir):
+    """``--optimizer zerooneadam`` on tiny (8 steps): the variance frozen after step 2 (0.25), the
+    local interval doubling after every step (0.1 of 8 rounds to 1): syncs at 3 and 4, then local
+    steps (intervals 8 and 16). Stopped after step 6, between syncs (each rank's parameters go into its own file),
+    and resumed: the same final model, bit for bit, as the uninterrupted run. Its metrics count the
+    rounds beside the bytes."""
+    _, cache, _ = compared
+    common = ["--preset", "tiny", "--optimizer", "zerooneadam", "--corpus", corpus_dir,
+              "--cache-dir", str(cache), "--no-progress"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    _cli("pretrain", *common, "--out", str(whole))
+    _cli("pretrain", *common, "--out", str(part), "--stop-after-steps", "6")
+    assert "model" in torch.load(part / "ckpt-0000006" / "rank1.pt", weights_only=True)
+    _cli("pretrain", *common, "--out", str(part), "--resume")
+    a, b = torch.load(whole / "model_final.pt"), torch.load(part / "model_final.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with open(whole / "metrics.json") as f:
+        m = json.load(f)
+    assert m["stage"] == ["warmup"] * 2 + ["compression"] * 2 + ["local"] * 4
+    # a variance step and a local step one round each, a sync three (the finite flag, all-to-all, all-gather)
+    assert m["rounds_per_rank"] == m["rounds_curve"][-1][1] == 2 * 1 + 2 * 3 + 4 * 1

@@ -153,7 +153,7 @@ def _remove_checkpoint_folder(folder: str, files: re.Pattern = CKPT_FILE) -> Lis
 @dataclass
 class TrainState:
     """What a checkpoint holds of a run besides its config: the model (saved once, by rank 0, as
-    every rank's is the same), this rank's optimizer (with its byte counts), the learning-rate
+    every rank's is the same; 0/1 Adam between its syncs: each rank's in its own file), this rank's optimizer (with its byte counts), the learning-rate
     schedule and the run's record (``history``). Each rank's RNG state is saved with it."""
 
     model: torch.nn.Module
@@ -171,7 +171,10 @@ class CheckpointStore:
 
     def save(self, step: int, state: TrainState) -> None:
         cfg, rank, world, device = self.cfg, self.rank, self.world, self.device
-        check_ranks_agree(state.model, rank, world, step, device)
+        # 0/1 Adam between its syncs: every rank's parameters are its own, and saved in its file
+        own_model = not getattr(state.optimizer, "parameters_synchronized", True)
+        if not own_model:
+            check_ranks_agree(state.model, rank, world, step, device)
         name = checkpoint_folder(step)
         folder = os.path.join(cfg.out, name)
         # A file of the run's that cannot be written safely (a link planted where it goes, at the
@@ -187,6 +190,8 @@ class CheckpointStore:
         if problem is None:
             own = {"optimizer": state.optimizer.state_dict(), "comm_stats": state.optimizer.comm_stats.state_dict(),
                    "rng": _rng_state()}
+            if own_model:
+                own["model"] = state.model.state_dict()
             _check_plain(own, f"rank{rank}.pt")
             digest = "00" * 32
             try:
@@ -252,7 +257,7 @@ class CheckpointStore:
             if rank == 0:
                 print(f"[{cfg.optimizer}] resuming a checkpoint of {saved_ranks} ranks on {world}: the compression "
                       f"errors are re-sharded (onebitlamb.reshard_state_dicts)", file=sys.stderr)
-        state.model.load_state_dict(_load_checkpoint_file(cfg.out, pointer, "model.pt", device))
+        state.model.load_state_dict(own.get("model") or _load_checkpoint_file(cfg.out, pointer, "model.pt", device))
         state.optimizer.load_state_dict(optimizer_state)
         state.optimizer.comm_stats.load_state_dict(own["comm_stats"])
         state.scheduler.load_state_dict(trainer["scheduler"])

@@ -1,10 +1,10 @@
-"""LAMB, 1-bit LAMB and 1-bit Adam pretraining the same BERT with identical settings.
+"""LAMB, 1-bit LAMB, 1-bit Adam and 0/1 Adam pretraining the same BERT with identical settings.
 
     onebitlamb compare --preset demo --out runs/demo        # what `make demo` runs
 
 Each optimizer runs ``onebitlamb pretrain`` into ``OUT/<optimizer>`` with the same seed, data
 order, model, schedule, clipping and number of samples (only the default learning rate differs
-between the LAMB family and Adam, as in the paper; ``--lr`` sets one for all). Then this prints the
+between the LAMB family and the Adams, as in the paper; ``--lr`` sets one for all). Then this prints the
 table, writes ``OUT/metrics.json``,
 ``OUT/table.md``, ``OUT/compare.png`` and ``OUT/diagnostics.png``. ``--resume`` skips finished
 runs (when their settings are the ones asked for) and continues an interrupted one from its
@@ -30,8 +30,9 @@ from onebitlamb.train.plots import LABELS, plot_compare, plot_diagnostics
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """pretrain's flags, with --optimizers instead of --optimizer."""
     config.add_arguments(parser, skip=("optimizer",))
-    parser.add_argument("--optimizers", nargs="+", choices=config.OPTIMIZERS, default=list(config.OPTIMIZERS),
-                        help="which to run (default: all three; LAMB is the reference of the table)")
+    parser.add_argument("--optimizers", nargs="+", choices=config.OPTIMIZERS, default=list(config.COMPARED_BY_DEFAULT),
+                        help=f"which to run (default: {' '.join(config.COMPARED_BY_DEFAULT)}; LAMB is the reference "
+                             f"of the table)")
 
 
 # the files a comparison writes into OUT itself (each optimizer's run is in OUT/<optimizer>)
@@ -97,9 +98,10 @@ def _compare(args: argparse.Namespace, configs: Dict[str, "config.TrainConfig"],
              f"{time.perf_counter() - t_start:.0f} s)"
     print(table)
     files.write_text(os.path.join(args.out, "table.md"), table + "\n")
-    summary = {name: {k: m.get(k) for k in ("final_eval_loss", "samples", "bytes_sent_per_rank", "wall_time_s",
+    summary = {name: {k: m.get(k) for k in ("final_eval_loss", "samples", "bytes_sent_per_rank", "rounds_per_rank",
+                                            "wall_time_s",
                                             "train_time_s", "samples_per_s", "freeze_step", "world_size",
-                                            "eval_curve", "bytes_curve", "diagnostics")}
+                                            "eval_curve", "bytes_curve", "rounds_curve", "diagnostics")}
                for name, m in runs.items()}
     for name, m in summary.items():
         m["eval_curve"] = [list(p) for p in m["eval_curve"]]
@@ -157,7 +159,7 @@ def comparison(runs: Dict[str, dict]) -> dict:
         if ref is not None:
             row["loss_gap_vs_lamb_pct"] = 100.0 * (m["final_eval_loss"] - ref["final_eval_loss"]) / ref["final_eval_loss"]
             row["volume_reduction_vs_lamb"] = ref["bytes_sent_per_rank"] / max(m["bytes_sent_per_rank"], 1)
-        if m.get("freeze_step"):
+        if m.get("freeze_step") and name != "zerooneadam":  # 0/1 Adam sends 1 bit before its freeze too
             w = m["freeze_step"] / m["steps"]
             # fp32 until the freeze, then 1 bit per value: the bound the measured reduction approaches
             row["ideal_volume_reduction_fp32"] = 1.0 / (w + (1 - w) / 32)
@@ -169,7 +171,7 @@ def format_table(runs: Dict[str, dict]) -> str:
     rel = comparison(runs)
     samples = next(iter(runs.values()))["samples"]
     head = ["optimizer", f"held-out loss @ {samples} samples", "vs LAMB", "MB sent/worker",
-            "volume vs LAMB", "wall s", "samples/s"]
+            "volume vs LAMB", "rounds/worker", "wall s", "samples/s"]
     rows = []
     for name, m in runs.items():
         r = rel[name]
@@ -179,6 +181,7 @@ def format_table(runs: Dict[str, dict]) -> str:
                      "-" if name == "lamb" or gap is None else f"{gap:+.2f}%",
                      f"{m['bytes_sent_per_rank'] / 1e6:.1f}",
                      "1.00x" if name == "lamb" else ("-" if red is None else f"{red:.2f}x less"),
+                     "-" if m.get("rounds_per_rank") is None else str(m["rounds_per_rank"]),
                      f"{m['wall_time_s']:.0f}", f"{m['samples_per_s']:.0f}"])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
@@ -190,6 +193,7 @@ def format_table(runs: Dict[str, dict]) -> str:
             notes.append(f"{LABELS.get(name, name)}: warm-up {m['freeze_step']}/{m['steps']} steps uncompressed; "
                          f"ideal whole-run reduction vs fp32 LAMB 1/(w+(1-w)/32) = {r['ideal_volume_reduction_fp32']:.2f}x")
     world = next(iter(runs.values())).get("world_size")
-    notes.append(f"{world} workers; bytes are what each worker sent through the optimizer (optimizer.comm_stats); "
+    notes.append(f"{world} workers; bytes and rounds (collectives called) are what each worker sent through the "
+                 f"optimizer (optimizer.comm_stats); "
                  f"wall s = training loop incl. evaluation, without start-up")
     return "\n".join(out + [""] + notes)

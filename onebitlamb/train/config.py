@@ -19,9 +19,14 @@ import onebitlamb
 from onebitlamb.train import data
 from onebitlamb.train.model import ModelConfig
 
-OPTIMIZERS = ("lamb", "onebitlamb", "onebitadam")
-# the learning rate of each optimizer unless --lr is given
-DEFAULT_LR = {"lamb": 2e-2, "onebitlamb": 2e-2, "onebitadam": 2e-3}
+OPTIMIZERS = ("lamb", "onebitlamb", "onebitadam", "zerooneadam")
+# what `onebitlamb compare` runs unless --optimizers is given (`make demo`, BENCHMARKS.md's tables)
+COMPARED_BY_DEFAULT = ("lamb", "onebitlamb", "onebitadam")
+# the learning rate of each optimizer unless --lr is given (0/1 Adam: 1-bit Adam's, not measured for it)
+DEFAULT_LR = {"lamb": 2e-2, "onebitlamb": 2e-2, "onebitadam": 2e-3, "zerooneadam": 2e-3}
+# the flags only one optimizer reads: a resume of another ignores them, as LAMB ignores --freeze
+READ_ONLY_BY = {"freeze": ("onebitlamb", "onebitadam"), "var_freeze": ("zerooneadam",),
+                "local_step_scaler": ("zerooneadam",)}
 
 PRESETS = {
     # for the tests: a few seconds on 2 workers
@@ -55,6 +60,17 @@ class RunError(RuntimeError):
     """A run stopped partway for a reason its message states, the same on every rank (a link where
     a checkpoint goes, ranks whose parameters drifted apart, a diverging optimizer): the command
     prints the message alone and exits with status 1."""
+
+
+def parse_fraction(value: Union[str, float]) -> float:
+    """A fraction of the steps, in (0, 1]."""
+    try:
+        fraction = float(value)
+    except (TypeError, ValueError):
+        fraction = math.nan
+    if not 0 < fraction <= 1:  # NaN fails too
+        raise ValueError(f"expected a fraction in (0, 1], got {value!r}")
+    return fraction
 
 
 def parse_freeze(value: Union[str, float]) -> Union[str, float]:
@@ -91,7 +107,7 @@ class TrainConfig:
         "help": "samples per forward pass; each worker accumulates global/(workers x micro) of them"})
     workers: int = field(default=4, metadata={"help": "local worker processes; torchrun sets its own"})
     lr: Optional[float] = field(default=None, metadata={
-        "help": "peak learning rate (default: 2e-2 for LAMB and 1-bit LAMB, 2e-3 for 1-bit Adam)"})
+        "help": "peak learning rate (default: 2e-2 for LAMB and 1-bit LAMB, 2e-3 for 1-bit Adam and 0/1 Adam)"})
     warmup_frac: float = field(default=0.1, metadata={
         "help": "fraction of the steps with a linear learning-rate warm-up, then a linear decay to 0",
         "metavar": "FRACTION"})
@@ -101,6 +117,12 @@ class TrainConfig:
         "help": "1-bit optimizers: when to freeze the variance and start compressing. auto: onebitlamb.AutoFreeze "
                 "with its defaults; a fraction in (0, 1]: after that fraction of the steps", "type": parse_freeze,
         "metavar": "auto|FRACTION"})
+    var_freeze: float = field(default=0.25, metadata={
+        "help": "0/1 Adam: its var_freeze_step, the end of the variance phase, as a fraction of the steps (a guess, "
+                "not yet measured)", "type": parse_fraction, "metavar": "FRACTION"})
+    local_step_scaler: float = field(default=0.1, metadata={
+        "help": "0/1 Adam: its local_step_scaler, the steps between two doublings of the local-step interval, as a "
+                "fraction of the steps (a guess, not yet measured)", "type": parse_fraction, "metavar": "FRACTION"})
     warmup_dtype: str = field(default="float32", metadata={
         "help": "1-bit optimizers: the wire dtype of the warm-up's gradient average (bfloat16: half the bytes)",
         "choices": ["float32", "bfloat16"]})
@@ -159,6 +181,11 @@ class TrainConfig:
             self.freeze = parse_freeze(self.freeze)
         except ValueError as exc:
             raise SetupError(f"--freeze: {exc}") from None
+        for name in ("var_freeze", "local_step_scaler"):
+            try:
+                setattr(self, name, parse_fraction(getattr(self, name)))
+            except ValueError as exc:
+                raise SetupError(f"--{name.replace('_', '-')}: {exc}") from None
         if self.lr is None:
             self.lr = DEFAULT_LR[self.optimizer]
         self._check_values()
@@ -291,7 +318,8 @@ def config_from_args(args: argparse.Namespace, optimizer: Optional[str] = None,
 
 def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
     """The settings (name: (saved, now)) in which ``cfg`` differs from a saved run's config, other
-    than those that cannot change its numbers (RESUMABLE_CHANGES; LAMB never reads --freeze)."""
-    ignored = RESUMABLE_CHANGES | ({"freeze"} if cfg.optimizer == "lamb" else set())
+    than those that cannot change its numbers (RESUMABLE_CHANGES; the flags this optimizer does not
+    read: READ_ONLY_BY)."""
+    ignored = RESUMABLE_CHANGES | {k for k, readers in READ_ONLY_BY.items() if cfg.optimizer not in readers}
     return {k: (saved.get(k), v) for k, v in dataclasses.asdict(cfg).items()
             if k not in ignored and saved.get(k) != v}

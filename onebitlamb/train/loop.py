@@ -297,6 +297,10 @@ def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
         return onebitlamb.Lamb(groups, **common)
     if cfg.optimizer == "onebitlamb":
         common.update(compression_space=cfg.compression_space, trust_ratio_after_freeze=cfg.trust_ratio_after_freeze)
+    if cfg.optimizer == "zerooneadam":  # it exchanges in step() (its syncs need the step's update first)
+        return onebitlamb.ZeroOneAdam(groups, **{**common, "overlap_with_backward": False}, total_steps=cfg.steps,
+                                      var_freeze_step=cfg.var_freeze, local_step_scaler=cfg.local_step_scaler,
+                                      warmup_dtype=getattr(torch, cfg.warmup_dtype))
     cls = onebitlamb.OneBitLamb if cfg.optimizer == "onebitlamb" else onebitlamb.OneBitAdam
     return cls(groups, **common, freeze_step=cfg.freeze_step(), warmup_dtype=getattr(torch, cfg.warmup_dtype))
 

@@ -94,11 +94,14 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
         "skipped_steps": skipped,
         "bytes_sent_per_rank": sum(ranks_bytes) / len(ranks_bytes),
         "bytes_sent_by_rank": ranks_bytes,
+        # every rank calls the same collectives: this rank's count is every worker's
+        "rounds_per_rank": steps[-1].get("collectives") if steps else 0,
         "wall_time_s": history["wall_time_s"],
         "train_time_s": history["train_time_s"],
         "samples_per_s": samples / max(history["train_time_s"], 1e-9),
         "eval_curve": history["eval"],
         "bytes_curve": [[i + 1, r["bytes"]] for i, r in enumerate(steps)],
+        "rounds_curve": [[i + 1, r.get("collectives")] for i, r in enumerate(steps)],
         "train_loss": [r["loss"] for r in steps],
         "stage": [r["stage"] for r in steps],
         "lr": [r["lr"] for r in steps],
@@ -117,11 +120,12 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
         except Exception as exc:  # noqa: BLE001 (matplotlib's errors have no common type)
             print(f"[{cfg.optimizer}] {png} not drawn: {exc!r}", file=sys.stderr)
     print(f"[{cfg.optimizer}] done: held-out loss {metrics['final_eval_loss']:.4f} after {samples} samples, "
-          f"{metrics['bytes_sent_per_rank'] / 1e6:.1f} MB sent per worker, {metrics['wall_time_s']:.0f} s "
-          f"({metrics['samples_per_s']:.0f} samples/s)"
+          f"{metrics['bytes_sent_per_rank'] / 1e6:.1f} MB and {metrics['rounds_per_rank']} rounds per worker, "
+          f"{metrics['wall_time_s']:.0f} s ({metrics['samples_per_s']:.0f} samples/s)"
           + (f", {len(skipped)} of {cfg.steps} steps skipped (a gradient not finite on some rank; "
              f"metrics.json's skipped_steps)" if skipped else ""), file=sys.stderr, flush=True)
-    return {k: metrics[k] for k in ("final_eval_loss", "samples", "bytes_sent_per_rank", "wall_time_s")}
+    return {k: metrics[k] for k in ("final_eval_loss", "samples", "bytes_sent_per_rank", "rounds_per_rank",
+                                    "wall_time_s")}
 
 
 def _json_safe(value):

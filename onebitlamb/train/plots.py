@@ -8,11 +8,12 @@ from typing import Dict, List, Optional
 
 from onebitlamb.train import files
 
-LABELS = {"lamb": "LAMB", "onebitlamb": "1-bit LAMB", "onebitadam": "1-bit Adam"}
-COLORS = {"lamb": "tab:blue", "onebitlamb": "tab:orange", "onebitadam": "tab:green"}
+LABELS = {"lamb": "LAMB", "onebitlamb": "1-bit LAMB", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam"}
+COLORS = {"lamb": "tab:blue", "onebitlamb": "tab:orange", "onebitadam": "tab:green", "zerooneadam": "tab:red"}
 # line and marker per optimizer, so that curves can be told apart where they overlap (the two
 # 1-bit optimizers send the same bytes) and in grey print
-STYLES = {"lamb": ("-", "o"), "onebitlamb": ("--", "s"), "onebitadam": ("-.", "^")}
+ADAMS = ("onebitadam", "zerooneadam")
+STYLES = {"lamb": ("-", "o"), "onebitlamb": ("--", "s"), "onebitadam": ("-.", "^"), "zerooneadam": (":", "v")}
 
 
 def _plt():
@@ -25,7 +26,8 @@ def _plt():
 
 
 def plot_compare(runs: Dict[str, dict], path: str) -> None:
-    """Left: held-out MLM loss vs samples. Right: cumulative bytes sent per worker vs step."""
+    """Left: held-out MLM loss vs samples. Middle: cumulative bytes sent per worker vs step. Right:
+    cumulative rounds (collectives called) per worker vs step."""
     fig = compare_figure(runs)
     files.save_figure(fig, path, dpi=110)
     _plt().close(fig)
@@ -36,7 +38,7 @@ def compare_figure(runs: Dict[str, dict]):
     curves that coincide are shifted against each other, each later curve is drawn above the
     earlier ones, and a curve equal to an earlier one says so in the legend."""
     plt = _plt()
-    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_loss, ax_bytes, ax_rounds) = plt.subplots(1, 3, figsize=(17, 4.5))
     drawn: Dict[str, list] = {}
     for i, (name, m) in enumerate(runs.items()):
         label, color = LABELS.get(name, name), COLORS.get(name)
@@ -50,14 +52,22 @@ def compare_figure(runs: Dict[str, dict]):
         ax_bytes.plot(steps, [b / 1e6 for b in cum], ls=ls, marker=marker, color=color, zorder=2 + i,
                       markevery=(i * every // len(runs), every),
                       label=label + (f" (same bytes as {' and '.join(same)})" if same else ""))
+        rounds = [(step, r) for step, r in m.get("rounds_curve") or [] if r is not None]
+        if rounds:
+            r_steps, r_cum = zip(*([(0, 0)] + rounds))
+            ax_rounds.plot(r_steps, r_cum, ls=ls, marker=marker, color=color, zorder=2 + i,
+                           markevery=(i * every // len(runs), every), label=label)
         if m.get("freeze_step"):
             ax_bytes.axvline(m["freeze_step"], color=color, ls=":", lw=1)
     ax_loss.set(xlabel="samples", ylabel="held-out MLM loss", title="convergence (equal samples)")
     ax_bytes.set(xlabel="step", ylabel="MB sent per worker (cumulative)",
                  title="communication volume (dotted: freeze step)")
-    for ax in (ax_loss, ax_bytes):
+    ax_rounds.set(xlabel="step", ylabel="rounds per worker (cumulative)",
+                  title="communication rounds (collectives called)")
+    for ax in (ax_loss, ax_bytes, ax_rounds):
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.lines:
+            ax.legend()
     fig.tight_layout()
     return fig
 
@@ -70,7 +80,7 @@ def plot_run(metrics: dict, path: str) -> bool:
     name = metrics["optimizer"]
     label, color = LABELS.get(name, name), COLORS.get(name)
     batch = metrics["samples"] / metrics["steps"]
-    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_loss, ax_bytes, ax_rounds) = plt.subplots(1, 3, figsize=(17, 4.5))
     train = metrics["train_loss"]
     ax_loss.plot(range(1, len(train) + 1), train, color=color, alpha=0.45, lw=1, label="training loss (rank 0)")
     xs, ys = zip(*metrics["eval_curve"])
@@ -140,7 +150,7 @@ def plot_diagnostics(runs: Dict[str, dict], path: str) -> None:
                     coeff.append(_coefficient(layer))
                     rel.append(layer["rel_step"])
             color, label = COLORS.get(name), LABELS.get(name, name)
-            if name != "onebitadam":  # Adam has no layer-wise coefficient (it is 1)
+            if name not in ADAMS:  # Adam has no layer-wise coefficient (it is 1)
                 axes[0][j].plot(steps, coeff, marker=".", color=color,
                                 ls="--" if name == "onebitlamb" else "-", label=label)
             axes[1][j].plot(steps, rel, marker=".", color=color, label=label)
@@ -155,7 +165,7 @@ def plot_diagnostics(runs: Dict[str, dict], path: str) -> None:
         last = m["diagnostics"][-1]
         color, label = COLORS.get(name), LABELS.get(name, name)
         idx = list(range(len(last["layers"])))
-        if name != "onebitadam":
+        if name not in ADAMS:
             axes[0][-1].plot(idx, [_coefficient(l) for l in last["layers"]], marker=".", color=color,
                              ls="--" if name == "onebitlamb" else "-", label=label)
         axes[1][-1].plot(idx, [l["rel_step"] for l in last["layers"]], marker=".", color=color, label=label)
