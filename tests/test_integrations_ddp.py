@@ -26,6 +26,9 @@ def _batch(rank, step):
 def _optimizer(kind, params, warmup_dtype=torch.float32):
     if kind == "Lamb":
         return onebitlamb.Lamb(params, lr=0.02, warmup_dtype=warmup_dtype)
+    if kind == "ZeroOneAdam":  # variance steps 1, 2 and 4, 1-bit steps 3 and 5, then syncs and local steps
+        return onebitlamb.ZeroOneAdam(params, lr=0.02, var_freeze_step=FREEZE, var_update_scaler=2,
+                                      local_step_scaler=2, local_step_clipper=2, warmup_dtype=warmup_dtype)
     return getattr(onebitlamb, kind)(params, lr=0.02, freeze_step=FREEZE, warmup_dtype=warmup_dtype)
 
 
@@ -80,6 +83,18 @@ def test_registered_ddp_follows_the_plain_run_and_is_silent_after_the_freeze(kin
         assert compression == [0] * len(compression)  # and sent nothing once compressing
         assert r_bytes == p_bytes  # the same bytes, now counted in the hook
     assert all(torch.equal(a, b) for a, b in zip(registered[0][0], registered[1][0]))
+
+
+def test_registered_ddp_averages_only_at_zero_one_adams_variance_steps():
+    """0/1 Adam under DDP: DDP's hook averages at the variance steps only, and sends nothing at the
+    1-bit steps, the syncs and the local steps; every rank as in the plain run, bit for bit."""
+    plain = spawn_local(_run, 2, ("ZeroOneAdam", "plain"), timeout_s=120, collective_timeout_s=60)
+    registered = spawn_local(_run, 2, ("ZeroOneAdam", "registered"), timeout_s=120, collective_timeout_s=60)
+    for (p_params, p_steps, p_bytes), (r_params, r_steps, r_bytes) in zip(plain, registered):
+        assert all(torch.equal(a, b) for a, b in zip(p_params, r_params))
+        assert {stage for stage, _ in r_steps} == {"warmup", "compression", "local"}
+        assert all((calls >= 1) == (stage == "warmup") for stage, calls in r_steps)
+        assert r_bytes == p_bytes
 
 
 def test_registered_ddp_sends_the_warmup_in_bfloat16_as_the_optimizer_does():

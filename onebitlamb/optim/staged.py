@@ -1,4 +1,4 @@
-"""The machinery LAMB, 1-bit LAMB and 1-bit Adam share: one flat layout, two stages.
+"""The machinery LAMB, 1-bit LAMB, 1-bit Adam and 0/1 Adam share: one flat layout, two stages.
 
 Stage 1 (the warm-up) is LAMB or Adam with the gradients averaged in full precision. At the end
 of the step the freeze schedule names (``freeze.py``) the variance and the trust ratio are frozen,
@@ -87,6 +87,8 @@ class StagedOptimizer(Optimizer):
     - ``_fresh_variance``: 1-bit LAMB's factor from a variance kept fresh after the freeze;
 
     and pass a freeze schedule (``None``: warm-up forever, i.e. plain LAMB with full communication).
+    0/1 Adam (``zero_one.py``) keeps the layout, the exchange, the checks and the state's form and
+    replaces what a step does after its exchange (``stage``, ``_take_step``) and what it sends.
     """
 
     _layerwise = True
