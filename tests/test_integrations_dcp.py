@@ -16,6 +16,9 @@ STEPS, FREEZE, SAVE_AT = 8, 3, 5
 
 
 def _optimizer(kind, model, bucket_cap_mb):
+    if kind == "ZeroOneAdam":  # variance steps 1 and 2, a 1-bit step 3, syncs 4-6 (saved after 5), 7 local, 8 a sync
+        return onebitlamb.ZeroOneAdam(model.parameters(), lr=0.02, var_freeze_step=FREEZE, var_update_scaler=1,
+                                      local_step_scaler=2, local_step_clipper=2)
     return getattr(onebitlamb, kind)(model.parameters(), lr=0.02, freeze_step=FREEZE, bucket_cap_mb=bucket_cap_mb,
                                      overlap_with_backward=bucket_cap_mb is not None)
 
@@ -46,7 +49,8 @@ def _run(rank, n, kind, folder, bucket_cap_mb=None):
 
 # OneBitLamb also with overlap_with_backward's buckets (each parameter alone): the new optimizer's
 # template has the same per-bucket error regions
-@pytest.mark.parametrize("kind,bucket_cap_mb", [("OneBitLamb", None), ("OneBitAdam", None), ("OneBitLamb", 1e-4)])
+@pytest.mark.parametrize("kind,bucket_cap_mb", [("OneBitLamb", None), ("OneBitAdam", None), ("OneBitLamb", 1e-4),
+                                                ("ZeroOneAdam", None)])
 def test_dcp_keeps_every_ranks_errors_and_resumes_exactly(kind, bucket_cap_mb, tmp_path):
     out = spawn_local(_run, 2, (kind, str(tmp_path / "ckpt"), bucket_cap_mb), timeout_s=120, collective_timeout_s=60)
     (error0, same0, full0, resumed0), (error1, same1, full1, resumed1) = out

@@ -432,12 +432,23 @@ def _nan_on_one_rank_at_a_local_step(rank, n):
         if opt.last_step_skipped:
             skipped.append(t)
             reference = all(torch.equal(a, b.detach()) for a, b in zip(before, params))
+    # buckets of at most 26 elements (three: each its own compression scale and error regions), 20 steps
+    # ending with a sync
+    bucketed = [torch.nn.Parameter(t.clone()) for t in initial_params()]
+    opt2 = make(bucketed, bucket_cap_mb=1e-4)
+    for t in range(1, 21):
+        for p, g in zip(bucketed, grads_for(bucketed, rank, t)):
+            p.grad = g
+        opt2.step()
     return {"skipped": skipped, "unchanged": reference, "step": opt.state_dict()["state"][0]["step"],
-            "stages": stages, "state": opt.state_dict()}
+            "stages": stages, "state": opt.state_dict(), "buckets": len(opt2.exchange.buckets),
+            "bucketed": [p.detach() for p in bucketed]}
 
 
-def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank_and_resharding():
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank_and_resharding_and_buckets():
     out = spawn_local(_nan_on_one_rank_at_a_local_step, 2, (), timeout_s=120)
+    assert out[0]["buckets"] == 3 and all(
+        torch.equal(a, b) and bool(torch.isfinite(a).all()) for a, b in zip(out[0]["bucketed"], out[1]["bucketed"]))
     for r in out:
         assert r["stages"] == ["compression", "local"]
         assert r["skipped"] == [5, 18] and r["unchanged"] and r["step"] == 17
