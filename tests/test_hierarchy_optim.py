@@ -68,3 +68,35 @@ def test_a_hierarchical_group_trains_alike_sends_less_across_nodes_and_resumes_e
         flat = sum(ranks[r]["flat"]["compression_bytes"] for r in node)
         hierarchical = sum(ranks[r]["nodes"]["compression_bytes"] for r in node)
         assert hierarchical > 0 and flat >= 2 * hierarchical, (flat, hierarchical)
+
+
+def _zero_one_run(rank, n):
+    """0/1 Adam over 2 nodes x 2: variance steps 1 and 2, a 1-bit step 3, then syncs at 4-6, 8 and
+    10 and local steps 7 and 9; saved after the local step 7, each rank with its own parameters."""
+    group = node_groups(2)
+
+    def make(model):
+        return onebitlamb.ZeroOneAdam(model.parameters(), lr=0.02, var_freeze_step=3, var_update_scaler=1,
+                                      local_step_scaler=2, local_step_clipper=2, process_group=group)
+
+    model = classifier(hidden=32)
+    opt = make(model)
+    train(model, opt, rank, range(7))
+    saved, at_save = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]
+    train(model, opt, rank, range(7, STEPS))
+    full = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), at_save):
+            p.copy_(s)
+    resumed = make(model)
+    resumed.load_state_dict(saved)
+    train(model, resumed, rank, range(7, STEPS))
+    return full, [p.detach().clone() for p in model.parameters()], _cross_node_bytes(opt) > 0
+
+
+def test_zero_one_adam_over_a_hierarchical_group_keeps_the_ranks_alike_and_resumes_exactly():
+    ranks = spawn_local(_zero_one_run, 4, (), timeout_s=150, collective_timeout_s=60)
+    for full, resumed, crossed in ranks:
+        assert crossed and all(bool(torch.isfinite(a).all()) for a in full)
+        assert all(torch.equal(a, b) for a, b in zip(full, ranks[0][0]))  # step 10 was a sync
+        assert all(torch.equal(a, b) for a, b in zip(full, resumed))
