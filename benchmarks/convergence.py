@@ -4,9 +4,9 @@
     python -m benchmarks.convergence --presets demo b1024 --seeds 3
     python -m benchmarks.convergence --list          # each run's state; runs nothing
 
-Run from the repository root. For every preset and seed, four runs of ``onebitlamb pretrain``
+Run from the repository root. For every preset and seed, five runs of ``onebitlamb pretrain``
 (the rows of ROWS): LAMB, 1-bit LAMB with the automatic freeze, 1-bit LAMB frozen at a fixed 35%
-of the steps, and 1-bit Adam with the automatic freeze. Seeds count up from 1234, the main job's.
+of the steps, 1-bit Adam with the automatic freeze, and 0/1 Adam with the main job's schedules. Seeds count up from 1234, the main job's.
 
 Each run has its own folder, OUT/PRESET/SEED/ROW (the tokenized corpus, shared: OUT/cache). A
 folder that holds metrics.json is a finished run and is reused as it is (move it away to run it
@@ -41,6 +41,7 @@ ROWS = [
     Row("1-bit LAMB, automatic freeze (default)", "onebitlamb-auto", ["--optimizer", "onebitlamb", "--freeze", "auto"]),
     Row("1-bit LAMB, freeze at 35%", "onebitlamb-0.35", ["--optimizer", "onebitlamb", "--freeze", "0.35"]),
     Row("1-bit Adam, automatic freeze (default)", "onebitadam-auto", ["--optimizer", "onebitadam", "--freeze", "auto"]),
+    Row("0/1 Adam, the main job's schedules", "zerooneadam", ["--optimizer", "zerooneadam"]),
 ]
 
 Results = Dict[Tuple[str, int, str], dict]  # (preset, seed, row name) -> the run's metrics.json
@@ -95,6 +96,13 @@ def _mean(values: Sequence[float], digits: int, unit: str = "") -> str:
     return text + (f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
 
 
+def _rounds(runs: Sequence[dict]) -> str:
+    """Collective calls per worker over the run, mean over the seeds ("-" for runs from before they
+    were counted)."""
+    rounds = [m.get("rounds_per_rank") for m in runs]
+    return "-" if None in rounds else f"{statistics.mean(rounds):,.0f}"
+
+
 def preset_table(preset: str, seeds: Sequence[int], results: Results) -> List[str]:
     """The table of one preset: one line per row, means over ``seeds``."""
     lamb = [results[preset, s, ROWS[0].name] for s in seeds]
@@ -105,8 +113,8 @@ def preset_table(preset: str, seeds: Sequence[int], results: Results) -> List[st
         f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}",
         "",
         table_row(["row", "seeds", "held-out loss", "gap to LAMB", "freeze step", "MB sent per worker",
-                   "LAMB's bytes / row's"]),
-        "|---|---:|---:|---:|---:|---:|---:|",
+                   "LAMB's bytes / row's", "rounds per worker"]),
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in ROWS:
         runs = [results[preset, s, row.name] for s in seeds]
@@ -117,7 +125,7 @@ def preset_table(preset: str, seeds: Sequence[int], results: Results) -> List[st
             row.name, len(seeds), _mean([m["final_eval_loss"] for m in runs], 3),
             "-" if row is ROWS[0] else _mean(gaps, 1, "%"),
             "-" if steps[0] is None else (str(steps[0]) if len(set(steps)) == 1 else ", ".join(map(str, steps))),
-            f"{sent / 1e6:,.1f}", f"{lamb_bytes / sent:.2f}x"]))
+            f"{sent / 1e6:,.1f}", f"{lamb_bytes / sent:.2f}x", _rounds(runs)]))
     return lines
 
 
@@ -133,7 +141,8 @@ def render(presets: Sequence[str], seeds: Sequence[int], results: Results, comma
         "over the seeds (± their standard deviation when there are several). Gap to LAMB: the row's loss over "
         "LAMB's at the same seed, minus 1, averaged over the seeds (lower is better). Freeze step: the last "
         "step before 1-bit compression, the variance frozen at its end (one per seed when they differ). MB sent "
-        "per worker: the whole run's bytes, warm-up included, mean over the seeds.",
+        "per worker: the whole run's bytes, warm-up included, mean over the seeds. Rounds: the collective calls a "
+        "worker made (each costs a latency on a slow link, whatever its size).",
     ]
     for preset in presets:
         lines += ["", *preset_table(preset, seeds, results)]

@@ -27,12 +27,14 @@ At the diagnoses after the freeze, each row's figures over LAMB's at the same st
 With ``--rounding``, every row also reruns the first seed with ``--threads 2``: the same run but
 for the order of float sums, so its change of final loss is what machine noise alone does to it.
 
-Writes the section ``fidelity-PRESET`` of BENCHMARKS.md and ``docs/fidelity_PRESET.png`` (per layer,
-the window ratio over the steps; every row beside the paper's).
+Writes the section ``fidelity-PRESET`` of BENCHMARKS.md, ``docs/fidelity_PRESET.png`` (per layer,
+the window ratio over the steps; every row beside the paper's) and the default's paired gaps into
+``onebitlamb/train/measured.json``, from which ``onebitlamb compare`` tells where a seed falls.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -41,15 +43,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from benchmarks import convergence
 from benchmarks.report import command_line, heading, table_row, write_section
-from onebitlamb.train.config import PRESETS
+from onebitlamb.train.config import PRESETS, RESUMABLE_CHANGES
 from onebitlamb.train.metrics import WINDOW_STEPS
 
-LAMB, PAPER = convergence.ROWS[0], convergence.ROWS[1]
-UPDATE_SPACE = convergence.Row("1-bit LAMB, update space", "onebitlamb-update",
-                               [*PAPER.flags, "--compression-space", "update"])
+# the candidates of issue 48 beside the paper's stage 2, each with the automatic freeze
+LAMB, DEFAULT = convergence.ROWS[0], convergence.ROWS[1]  # the default: the update space
+PAPER = convergence.Row("1-bit LAMB, the paper's stage 2 (momentum space)", "onebitlamb-paper",
+                        [*DEFAULT.flags, "--compression-space", "momentum"])
 UPDATE_LIVE = convergence.Row("1-bit LAMB, update space, live trust ratio", "onebitlamb-update-live",
-                              [*UPDATE_SPACE.flags, "--trust-ratio-after-freeze", "live"])
-ROWS = [LAMB, PAPER, UPDATE_SPACE, UPDATE_LIVE]
+                              [*DEFAULT.flags, "--compression-space", "update", "--trust-ratio-after-freeze", "live"])
+ROWS = [LAMB, PAPER, DEFAULT, UPDATE_LIVE]
 BAND = (0.5, 2.0)
 
 # Student's t, two-sided 95%, by degrees of freedom (a standard table; scipy is not a dependency)
@@ -168,6 +171,32 @@ def render_rounding(seed: int, runs: Dict[str, Tuple[dict, dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+MEASURED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "onebitlamb", "train",
+                        "measured.json")
+
+
+def write_measured(preset: str, seeds: Sequence[int], runs: Dict[Tuple[str, int], dict], command: str,
+                   path: str = MEASURED) -> None:
+    """The default 1-bit LAMB's paired gaps to LAMB on ``preset``, for ``onebitlamb compare`` to say
+    where a user's seed falls (``onebitlamb/train/measured.json``, shipped with the package), with
+    the settings they hold for, the seed and what does not change the numbers left out."""
+    try:
+        with open(path) as f:
+            measured = json.load(f)
+    except FileNotFoundError:
+        measured = {}
+    gaps = [100 * (runs[DEFAULT.name, s]["final_eval_loss"] / runs[LAMB.name, s]["final_eval_loss"] - 1)
+            for s in seeds]
+    mean, half = mean_interval(gaps)
+    ignored = RESUMABLE_CHANGES | {"seed", "optimizer"}
+    measured[preset] = {"onebitlamb": {
+        "command": command, "seeds": list(seeds), "gaps_pct": gaps, "mean_pct": mean, "half_width_pct": half,
+        "settings": {k: v for k, v in runs[DEFAULT.name, seeds[0]]["config"].items() if k not in ignored}}}
+    with open(path, "w") as f:
+        json.dump(measured, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
 def plot(preset: str, seed: int, figures: Dict[Tuple[str, int], dict], path: str) -> None:
     """Per row (a panel each), every layer's window ratio over the steps at one seed, and their median."""
     from onebitlamb.train.plots import _plt
@@ -231,6 +260,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("\n" + body)
     if not args.no_write:
         write_section(f"fidelity-{args.preset}", body)
+        write_measured(args.preset, seeds, runs, command_line(argv))
         path = os.path.join("docs", f"fidelity_{args.preset}.png")
         plot(args.preset, seeds[0], figures, path)
         print(f"wrote BENCHMARKS.md and {path}")

@@ -18,14 +18,17 @@ METRICS = {
     ("demo", 1235, "onebitlamb-0.35"): (4.2, 210, 250_000_000),      # 0%
     ("demo", 1234, "onebitadam-auto"): (4.4, 30, 100_000_000),       # +10%
     ("demo", 1235, "onebitadam-auto"): (4.62, 45, 120_000_000),      # +10%
+    ("demo", 1234, "zerooneadam"): (4.04, None, 40_000_000, 300),     # +1%
+    ("demo", 1235, "zerooneadam"): (4.2, None, 60_000_000, 500),      # 0%
 }
 
 
-def write_metrics(folder, loss, freeze_step, sent):
+def write_metrics(folder, loss, freeze_step, sent, rounds=None):
     folder.mkdir(parents=True, exist_ok=True)
+    extra = {} if rounds is None else {"rounds_per_rank": rounds}  # runs from before rounds were counted have none
     (folder / "metrics.json").write_text(json.dumps(dict(
         final_eval_loss=loss, freeze_step=freeze_step, bytes_sent_per_rank=sent,
-        steps=600, samples=76_800, world_size=4)))
+        steps=600, samples=76_800, world_size=4, **extra)))
 
 
 def write_all(out, seeds=(1234, 1235)):
@@ -51,6 +54,7 @@ def test_each_row_is_the_main_job_with_its_flags():
         ["pretrain", "--preset", "b1024", "--seed", "1235", "--optimizer", "onebitlamb", "--freeze", "auto"],
         ["pretrain", "--preset", "b1024", "--seed", "1235", "--optimizer", "onebitlamb", "--freeze", "0.35"],
         ["pretrain", "--preset", "b1024", "--seed", "1235", "--optimizer", "onebitadam", "--freeze", "auto"],
+        ["pretrain", "--preset", "b1024", "--seed", "1235", "--optimizer", "zerooneadam"],
     ]
     assert run_folder("runs/convergence", "b1024", 1235, ROWS[2]) == "runs/convergence/b1024/1235/onebitlamb-0.35"
 
@@ -69,7 +73,8 @@ def test_the_table_from_finished_runs_without_training(tmp_path, no_training):
     assert "### demo: 600 steps, 76,800 samples, 4 workers, seeds 1234, 1235\n" in text
     # means over the two seeds, ± the standard deviation (|a - b| / sqrt 2 for two values); gaps per seed,
     # then averaged; LAMB's 1,000 MB over the row's mean bytes
-    assert "| LAMB | 2 | 4.100 ± 0.141 | - | - | 1,000.0 | 1.00x |" in text
+    assert "| LAMB | 2 | 4.100 ± 0.141 | - | - | 1,000.0 | 1.00x | - |" in text  # rounds not counted then
+    assert "| 0/1 Adam, the main job's schedules | 2 | 4.120 ± 0.113 | +0.5% ± 0.7 | - | 50.0 | 20.00x | 400 |" in text
     assert ("| 1-bit LAMB, automatic freeze (default) | 2 | 4.161 ± 0.115 | +1.5% ± 0.7 | 180, 200 | 350.0 | 2.86x |"
             in text)
     assert "| 1-bit LAMB, freeze at 35% | 2 | 4.080 ± 0.170 | -0.5% ± 0.7 | 210 | 250.0 | 4.00x |" in text
@@ -94,10 +99,11 @@ def test_list_shows_each_runs_state_and_runs_nothing(tmp_path, no_training, caps
     (out / "demo" / "1234" / "onebitlamb-auto" / "checkpoint.json").write_text(json.dumps({"step": 40}))
     assert main(["--list", "--out", str(out), "--results", str(tmp_path / "B.md")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 4
+    assert len(lines) == 5
     assert "finished" in lines[0] and "interrupted at step 40" in lines[1]
-    assert "to run" in lines[2] and "to run" in lines[3]
+    assert all("to run" in line for line in lines[2:])
     assert lines[3].endswith("onebitlamb pretrain --preset demo --seed 1234 --optimizer onebitadam --freeze auto")
+    assert lines[4].endswith("onebitlamb pretrain --preset demo --seed 1234 --optimizer zerooneadam")
     assert not (tmp_path / "B.md").exists()
 
 

@@ -45,3 +45,27 @@ def test_the_interval_is_students_t():
     mean, half = fidelity.mean_interval([1.0, 2.0, 3.0])
     assert mean == 2.0 and half == pytest.approx(4.303 * 1.0 / math.sqrt(3))
     assert fidelity.mean_interval([1.5]) == (1.5, None)
+
+
+def test_compare_says_where_a_seed_falls_only_for_the_measured_settings(tmp_path):
+    """benchmarks/fidelity.py writes the measured gaps; compare reads them back for a run with the
+    same settings (another seed), and says nothing for a run with other settings."""
+    from onebitlamb.train import compare
+
+    config = {"preset": "demo", "seed": 1234, "out": "x", "optimizer": "onebitlamb", "compression_space": "update"}
+    lamb = {"final_eval_loss": 5.0, "config": {**config, "optimizer": "lamb"}}
+    runs = {(fidelity.LAMB.name, s): {"final_eval_loss": 5.0} for s in (1234, 1235)}
+    runs.update({(fidelity.DEFAULT.name, 1234): {"final_eval_loss": 4.9, "config": config},
+                 (fidelity.DEFAULT.name, 1235): {"final_eval_loss": 5.05, "config": {**config, "seed": 1235}}})
+    path = tmp_path / "measured.json"
+    fidelity.write_measured("demo", [1234, 1235], runs, "python -m benchmarks.fidelity", str(path))
+    measured = compare.read_measured(str(path))
+    entry = measured["demo"]["onebitlamb"]
+    assert entry["gaps_pct"] == pytest.approx([-2.0, 1.0]) and entry["mean_pct"] == pytest.approx(-0.5)
+    assert "seed" not in entry["settings"] and "out" not in entry["settings"]
+    mine = {"lamb": lamb, "onebitlamb": {"final_eval_loss": 4.95, "config": {**config, "seed": 7}}}
+    (line,) = compare.where_the_seed_falls(mine, measured)
+    assert "-1.00% against LAMB at this seed" in line and "-0.50% ± " in line and "from -2.00% to +1.00%" in line
+    other = {"lamb": lamb, "onebitlamb": {"final_eval_loss": 4.95, "config": {**config, "compression_space": "momentum"}}}
+    assert compare.where_the_seed_falls(other, measured) == []
+    assert compare.read_measured(str(tmp_path / "missing.json")) == {}

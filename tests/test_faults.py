@@ -117,9 +117,10 @@ def mask_grads(params, rank, step):
     return grads
 
 
-def _masked_rows_run(rank, n, steps, freeze):
+def _masked_rows_run(rank, n, steps, freeze, space):
     params = [torch.nn.Parameter(t) for t in initial_params(MASK_SHAPES)]
-    opt = onebitlamb.OneBitLamb(groups_of(params, MASK_LRS, MASK_WDS), lr=MASK_LRS[0], freeze_step=freeze)
+    opt = onebitlamb.OneBitLamb(groups_of(params, MASK_LRS, MASK_WDS), lr=MASK_LRS[0], freeze_step=freeze,
+                                compression_space=space)
     history, stages = [], []
     for t in range(1, steps + 1):
         for p, g in zip(params, mask_grads(params, rank, t)):
@@ -130,16 +131,19 @@ def _masked_rows_run(rank, n, steps, freeze):
     return {"history": history, "stages": stages, "mask": opt.state["flat"]["momentum_mask"].clone()}
 
 
-def test_rows_without_gradient_never_move_on_two_ranks():
+@pytest.mark.parametrize("space", ["momentum", "update"])
+def test_rows_without_gradient_never_move_on_two_ranks(space):
     """On several ranks the compressed all-reduce hands every element, those without a gradient
     too, a value of +-scale; the mask must zero them, or with a frozen variance of 0 (denominator
-    eps) they jump (by 6.3e5 in the issue). Both ranks, every step: those rows exactly as they
-    started, the rest as the reference's simulation of the 2 workers."""
+    eps) they jump (by 6.3e5 in the issue; in the update space the scale is divided by that eps).
+    Both ranks, every step: those rows exactly as they started, the rest as the reference's
+    simulation of the 2 workers."""
     n, steps, freeze = 2, 30, 10
-    out = spawn_local(_masked_rows_run, n, (steps, freeze), timeout_s=120)
+    out = spawn_local(_masked_rows_run, n, (steps, freeze, space), timeout_s=120)
     assert out[0]["stages"] == ["warmup"] * freeze + ["compression"] * (steps - freeze)
     start = initial_params(MASK_SHAPES)
-    ref = Reference(initial_params(MASK_SHAPES), "onebitlamb", MASK_LRS, MASK_WDS, freeze_step=freeze, n=n)
+    ref = Reference(initial_params(MASK_SHAPES), "onebitlamb", MASK_LRS, MASK_WDS, freeze_step=freeze, n=n,
+                    compression_space=space)
     numel = sum(math.prod(s) for s in SHAPES)
     # the mask covers exactly the rows without a gradient (the trained elements all have one)
     mask = out[0]["mask"]

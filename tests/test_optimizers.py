@@ -464,7 +464,9 @@ def _pinned_run(rank, n):
             opt = onebitlamb.Lamb(groups, lr=1e-2)
         else:
             freeze_step = onebitlamb.AutoFreeze(total_steps=200) if freeze == "auto" else 70
-            opt = CLASSES[kind](groups, lr=1e-2, freeze_step=freeze_step)
+            # pinned with the paper's stage 2, the default before compression_space was an option
+            paper = {"compression_space": "momentum"} if kind == "onebitlamb" else {}
+            opt = CLASSES[kind](groups, lr=1e-2, freeze_step=freeze_step, **paper)
         warmup_params = None
         for t in range(1, 201):
             rows = torch.randint(0, 512, (32,), generator=torch.Generator().manual_seed(1000 * t + rank))
@@ -899,10 +901,14 @@ def test_a_state_saved_with_another_exchange_setting_is_refused(setting, saved, 
     with pytest.raises(ValueError, match=f"saved with {setting}={name[saved]} .* with {setting}={name[loaded]}"):
         other.load_state_dict(state)
     assert other.state["flat"]["step"] == 0 and str(other.param_groups[0][setting]) in name[loaded]  # unchanged
-    default = onebitlamb.OneBitLamb(params, freeze_step=2)
+    # a state saved before the options: float32, one bucket, the paper's stage 2 (the momentum
+    # space, which is no longer the default: such a state needs compression_space="momentum")
+    default = onebitlamb.OneBitLamb(params, freeze_step=2, compression_space="momentum")
     old = default.state_dict()
     for group in old["param_groups"]:
         del group["warmup_dtype"], group["bucket_cap_mb"], group["compression_space"], group["trust_ratio_after_freeze"]
+    with pytest.raises(ValueError, match="saved with compression_space='momentum' .* with compression_space='update'"):
+        onebitlamb.OneBitLamb(params, freeze_step=2).load_state_dict(copy.deepcopy(old))
     default.load_state_dict(old)
     assert default.param_groups[0]["warmup_dtype"] == "float32" and default.param_groups[0]["bucket_cap_mb"] is None
     assert default.param_groups[0]["compression_space"] == "momentum"

@@ -185,6 +185,8 @@ with open(os.path.join(ROOT, "tests", "data", "pinned_runs.json")) as _f:
     PINS = json.load(_f)
 # the flags of the runs pinned before the API change, and what they are now
 NEW_FLAGS = {"--freeze-frac 0.35": ["--freeze", "0.35"], "--auto-freeze --freeze-frac 0.75": ["--freeze", "auto"]}
+# they ran the paper's stage 2, the default before compression_space was an option
+PAPER_STAGE2 = ["--compression-space", "momentum"]
 # Rounding alone (ONEBITLAMB_NATIVE=0 here, another machine of the same kind in issue 46) left the held-out
 # losses of the warm-up unchanged and moved the final one by at most 1.2e-4 of its value (5.82622 against
 # 5.82666 and 5.82691); ten times that still tells apart a freeze moved by 24 steps (0.8%).
@@ -200,7 +202,7 @@ def main_job_runs(tmp_path_factory, corpus_dir, compared):
     outs = {}
     for name, pin in PINS["main_job_runs"].items():
         outs[name] = tmp_path_factory.mktemp(name)
-        _cli(*common, *NEW_FLAGS[pin["old_flags"]], "--corpus", corpus_dir, "--out", str(outs[name]),
+        _cli(*common, *PAPER_STAGE2, *NEW_FLAGS[pin["old_flags"]], "--corpus", corpus_dir, "--out", str(outs[name]),
              "--cache-dir", str(cache), "--no-progress")
     return outs
 
@@ -255,8 +257,8 @@ def test_resume_of_the_automatic_freeze_is_bit_identical(main_job_runs, tmp_path
     of the warm-up's window ends as the uninterrupted run of the same machine, bit for bit."""
     _, cache, _ = compared
     common = PINS["main_job_common_flags"].split(" --corpus ")[0].split()
-    flags = [*common, "--freeze", "auto", "--corpus", corpus_dir, "--out", str(tmp_path), "--cache-dir", str(cache),
-             "--no-progress"]
+    flags = [*common, *PAPER_STAGE2, "--freeze", "auto", "--corpus", corpus_dir, "--out", str(tmp_path),
+             "--cache-dir", str(cache), "--no-progress"]
     _cli(*flags, "--stop-after-steps", "25")
     _cli(*flags, "--resume")
     assert _model_sha256(tmp_path / "model_final.pt") == _model_sha256(main_job_runs["auto"] / "model_final.pt")

@@ -133,7 +133,7 @@ class OneBitLamb(_OneBit):
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  bias_correction: bool = True, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
-                 factor_threshold: float = 0.1, compression_space: str = "momentum",
+                 factor_threshold: float = 0.1, compression_space: str = "update",
                  trust_ratio_after_freeze: str = "frozen", maximize: bool = False,
                  process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
                  bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
@@ -186,12 +186,13 @@ OneBitLamb.__doc__ = fr"""1-bit LAMB (Li et al., "1-bit LAMB: Communication Effi
             freeze keeps.
         factor_max, factor_min (float, defaults 4.0 and 0.5): bounds of stage 2's per-layer factor.
         factor_threshold (float, default 0.1): how far the factor may move in one step (relative).
-        compression_space (str, default "momentum"): what stage 2 sends through the 1-bit
-            all-reduce: ``"momentum"`` (the paper's: each layer's momentum, scaled to a common
-            RMS) or ``"update"`` (the momentum divided by the frozen ``sqrt(v) + eps``, undone
-            after the exchange; the same bytes), where the 1-bit code's one magnitude per chunk
-            lands on Adam's direction instead of the momentum. Changes the numbers; part of the
-            state. ``docs/algorithm.md``.
+        compression_space (str, default "update"): what stage 2 sends through the 1-bit
+            all-reduce: ``"update"`` (the momentum divided by the frozen ``sqrt(v) + eps``, undone
+            after the exchange; the same bytes), so that the 1-bit code's one magnitude per chunk
+            lands on Adam's direction, whose elements are alike, rather than on the momentum, where
+            it gives elements with a small variance large steps; or ``"momentum"`` (the paper's
+            and DeepSpeed's: each layer's momentum, scaled to a common RMS). Changes the numbers;
+            part of the state. ``docs/algorithm.md``, "Stage 2's fidelity to LAMB".
         trust_ratio_after_freeze (str, default "frozen"): the layer-wise coefficient of stage 2:
             ``"frozen"`` (the paper's: the trust ratio kept at the freeze times the per-layer
             factor) or ``"live"`` (LAMB's ``clip(||x|| / ||u||)`` every step, ``u`` from the

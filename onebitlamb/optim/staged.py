@@ -234,8 +234,8 @@ class StagedOptimizer(Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        flat, others = split_state(state_dict)  # first: another optimizer's state is named as such
         state_dict["param_groups"] = self._exchange_settings_checked(state_dict["param_groups"])
-        flat, others = split_state(state_dict)
         owner = type(self).__name__
         if flat is not None:
             check_loaded_state(flat, FlatLayout.of(self.param_groups), owner, world_size_of(self.process_group),

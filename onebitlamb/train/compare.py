@@ -93,6 +93,9 @@ def _compare(args: argparse.Namespace, configs: Dict[str, "config.TrainConfig"],
         return 0
 
     table = format_table(runs)
+    falls = where_the_seed_falls(runs, read_measured())
+    if falls:
+        table += "\n\n" + "\n".join(falls)
     total = sum(m.get("process_time_s", m["wall_time_s"]) for m in runs.values())
     table += f"\ntotal {total:.0f} s for the {len(runs)} runs including start-up (this invocation: " \
              f"{time.perf_counter() - t_start:.0f} s)"
@@ -148,6 +151,41 @@ def check_out_dir(args: argparse.Namespace, configs: Dict[str, "config.TrainConf
                 if os.path.isfile(os.path.join(args.out, f)):
                     os.remove(os.path.join(args.out, f))
             # each run's own files go when it starts (pretrain.train)
+
+
+MEASURED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured.json")
+
+
+def read_measured(path: str = MEASURED) -> dict:
+    """The paired gaps to LAMB that ``benchmarks/fidelity.py`` measured over several seeds, by
+    preset and optimizer ({} when the file is missing)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def where_the_seed_falls(runs: Dict[str, dict], measured: dict) -> List[str]:
+    """One line per optimizer measured over several seeds with these settings: this run's gap to
+    LAMB beside the measured mean and its 95% interval. One seed is a draw: on another machine the
+    last bits differ and a 1-bit run may freeze a step earlier, which moves its final loss by about
+    a percent."""
+    lamb = runs.get("lamb")
+    if lamb is None:
+        return []
+    lines = []
+    for name, m in runs.items():
+        entry = measured.get(m["config"].get("preset"), {}).get(name)
+        if entry is None or any(m["config"].get(k, v) != v for k, v in entry["settings"].items()):
+            continue
+        gap = 100 * (m["final_eval_loss"] / lamb["final_eval_loss"] - 1)
+        spread = f" ± {entry['half_width_pct']:.2f} (95% interval)" if entry["half_width_pct"] is not None else ""
+        seeds = entry["seeds"]
+        lines.append(f"{LABELS.get(name, name)}: {gap:+.2f}% against LAMB at this seed; over seeds {seeds[0]}-"
+                     f"{seeds[-1]} ({entry['command']}; BENCHMARKS.md) {entry['mean_pct']:+.2f}%{spread}, from "
+                     f"{min(entry['gaps_pct']):+.2f}% to {max(entry['gaps_pct']):+.2f}%")
+    return lines
 
 
 def comparison(runs: Dict[str, dict]) -> dict:

@@ -126,9 +126,9 @@ class TrainConfig:
     warmup_dtype: str = field(default="float32", metadata={
         "help": "1-bit optimizers: the wire dtype of the warm-up's gradient average (bfloat16: half the bytes)",
         "choices": ["float32", "bfloat16"]})
-    compression_space: str = field(default="momentum", metadata={
-        "help": "1-bit LAMB: what stage 2 compresses: the momentum (the paper's) or the update, the momentum over "
-                "the frozen variance's root", "choices": ["momentum", "update"]})
+    compression_space: str = field(default="update", metadata={
+        "help": "1-bit LAMB: what stage 2 compresses: the update, the momentum over the frozen variance's root, or "
+                "the momentum (the paper's)", "choices": ["update", "momentum"]})
     trust_ratio_after_freeze: str = field(default="frozen", metadata={
         "help": "1-bit LAMB: the layer-wise coefficient after the freeze: frozen (the paper's: the trust ratio of "
                 "the freeze times a per-layer factor) or live (LAMB's ratio, every step)", "choices": ["frozen", "live"]})
