@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Union
 
 from benchmarks import convergence
 from benchmarks.report import command_line, heading, table_row, write_section
@@ -49,10 +49,10 @@ def run_variants(out: str, seeds: Sequence[int], variants: Sequence[Variant],
 def section(title: str, command: str, seeds: Sequence[int], variants: Sequence[Variant],
             results: Dict[tuple, dict], note: str = "", preset: str = "demo") -> str:
     """The section: per variant, the held-out loss over the seeds, its gap to the first variant (the
-    reference: LAMB, or where LAMB was not run, the default) at the same seed, the freeze steps and the
-    whole run's bytes against the reference's."""
+    reference: LAMB, or where LAMB was not run, the first row) at the same seed, the freeze steps and
+    the whole run's bytes against the reference's."""
     lamb = [results[s, variants[0].row.name] for s in seeds]
-    ref = "LAMB" if variants[0] is LAMB else "the default"
+    ref = "LAMB" if variants[0] is LAMB else "the first row"
     lines = [*heading(title, command),
              f"Seeds {', '.join(map(str, seeds))}: held-out loss (mean ± standard deviation over the seeds), its gap "
              f"to {ref} at the same seed, the freeze step per seed, and the whole run's bytes per worker against "
@@ -74,9 +74,10 @@ def section(title: str, command: str, seeds: Sequence[int], variants: Sequence[V
     return "\n".join(lines)
 
 
-def main_for(prog: str, doc: str, title: str, name: str, variants: Sequence[Variant],
+def main_for(prog: str, doc: str, title: str, name: str, variants: Union[Sequence[Variant], Dict[str, Sequence[Variant]]],
              argv: Optional[Sequence[str]], note: str = "", presets: Sequence[str] = ("demo",)) -> int:
-    """An experiment's command line: run (or read back) its variants and write its section ``name``."""
+    """An experiment's command line: run (or read back) its variants (or each preset's) and write its
+    section ``name``."""
     parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3, help=f"how many seeds, from {convergence.FIRST_SEED} up")
@@ -85,9 +86,11 @@ def main_for(prog: str, doc: str, title: str, name: str, variants: Sequence[Vari
     if len(presets) > 1:
         parser.add_argument("--preset", choices=presets, default=presets[0], help="default: %(default)s")
         parser.add_argument("--without-lamb", action="store_true",
-                            help="leave LAMB's runs out; the gaps are then to the default at the same seed")
+                            help="leave LAMB's runs out; the gaps are then to the first row at the same seed")
     args = parser.parse_args(argv)
     preset = getattr(args, "preset", presets[0])
+    if isinstance(variants, dict):
+        variants = variants[preset]
     if getattr(args, "without_lamb", False):
         variants = [v for v in variants if v is not LAMB]
     seeds = seeds_from(args.seeds)

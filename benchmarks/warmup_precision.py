@@ -8,8 +8,9 @@ them). bfloat16 halves them, as the paper's fp16 baseline does. Rows: LAMB and 1
 main job's defaults (the convergence benchmark's runs, reused from the same folders), and 1-bit
 LAMB with the warm-up average in bfloat16 (``--warmup-dtype bfloat16``: the optimizers'
 ``warmup_dtype=torch.bfloat16``). Writes the "warmup-precision" section of BENCHMARKS.md. Run from
-the repository root. On ``b1024`` it writes the section "warmup-precision-b1024"; with
-``--without-lamb`` the LAMB runs are left out and the gaps are to the float32 warm-up at the same seed.
+the repository root. On ``b1024`` it writes the section "warmup-precision-b1024", both 1-bit LAMB
+rows with the paper's stage 2 (``--compression-space momentum``); with ``--without-lamb`` the LAMB
+runs are left out and the gaps are to the float32 warm-up at the same seed.
 """
 from __future__ import annotations
 
@@ -22,12 +23,22 @@ from benchmarks.variants import DEFAULT, LAMB, Variant, main_for
 BF16 = Variant(convergence.Row("1-bit LAMB, automatic freeze, bfloat16 warm-up average", "onebitlamb-auto-bf16warmup",
                                [*DEFAULT.row.flags, "--warmup-dtype", "bfloat16"]))
 VARIANTS = [LAMB, DEFAULT, BF16]
+# on b1024 both warm-ups under the paper's stage 2 (compression_space="momentum"), the default when
+# the study began, so that the pair differs in the warm-up alone
+PAPER = ["--compression-space", "momentum"]
+B1024_VARIANTS = [
+    LAMB,
+    Variant(convergence.Row("1-bit LAMB, automatic freeze, paper's stage 2", "onebitlamb-paper",
+                            [*DEFAULT.row.flags, *PAPER])),
+    Variant(convergence.Row("1-bit LAMB, automatic freeze, paper's stage 2, bfloat16 warm-up average",
+                            "onebitlamb-paper-bf16warmup", [*DEFAULT.row.flags, *PAPER, "--warmup-dtype", "bfloat16"])),
+]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     title = "Warm-up average in bfloat16 (an experiment)"
-    return main_for("benchmarks.warmup_precision", __doc__, title, "warmup-precision", VARIANTS, argv,
-                    presets=("demo", "b1024"))
+    return main_for("benchmarks.warmup_precision", __doc__, title, "warmup-precision",
+                    {"demo": VARIANTS, "b1024": B1024_VARIANTS}, argv, presets=("demo", "b1024"))
 
 
 if __name__ == "__main__":
