@@ -27,22 +27,10 @@ from onebitlamb.comm.launch import spawn_local
 from onebitlamb.compression.packing import unpack_signs
 from reference import Reference
 
-SHAPES = [(7, 5), (5,), (16,), (3, 4, 2)]
-SCALES = [1.0, 0.01, 10.0, 0.3]  # very different gradient magnitudes per layer
+from toy import SHAPES, SCALES, grads_for, initial_params  # noqa: E402,F401
 LRS = [0.02, 0.01, 0.02, 0.05]
 WDS = [0.01, 0.0, 0.01, 0.01]
 
-
-def initial_params(shapes=SHAPES):
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(s, generator=g) * 0.5 for s in shapes]
-
-
-def grads_for(params, rank: int, step: int, scales=SCALES):
-    """A noisy pull of each layer toward its own target, different on every rank and step."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return [scales[i] * (p.detach().float() - 1.0 + 0.5 * torch.randn(p.shape, generator=g))
-            for i, p in enumerate(params)]
 
 
 def rel_err(a, b):

@@ -15,21 +15,9 @@ import onebitlamb
 from onebitlamb.comm.launch import spawn_local
 from reference import Reference
 
-SHAPES = [(7, 5), (5,), (16,), (3, 4, 2)]
-SCALES = [1.0, 0.01, 10.0, 0.3]  # very different gradient magnitudes per layer
+from toy import SHAPES, SCALES, grads_for, initial_params, through_a_checkpoint  # noqa: F401 (SHAPES, SCALES: for the tests below)
+
 CLASSES = {"lamb": onebitlamb.Lamb, "onebitlamb": onebitlamb.OneBitLamb, "onebitadam": onebitlamb.OneBitAdam}
-
-
-def initial_params():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(s, generator=g) * 0.5 for s in SHAPES]
-
-
-def grads_for(params, rank: int, step: int):
-    """A noisy pull of each layer toward its own target, different on every rank and step."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return [SCALES[i] * (p.detach().float() - 1.0 + 0.5 * torch.randn(p.shape, generator=g))
-            for i, p in enumerate(params)]
 
 
 def make_optimizer(kind, params, lrs, wds, freeze_step, **kw):
@@ -99,13 +87,7 @@ def _distributed_run(rank, n, kind, steps, freeze, resume_at, **options):
     for stop in resume_at:
         params, opt = fresh(initial_params())
         run(params, opt, 1, stop)
-        blob = io.BytesIO()
-        torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, blob)
-        del params, opt
-        blob.seek(0)
-        ckpt = torch.load(blob, weights_only=False)
-        params, opt = fresh(ckpt["params"])
-        opt.load_state_dict(ckpt["opt"])
+        params, opt = through_a_checkpoint(params, opt, fresh)
         h, _, _ = run(params, opt, stop + 1, steps)
         resumed[stop] = h[-1]
     return {"history": history, "bytes": nbytes, "stages": stages, "errors": errors, "resumed": resumed,

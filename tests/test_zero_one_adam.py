@@ -4,7 +4,6 @@ DeepSpeed's rule with ``bias_correction=False``, the schedules as fractions, and
 from __future__ import annotations
 
 import functools
-import io
 
 import numpy as np
 import pytest
@@ -15,8 +14,7 @@ import onebitlamb
 from onebitlamb.comm.launch import spawn_local
 from reference import ZeroOneReference
 
-SHAPES = [(7, 5), (5,), (16,), (3, 4, 2)]
-SCALES = [1.0, 0.01, 10.0, 0.3]  # very different gradient magnitudes per layer
+from toy import SHAPES, SCALES, grads_for, initial_params, through_a_checkpoint  # noqa: E402,F401
 LRS = [0.02, 0.01, 0.02, 0.05]
 WDS = [0.01, 0.0, 0.01, 0.0]
 # small intervals, so that 30 steps pass through every phase: variance steps at 1, 2, 3 (interval
@@ -29,17 +27,6 @@ STAGES = (["warmup"] * 4 + ["compression", "warmup", "compression", "warmup"] + 
           + ["local"] * 2)
 RESUME_AT = (2, 7, 14, 21)  # dense variance steps, sparse ones, syncs every step, inside a local interval
 
-
-def initial_params(shapes=SHAPES):
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(s, generator=g) * 0.5 for s in shapes]
-
-
-def grads_for(params, rank: int, step: int, scales=SCALES):
-    """A noisy pull of each layer toward its own target, different on every rank and step."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return [scales[i] * (p.detach().float() - 1.0 + 0.5 * torch.randn(p.shape, generator=g))
-            for i, p in enumerate(params)]
 
 
 def make(params, **kw):
@@ -78,13 +65,7 @@ def _run(rank, n, resume_at, kw):
     for stop in resume_at:
         params, opt = fresh(initial_params())
         run(params, opt, 1, stop)
-        blob = io.BytesIO()
-        torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, blob)
-        del params, opt
-        blob.seek(0)
-        ckpt = torch.load(blob, weights_only=False)
-        params, opt = fresh(ckpt["params"])
-        opt.load_state_dict(ckpt["opt"])
+        params, opt = through_a_checkpoint(params, opt, fresh)
         resumed[stop] = run(params, opt, stop + 1, STEPS)[0][-1]
     return {"history": history, "calls": calls, "stages": stages, "resumed": resumed, "state": final_state,
             "deepspeed_case": _ds_run(rank, n, STEPS)}

@@ -17,3 +17,35 @@ def train(model: torch.nn.Module, opt, rank: int, steps) -> None:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+
+
+# The layers several optimizer tests step by hand: four tensors of different shapes whose gradients
+# differ by orders of magnitude, as a real model's layers do.
+SHAPES = [(7, 5), (5,), (16,), (3, 4, 2)]
+SCALES = [1.0, 0.01, 10.0, 0.3]
+
+
+def initial_params(shapes=SHAPES):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g) * 0.5 for s in shapes]
+
+
+def grads_for(params, rank: int, step: int, scales=SCALES):
+    """A noisy pull of each layer toward its own target, different on every rank and step."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [scales[i] * (p.detach().float() - 1.0 + 0.5 * torch.randn(p.shape, generator=g))
+            for i, p in enumerate(params)]
+
+
+def through_a_checkpoint(params, opt, fresh):
+    """``params`` and ``opt`` saved to bytes and restored into the new objects ``fresh(params)`` builds,
+    as a resumed job would have them."""
+    import io
+
+    blob = io.BytesIO()
+    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, blob)
+    blob.seek(0)
+    ckpt = torch.load(blob, weights_only=False)
+    params, opt = fresh(ckpt["params"])
+    opt.load_state_dict(ckpt["opt"])
+    return params, opt

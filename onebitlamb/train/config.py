@@ -78,12 +78,9 @@ def parse_freeze(value: Union[str, float]) -> Union[str, float]:
     if value == "auto":
         return value
     try:
-        fraction = float(value)
-    except (TypeError, ValueError):
-        fraction = math.nan
-    if not 0 < fraction <= 1:  # NaN fails too
-        raise ValueError(f"expected 'auto' or a fraction in (0, 1], got {value!r}")
-    return fraction
+        return parse_fraction(value)
+    except ValueError:
+        raise ValueError(f"expected 'auto' or a fraction in (0, 1], got {value!r}") from None
 
 
 @dataclass
