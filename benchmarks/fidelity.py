@@ -2,6 +2,7 @@
 
     python -m benchmarks.fidelity --preset demo --seeds 3            # LAMB and three 1-bit LAMB rows a seed
     python -m benchmarks.fidelity --preset demo --seeds 3 --rounding # and seed 1234 again, other rounding
+    python -m benchmarks.fidelity --preset demo --seeds 2 --candidate-seeds 1   # the live ratio at one seed
     python -m benchmarks.fidelity --preset demo --seeds 3 --list     # each run's state; runs nothing
 
 Run from the repository root. The runs are the convergence benchmark's (``OUT/PRESET/SEED/ROW``,
@@ -53,6 +54,7 @@ PAPER = convergence.Row("1-bit LAMB, the paper's stage 2 (momentum space)", "one
 UPDATE_LIVE = convergence.Row("1-bit LAMB, update space, live trust ratio", "onebitlamb-update-live",
                               [*DEFAULT.flags, "--compression-space", "update", "--trust-ratio-after-freeze", "live"])
 ROWS = [LAMB, PAPER, DEFAULT, UPDATE_LIVE]
+CANDIDATES = [UPDATE_LIVE]  # rows that --candidate-seeds may run at fewer seeds than the others
 BAND = (0.5, 2.0)
 
 # Student's t, two-sided 95%, by degrees of freedom (a standard table; scipy is not a dependency)
@@ -130,22 +132,26 @@ def _fmt(values: Sequence[Optional[float]], form: str) -> str:
     return format(statistics.mean(values), form) if values else "-"
 
 
+def row_seeds(row: convergence.Row, seeds: Sequence[int], candidate_seeds: int) -> List[int]:
+    return list(seeds[:candidate_seeds]) if row in CANDIDATES else list(seeds)
+
+
 def render(preset: str, seeds: Sequence[int], figures: Dict[Tuple[str, int], dict], command: str) -> str:
     lines = [*heading(f"Stage 2 against LAMB, layer by layer: {preset}", command),
              f"Seeds {', '.join(map(str, seeds))} of `onebitlamb pretrain --preset {preset}`; every row against LAMB "
              f"at the same seed, at the diagnoses after the row's freeze (`python -m benchmarks.fidelity --help` "
              f"defines each column). Window: the relative move over {WINDOW_STEPS} steps (fewer where `eval_every` "
              f"is smaller); a ratio of 1 is LAMB's. Figures other than the gap are means over the seeds.", "",
-             table_row(["row", "gap to LAMB, mean ± 95%", "layers whose window is 0.5x-2x LAMB's",
+             table_row(["row", "seeds", "gap to LAMB, mean ± 95%", "layers whose window is 0.5x-2x LAMB's",
                         "whole model's window / LAMB's", "one step / LAMB's", "coefficient / LAMB's trust ratio "
                         "at the end (largest)", "factor at the end (largest)", "bytes / LAMB's"]),
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in ROWS[1:]:
-        runs = [figures[row.name, s] for s in seeds]
+        runs = [figures[row.name, s] for s in seeds if (row.name, s) in figures]
         mean, half = mean_interval([f["gap"] for f in runs])
         gap = f"{mean:+.2f}%" + (f" ± {half:.2f}" if half is not None else "")
         lines.append(table_row([
-            row.name, gap, _fmt([100 * f["layers_inside"] for f in runs if f["layers_inside"] is not None], ".0f") + "%",
+            row.name, len(runs), gap, _fmt([100 * f["layers_inside"] for f in runs if f["layers_inside"] is not None], ".0f") + "%",
             _fmt([f["whole_window"] for f in runs], ".2f") + "x", _fmt([f["one_step"] for f in runs], ".1f") + "x",
             f"{_fmt([f['coeff_median'] for f in runs], '.2f')} ({_fmt([f['coeff_max'] for f in runs], '.2f')})",
             f"{_fmt([f['factor_median'] for f in runs], '.2f')} ({_fmt([f['factor_max'] for f in runs], '.2f')})",
@@ -237,13 +243,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", default=os.path.join("runs", "convergence"), help="the runs' folder")
     parser.add_argument("--list", action="store_true", help="print each run's state and run nothing")
     parser.add_argument("--no-write", action="store_true", help="print only; write no file")
+    parser.add_argument("--candidate-seeds", type=int, default=None, metavar="N",
+                        help="run the candidates that lost at the first seeds (the live trust ratio) at the first N "
+                             "seeds only (default: all)")
     parser.add_argument("--rounding", action="store_true",
                         help=f"also rerun the first seed of LAMB and the default with {' '.join(ROUNDING_FLAGS)}")
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
     seeds = list(range(convergence.FIRST_SEED, convergence.FIRST_SEED + args.seeds))
-    folders = {(row.name, s): convergence.run_folder(args.out, args.preset, s, row) for row in ROWS for s in seeds}
+    candidate_seeds = args.seeds if args.candidate_seeds is None else args.candidate_seeds
+    folders = {(row.name, s): convergence.run_folder(args.out, args.preset, s, row)
+               for row in ROWS for s in row_seeds(row, seeds, candidate_seeds)}
     if args.list:
         for (name, seed), folder in folders.items():
             print(f"{folder:<50} {convergence.run_state(folder)}")
@@ -251,7 +262,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     runs = {key: convergence.run_one(folder, convergence.pretrain_args(args.preset, key[1], row),
                                      os.path.join(args.out, "cache"))
             for row in ROWS for key, folder in folders.items() if key[0] == row.name}
-    figures = {(row.name, s): fidelity(runs[row.name, s], runs[LAMB.name, s]) for row in ROWS[1:] for s in seeds}
+    figures = {(row.name, s): fidelity(runs[row.name, s], runs[LAMB.name, s])
+               for row in ROWS[1:] for s in row_seeds(row, seeds, candidate_seeds)}
     body = render(args.preset, seeds, figures, command_line(argv))
     if args.rounding:
         cache, seed = os.path.join(args.out, "cache"), seeds[0]
