@@ -195,7 +195,7 @@ def write_measured(preset: str, seeds: Sequence[int], runs: Dict[Tuple[str, int]
     gaps = [100 * (runs[DEFAULT.name, s]["final_eval_loss"] / runs[LAMB.name, s]["final_eval_loss"] - 1)
             for s in seeds]
     mean, half = mean_interval(gaps)
-    ignored = RESUMABLE_CHANGES | {"seed", "optimizer"}
+    ignored = RESUMABLE_CHANGES | {"seed", "optimizer", "ckpt_every"}
     measured[preset] = {"onebitlamb": {
         "command": command, "seeds": list(seeds), "gaps_pct": gaps, "mean_pct": mean, "half_width_pct": half,
         "settings": {k: v for k, v in runs[DEFAULT.name, seeds[0]]["config"].items() if k not in ignored}}}
