@@ -95,7 +95,9 @@ def main_for(prog: str, doc: str, title: str, name: str, variants: Union[Sequenc
         variants = [v for v in variants if v is not LAMB]
     seeds = seeds_from(args.seeds)
     results = run_variants(args.out, seeds, variants, preset)
-    body = section(title, command_line(argv), seeds, variants, results, note, preset)
+    # one heading per section: the demo's section keeps the bare title, another preset's names it
+    body = section(title if preset == "demo" else f"{title}: {preset}", command_line(argv), seeds, variants,
+                   results, note, preset)
     print("\n" + body)
     if not args.no_write:
         write_section(name if preset == "demo" else f"{name}-{preset}", body)
