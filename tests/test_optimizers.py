@@ -292,8 +292,10 @@ def test_world_size_and_rank_checks_on_load():
         with pytest.raises(ValueError, match=match):
             opt2.load_state_dict(bad)
         assert opt2.state["flat"]["step"] == 0  # nothing changed
-    with pytest.raises(ValueError, match="saved by OneBitLamb and is loaded into OneBitAdam"):
-        onebitlamb.OneBitAdam([p], lr=0.01, freeze_step=1).load_state_dict(opt.state_dict())
+    for warmup_dtype in (torch.float32, torch.bfloat16):  # the class is named, not a setting that differs
+        with pytest.raises(ValueError, match="saved by OneBitLamb and is loaded into OneBitAdam"):
+            onebitlamb.OneBitAdam([p], lr=0.01, freeze_step=1, warmup_dtype=warmup_dtype).load_state_dict(
+                opt.state_dict())
     with pytest.raises(ValueError, match=r"the model has 1 of sizes \[8\]"):
         onebitlamb.OneBitLamb([torch.nn.Parameter(torch.zeros(8))], freeze_step=1).load_state_dict(opt.state_dict())
     adam = torch.optim.Adam([p])

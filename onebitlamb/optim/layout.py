@@ -150,13 +150,19 @@ def new_flat_state(layout: FlatLayout, owner: str, world_size: int, rank: int, l
     }
 
 
+def check_saved_by(flat: Dict[str, Any], owner: str) -> None:
+    """A loaded state must be this optimizer class's (checked before its settings: another class's
+    state is named as such, not by a setting the two classes happen to hold differently)."""
+    saved_by = flat.get("optimizer", owner)  # states from before it was recorded: trusted
+    if saved_by != owner:
+        raise ValueError(f"the optimizer state was saved by {saved_by} and is loaded into {owner}")
+
+
 def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, owner: str, world_size: int, rank: int,
                        local_size: int = 1) -> None:
     """A loaded state must be this optimizer's, fit the model and, where it holds this rank's
     compression errors, this rank and world size; its tensors move to the model's device."""
-    saved_by = flat.get("optimizer", owner)  # states from before it was recorded: trusted
-    if saved_by != owner:
-        raise ValueError(f"the optimizer state was saved by {saved_by} and is loaded into {owner}")
+    check_saved_by(flat, owner)
     if list(flat["layer_numels"]) != list(layout.numels):
         raise ValueError(f"the optimizer state holds {len(flat['layer_numels'])} parameters of sizes "
                          f"{flat['layer_numels'][:8]}..., the model has {len(layout.numels)} of sizes "

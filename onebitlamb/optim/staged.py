@@ -24,7 +24,8 @@ from onebitlamb.optim.checks import (agree_on_setup, check_finite_nonneg, check_
                                      parameter_checksum)
 from onebitlamb.optim.exchange import Exchange, ProcessGroupLike
 from onebitlamb.optim.freeze import AutomaticSchedule, FixedSchedule
-from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, buffer_sizes, check_loaded_state, new_flat_state
+from onebitlamb.optim.layout import (Bucket, FlatLayout, Scratch, buffer_sizes, check_loaded_state, check_saved_by,
+                                      new_flat_state)
 from onebitlamb.optim.state_format import split_state, to_saved
 
 WARMUP, COMPRESSION = "warmup", "compression"
@@ -235,8 +236,10 @@ class StagedOptimizer(Optimizer):
             if result is not None:
                 state_dict = result
         flat, others = split_state(state_dict)  # first: another optimizer's state is named as such
-        state_dict["param_groups"] = self._exchange_settings_checked(state_dict["param_groups"])
         owner = type(self).__name__
+        if flat is not None:
+            check_saved_by(flat, owner)
+        state_dict["param_groups"] = self._exchange_settings_checked(state_dict["param_groups"])
         if flat is not None:
             check_loaded_state(flat, FlatLayout.of(self.param_groups), owner, world_size_of(self.process_group),
                                rank_of(self.process_group), self.exchange.local_size)
