@@ -78,3 +78,24 @@ def _crash_on_the_way_out(rank, world_size, folder):
 def test_a_crash_after_the_report_loses_nothing(tmp_path):
     assert spawn_local(_crash_on_the_way_out, 2, args=(str(tmp_path),), timeout_s=120) == ["zero", "one"]
     assert (tmp_path / "written").read_text() == "after rank 1 left"
+
+
+def _wait_policy(rank, world_size):
+    return os.environ.get("OMP_WAIT_POLICY")
+
+
+def test_oversubscribed_workers_wait_passively(monkeypatch):
+    """More worker threads than cores: OpenMP's spinning waiters would take the cores from the
+    working threads (12x slower measured), so the workers wait passively; the launcher's own
+    environment is left as it was, and a policy the user set wins."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cores = os.cpu_count() or 1
+    assert spawn_local(_wait_policy, 2, threads_per_worker=cores, timeout_s=120) == ["PASSIVE", "PASSIVE"]
+    assert "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert spawn_local(_wait_policy, 2, threads_per_worker=cores, timeout_s=120) == ["ACTIVE", "ACTIVE"]
+
+
+def test_workers_that_fit_the_cores_keep_the_default_wait(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert spawn_local(_wait_policy, 1, threads_per_worker=1, timeout_s=120) == [None]
