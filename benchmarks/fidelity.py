@@ -151,6 +151,8 @@ def render(preset: str, seeds: Sequence[int], figures: Dict[Tuple[str, int], dic
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in ROWS[1:]:
         runs = [figures[row.name, s] for s in seeds if (row.name, s) in figures]
+        if not runs:  # a candidate left out (--candidate-seeds 0)
+            continue
         mean, half = mean_interval([f["gap"] for f in runs])
         gap = f"{mean:+.2f}%" + (f" ± {half:.2f}" if half is not None else "")
         lines.append(table_row([
@@ -212,7 +214,7 @@ def plot(preset: str, seed: int, figures: Dict[Tuple[str, int], dict], path: str
     from onebitlamb.train.plots import _plt
 
     plt = _plt()
-    rows = ROWS[1:]
+    rows = [row for row in ROWS[1:] if (row.name, seed) in figures]
     fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.2), sharey=True, squeeze=False)
     for ax, row in zip(axes[0], rows):
         curves = figures[row.name, seed]["curves"]
@@ -248,13 +250,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print only; write no file")
     parser.add_argument("--candidate-seeds", type=int, default=None, metavar="N",
                         help="run the candidates that lost at the first seeds (the paper's rule, the live trust "
-                             "ratio) at the first N seeds only (default: all)")
+                             "ratio) at the first N seeds only, 0 for none (default: all)")
     parser.add_argument("--rounding", action="store_true",
                         help=f"also rerun the first seed of LAMB and the default with {' '.join(ROUNDING_FLAGS)}")
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
     seeds = list(range(convergence.FIRST_SEED, convergence.FIRST_SEED + args.seeds))
+    if args.candidate_seeds is not None and args.candidate_seeds < 0:
+        parser.error(f"--candidate-seeds must be 0 or more, got {args.candidate_seeds}")
     candidate_seeds = args.seeds if args.candidate_seeds is None else args.candidate_seeds
     folders = {(row.name, s): convergence.run_folder(args.out, args.preset, s, row)
                for row in ROWS for s in row_seeds(row, seeds, candidate_seeds)}

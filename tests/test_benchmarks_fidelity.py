@@ -69,3 +69,16 @@ def test_compare_says_where_a_seed_falls_only_for_the_measured_settings(tmp_path
     other = {"lamb": lamb, "onebitlamb": {"final_eval_loss": 4.95, "config": {**config, "compression_space": "momentum"}}}
     assert compare.where_the_seed_falls(other, measured) == []
     assert compare.read_measured(str(tmp_path / "missing.json")) == {}
+
+
+def test_candidates_left_out_have_no_row_and_no_panel(tmp_path):
+    """--candidate-seeds 0: the table and the plot hold LAMB's pairs with the default alone."""
+    figures = {(fidelity.DEFAULT.name, s): {
+        "gap": g, "layers_inside": 1.0, "whole_window": 1.0, "one_step": 1.0, "coeff_median": 1.0, "coeff_max": 1.0,
+        "factor_median": 1.0, "factor_max": 1.0, "bytes": 0.3, "curves": {"a": [(32, 1.1), (48, 0.9)]}}
+        for s, g in ((1234, -1.0), (1235, 1.0))}
+    body = fidelity.render("demo", [1234, 1235], figures, "python -m benchmarks.fidelity --candidate-seeds 0")
+    rows = [line for line in body.splitlines() if line.startswith("| 1-bit")]
+    assert len(rows) == 1 and rows[0].startswith(f"| {fidelity.DEFAULT.name} | 2 | +0.00% ± 12.71")
+    fidelity.plot("demo", 1234, figures, str(tmp_path / "f.png"))
+    assert (tmp_path / "f.png").stat().st_size > 0
