@@ -207,12 +207,16 @@ class ZeroOneReference:
     ``k`` of the last variance step) into ``m``. Then Adam's update. After the freeze each worker
     steps alone and sums ``lr * u``; every ``local interval`` steps the sums (times the
     denominator) go through the 1-bit average, the parameters become the last sync's minus the
-    average over the denominator, and the momentum the average over the summed learning rates."""
+    average over the denominator, and the momentum the average over the summed learning rates.
+
+    ``compression_space="update"``: what goes through the 1-bit average is also divided by Adam's
+    denominator as it stands (and multiplied back after), and ``k`` is taken from ``m`` over it."""
 
     def __init__(self, init: List[torch.Tensor], lr: List[float], wd: List[float], *, n: int,
                  var_freeze_step: int, var_update_scaler: int, local_step_scaler: int, local_step_clipper: int,
-                 bias_correction: bool = True, betas=(0.9, 0.999), eps=1e-8):
+                 bias_correction: bool = True, betas=(0.9, 0.999), eps=1e-8, compression_space: str = "update"):
         self.n, self.lr, self.wd, self.bc = n, lr, wd, bias_correction
+        self.update_space = compression_space == "update"
         self.b1, self.b2 = betas
         self.eps = eps
         self.T, self.kappa, self.scaler, self.clipper = var_freeze_step, var_update_scaler, local_step_scaler, \
@@ -231,24 +235,41 @@ class ZeroOneReference:
         self.d, self.D = d, -(-d // (8 * n)) * 8 * n
         self.sim = OneBitAllReduceSim(n, self.D) if n > 1 else None
 
+    def _den(self) -> List[torch.Tensor]:
+        """Adam's denominator as the next update uses it: the variance's now, or the frozen one."""
+        if self.frozen:
+            return self.den
+        bc2 = (1 - self.b2 ** self.kv) if self.bc else 1.0
+        return [torch.sqrt(v / bc2) + self.eps for v in self.v]
+
     def _average_1bit(self, per_worker: List[List[torch.Tensor]]) -> List[torch.Tensor]:
-        """The 1-bit average of per-layer values, each layer scaled by ``k`` and masked after."""
+        """The 1-bit average of per-layer values, each layer scaled by ``k`` (over the denominator
+        in the update space) and masked after."""
         L = len(self.k)
         if self.n == 1:
             out = [t.clone() for t in per_worker[0]]
         else:
+            den = self._den()
+            scale = [self.k[l] / den[l] if self.update_space else torch.full_like(den[l], self.k[l])
+                     for l in range(L)]
             bufs = []
             for w in per_worker:
                 b = torch.zeros(self.D)
-                b[:self.d] = torch.cat([(self.k[l] * w[l]).reshape(-1) for l in range(L)])
+                b[:self.d] = torch.cat([(scale[l] * w[l]).reshape(-1) for l in range(L)])
                 bufs.append(b)
             flat = self.sim(bufs)
             out, off = [], 0
             for l in range(L):
                 size = self.x[0][l].numel()
-                out.append(flat[off:off + size].reshape(self.x[0][l].shape) / self.k[l])
+                out.append(flat[off:off + size].reshape(self.x[0][l].shape) / scale[l])
                 off += size
         return [out[l] * self.mask[l] for l in range(L)]
+
+    def _norms_sent(self) -> List[float]:
+        """Each layer's norm of what the 1-bit steps send: ``m``, or ``m`` over the denominator."""
+        den = self._den()
+        return [float((self.m[0][l] / den[l] if self.update_space else self.m[0][l]).norm())
+                for l in range(len(den))]
 
     def _scales(self, values: List[float], numels: List[int]) -> List[float]:
         s = [v / math.sqrt(k) for v, k in zip(values, numels)]
@@ -271,7 +292,8 @@ class ZeroOneReference:
                 self.var_counter += 1
                 if self.var_counter == self.kappa:
                     self.var_counter, self.var_interval = 0, self.var_interval * 2
-                self.k = self._scales([float(t_.norm()) for t_ in m], numels)
+                self.m[0] = m
+                self.k = self._scales(self._norms_sent(), numels)
                 self.mask = [(v != 0).float() for v in self.v]
             else:
                 avg = self._average_1bit(grads_per_worker)
@@ -286,7 +308,7 @@ class ZeroOneReference:
                 self.frozen = True
                 self.mask = [(v != 0).float() for v in self.v]
                 self.den = [torch.sqrt(v / bc2) + self.eps for v in self.v]
-                self.k = self._scales([float(self.m[0][l].norm()) * self.lr[l] for l in range(L)], numels)
+                self.k = self._scales([s * self.lr[l] for l, s in enumerate(self._norms_sent())], numels)
                 if n > 1:
                     self.sim = OneBitAllReduceSim(n, self.D)  # the errors restart
                 self.x_sync = [p.clone() for p in self.x[0]]

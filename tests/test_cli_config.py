@@ -12,7 +12,7 @@ from onebitlamb.train.model import ModelConfig
 
 PRETRAIN_FLAGS = {"--preset", "--optimizer", "--out", "--resume", "--overwrite", "--seed", "--steps", "--global-batch",
                   "--micro-batch", "--workers", "--lr", "--warmup-frac", "--weight-decay", "--clip", "--freeze",
-                  "--var-freeze", "--local-step-scaler", "--warmup-dtype", "--compression-space",
+                  "--var-freeze", "--var-update-scaler", "--local-step-scaler", "--warmup-dtype", "--compression-space",
                   "--trust-ratio-after-freeze", "--bucket-cap-mb", "--local-size",
                   "--eval-every", "--eval-samples", "--ckpt-every", "--corpus", "--stdlib-tests", "--cache-dir",
                   "--threads", "--no-progress", "--stop-after-steps", "--timeout",
@@ -139,8 +139,12 @@ def test_zero_one_adam_takes_its_schedules_as_fractions_of_the_run():
     assert {k: opt.defaults[k] for k in ("var_freeze_step", "local_step_scaler", "var_update_scaler",
                                          "local_step_clipper")} == {"var_freeze_step": 10, "local_step_scaler": 4,
                                                                     "var_update_scaler": 16, "local_step_clipper": 16}
-    c = cfg("--steps", "40", "--var-freeze", "0.5", "--local-step-scaler", "1", optimizer="zerooneadam")
-    assert make_optimizer(c, [torch.nn.Parameter(torch.zeros(4))]).defaults["var_freeze_step"] == 20
+    c = cfg("--steps", "40", "--var-freeze", "0.5", "--local-step-scaler", "1", "--var-update-scaler", "64",
+            optimizer="zerooneadam")
+    defaults = make_optimizer(c, [torch.nn.Parameter(torch.zeros(4))]).defaults
+    assert (defaults["var_freeze_step"], defaults["var_update_scaler"]) == (20, 64)
+    with pytest.raises(ValueError, match="--var-update-scaler must be >= 1, got 0"):
+        cfg("--var-update-scaler", "0", optimizer="zerooneadam")
     # compare accepts it; its default stays the three optimizers of the demo's tables
     parser = _parser(compare)
     assert parser.parse_args(["--out", "a", "--optimizers", "lamb", "zerooneadam"]).optimizers == ["lamb", "zerooneadam"]
@@ -172,6 +176,8 @@ def test_resume_refuses_every_changed_setting_but_the_output_and_display():
     assert changed([], [], optimizer="lamb") == set()
     assert changed(["--var-freeze", "0.5"], [], optimizer="zerooneadam") == {"var_freeze"}
     assert changed(["--local-step-scaler", "0.5"], [], optimizer="zerooneadam") == {"local_step_scaler"}
+    assert changed(["--var-update-scaler", "8"], [], optimizer="zerooneadam") == {"var_update_scaler"}
+    assert changed(["--var-update-scaler", "8"], [], optimizer="onebitadam") == set()
     assert changed(["--freeze", "0.35"], [], optimizer="zerooneadam") == set()  # read by the 1-bit optimizers only
     assert changed(["--var-freeze", "0.5"], [], optimizer="onebitlamb") == set()
     assert set(config.changed_settings(cfg(), dataclasses.asdict(cfg(optimizer="lamb")))) == {"optimizer"}

@@ -283,7 +283,8 @@ DS_SHAPE, DS_LR, DS_WD = (64,), 0.02, 0.01
 
 def _ds_run(rank, n, steps):
     param = torch.nn.Parameter(initial_params([DS_SHAPE])[0])
-    opt = onebitlamb.ZeroOneAdam([param], lr=DS_LR, weight_decay=DS_WD, bias_correction=False, **SCHEDULE)
+    opt = onebitlamb.ZeroOneAdam([param], lr=DS_LR, weight_decay=DS_WD, bias_correction=False,
+                                 compression_space="momentum", **SCHEDULE)
     history = []
     for t in range(1, steps + 1):
         param.grad = grads_for([param], rank, t, scales=[1.0])[0]
@@ -309,6 +310,8 @@ def test_matches_deepspeeds_rule_without_bias_correction(n):
       ``var_freeze_step - 1`` (with its own count it freezes at the end of its step
       ``var_freeze_step + 1``, our ``var_freeze_step``: the same);
     - ``bias_correction`` is read but never applied: ours is off;
+    - it compresses the gradients and the update sums as they are: ours with
+      ``compression_space="momentum"`` (the default compresses Adam's direction, a departure);
     - it compresses each tensor on its own, we compress one buffer with a per-layer scale: one
       tensor, whose scale is 1, of 64 elements (a multiple of its ``n * lcm(n, 8)`` padding and of
       our ``8 n``), with no element that never had a gradient (no mask on either side);

@@ -32,7 +32,8 @@ from onebitlamb.optim.exchange import ProcessGroupLike
 from onebitlamb.optim.layout import Bucket, FlatLayout, buffer_sizes
 from onebitlamb.optim.optimizers import (_ADAM_DOC, _EXCHANGE_DOC, _MAXIMIZE_DOC, _PARAMS_DOC,
                                          _exchange_defaults)
-from onebitlamb.optim.staged import COMPRESSION, LOCAL, WARMUP, StagedOptimizer, validate_common
+from onebitlamb.optim.staged import (COMPRESSION, COMPRESSION_SPACES, LOCAL, WARMUP, StagedOptimizer,
+                                     validate_common)
 
 StepsOrFraction = Union[int, float]
 
@@ -68,7 +69,7 @@ class ZeroOneAdam(StagedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
                  var_freeze_step: StepsOrFraction, var_update_scaler: int = 16,
                  local_step_scaler: StepsOrFraction = 32678, local_step_clipper: int = 16,
-                 total_steps: Optional[int] = None, maximize: bool = False,
+                 total_steps: Optional[int] = None, compression_space: str = "update", maximize: bool = False,
                  process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
                  bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
                  agree_every: Optional[int] = 1000) -> None:
@@ -85,12 +86,15 @@ class ZeroOneAdam(StagedOptimizer):
             if not _is_int(value) or value < 1:
                 raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= 1)")
         scaler = steps_of("local_step_scaler", local_step_scaler, total_steps)
+        if compression_space not in COMPRESSION_SPACES:
+            raise ValueError(f"Invalid compression_space: {compression_space!r} (must be one of {COMPRESSION_SPACES})")
         if overlap_with_backward:
             raise ValueError("Invalid overlap_with_backward: True (ZeroOneAdam exchanges in step(); its local steps "
                              "send nothing to overlap, and its syncs need the step's update first)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, var_freeze_step=freeze, var_update_scaler=var_update_scaler,
-                        local_step_scaler=scaler, local_step_clipper=local_step_clipper, maximize=maximize,
+                        local_step_scaler=scaler, local_step_clipper=local_step_clipper,
+                        compression_space=compression_space, maximize=maximize,
                         **_exchange_defaults(warmup_dtype, bucket_cap_mb))
         super().__init__(params, defaults, schedule=None, process_group=process_group,
                          overlap_with_backward=overlap_with_backward, agree_every=agree_every)
@@ -168,6 +172,46 @@ class ZeroOneAdam(StagedOptimizer):
         return 1 - beta1 ** self._flat["step"], 1 - beta2 ** self._flat["variance_updates"]
 
     # ------------------------------------------------------------------ the exchange's callback
+    def _adam_denominator(self) -> torch.Tensor:
+        """``sqrt(v_hat) + eps`` as the next update will use it: the variance as it stands in the
+        variance phase (it changes at variance steps only), the frozen one after."""
+        flat = self._flat
+        if flat["frozen_at"] is not None:
+            return self._frozen_denominators()[0]
+        _, bc2 = self._bias_corrections()
+        return F.adam_denominator(flat["exp_avg_sq"], bc2, self.defaults["eps"],
+                                  out=self._scratch.buffer("variance_denominator", self._layout.numel))
+
+    def _layer_scales(self, momentum: torch.Tensor, lrs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Each layer's ``k_l`` from the size of what will be sent: the momentum, or in the update
+        space Adam's direction ``m / den``; times each layer's learning rate where that is sent
+        (a sync's update sum)."""
+        lay = self._layout
+        if self._compresses_update():
+            momentum = momentum / self._adam_denominator()
+        norms = lay.norms(momentum)
+        return F.momentum_scales(norms if lrs is None else norms * lrs, lay.per_layer(lay.numels))
+
+    def _compression_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the staged optimizers' (``k_l`` per element, and its inverse times the mask), but in
+        the update space each element is also divided by the denominator of the phase it is in,
+        which in the variance phase moves with every variance step. What is sent (the gradient, or
+        the update sum in the momentum's units) times this scale is then Adam's direction, so the
+        1-bit code's one magnitude per chunk does not give the elements with a small variance large
+        steps; the unscale brings the average back to the units it was sent in."""
+        derived, flat = self._scratch.derived, self._flat
+        # both are replaced (never changed in place) at every variance step, at the freeze and on load
+        source = (flat["momentum_scale"], flat["momentum_mask"])
+        held = derived.get("scale_source")
+        if held is None or any(a is not b for a, b in zip(held, source)):
+            numels = torch.tensor(self._layout.numels, device=self._layout.device)
+            scale = torch.repeat_interleave(flat["momentum_scale"], numels)
+            if self._compresses_update():
+                scale.div_(self._adam_denominator())
+            derived["scale"], derived["unscale"] = scale, torch.reciprocal(scale).mul_(flat["momentum_mask"])
+            derived["scale_source"] = source
+        return derived["scale"], derived["unscale"]
+
     def _bucket_momentum(self, b: Bucket) -> torch.Tensor:
         """What bucket ``b`` sends through the 1-bit all-reduce, each layer scaled: this rank's
         gradient at a 1-bit step; at a sync, its update sum times the frozen denominator."""
@@ -227,7 +271,7 @@ class ZeroOneAdam(StagedOptimizer):
                 flat["var_interval"], flat["var_counter"], self.defaults["var_update_scaler"])
             # the 1-bit steps' per-layer scales follow the synchronized momentum; elements that
             # never had a gradient at a variance step stay masked (1-bit signs cannot send a 0)
-            flat["momentum_scale"] = F.momentum_scales(lay.norms(m), lay.per_layer(lay.numels))
+            flat["momentum_scale"] = self._layer_scales(m)
             flat["momentum_mask"] = v != 0
         else:
             m.mul_(beta1).add_(self._averaged(grads), alpha=1 - beta1)
@@ -247,10 +291,11 @@ class ZeroOneAdam(StagedOptimizer):
         v = flat["exp_avg_sq"]
         flat["momentum_mask"] = v != 0
         v.div_(bc2)
+        flat["frozen_at"] = flat["step"]  # from here the denominator is the frozen one
         # what a sync sends is about lr * m per layer: groups with another lr get another scale
         lrs = torch.tensor([float(self.param_groups[g]["lr"]) for g in lay.groups], dtype=torch.float32,
                            device=lay.device)
-        flat["momentum_scale"] = F.momentum_scales(lay.norms(flat["exp_avg"]) * lrs, lay.per_layer(lay.numels))
+        flat["momentum_scale"] = self._layer_scales(flat["exp_avg"], lrs)
         for key in ("worker_error", "server_error"):
             if key in flat:
                 flat[key].zero_()
@@ -258,7 +303,6 @@ class ZeroOneAdam(StagedOptimizer):
         flat["update_sum"].zero_()
         flat["lr_sums"].zero_()
         flat["local_interval"], flat["local_counter"] = 1, 0
-        flat["frozen_at"] = flat["step"]
 
     def _local_update_once(self, step: int) -> torch.Tensor:
         """Step ``step``'s local update from this rank's gradient, once (a sync's exchange asks for
@@ -333,6 +377,12 @@ ZeroOneAdam.__doc__ = fr"""0/1 Adam (Lu et al., "Maximizing Communication Effici
         local_step_clipper (int, default 16): the largest local-step interval (the paper's H).
         total_steps (int, default None): the run's length, which fractional schedule values refer
             to and ``var_freeze_step`` must not exceed.
+        compression_space (str, default "update"): what the 1-bit all-reduce compresses:
+            ``"update"`` (the gradient, or a sync's update sum, divided by Adam's denominator as it
+            stands, undone after the exchange; the same bytes), so that the 1-bit code's one
+            magnitude per chunk lands on Adam's direction rather than giving the elements with a
+            small variance large steps; or ``"momentum"`` (the paper's and DeepSpeed's). Changes
+            the numbers; part of the state. ``docs/algorithm.md``.
         {_MAXIMIZE_DOC}
 
     {_EXCHANGE_DOC.format(warmup_dtype="torch.float32")}

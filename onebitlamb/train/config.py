@@ -26,7 +26,7 @@ COMPARED_BY_DEFAULT = ("lamb", "onebitlamb", "onebitadam")
 DEFAULT_LR = {"lamb": 2e-2, "onebitlamb": 2e-2, "onebitadam": 2e-3, "zerooneadam": 2e-3}
 # the flags only one optimizer reads: a resume of another ignores them, as LAMB ignores --freeze
 READ_ONLY_BY = {"freeze": ("onebitlamb", "onebitadam"), "var_freeze": ("zerooneadam",),
-                "local_step_scaler": ("zerooneadam",)}
+                "var_update_scaler": ("zerooneadam",), "local_step_scaler": ("zerooneadam",)}
 
 PRESETS = {
     # for the tests: a few seconds on 2 workers
@@ -117,6 +117,9 @@ class TrainConfig:
     var_freeze: float = field(default=0.25, metadata={
         "help": "0/1 Adam: its var_freeze_step, the end of the variance phase, as a fraction of the steps (a guess, "
                 "not yet measured)", "type": parse_fraction, "metavar": "FRACTION"})
+    var_update_scaler: int = field(default=16, metadata={
+        "help": "0/1 Adam: its var_update_scaler, the variance updates between two doublings of the variance "
+                "interval (DeepSpeed's default)", "metavar": "UPDATES"})
     local_step_scaler: float = field(default=0.1, metadata={
         "help": "0/1 Adam: its local_step_scaler, the steps between two doublings of the local-step interval, as a "
                 "fraction of the steps (a guess, not yet measured)", "type": parse_fraction, "metavar": "FRACTION"})
@@ -124,8 +127,9 @@ class TrainConfig:
         "help": "1-bit optimizers: the wire dtype of the warm-up's gradient average (bfloat16: half the bytes)",
         "choices": ["float32", "bfloat16"]})
     compression_space: str = field(default="update", metadata={
-        "help": "1-bit LAMB: what stage 2 compresses: the update, the momentum over the frozen variance's root, or "
-                "the momentum (the paper's)", "choices": ["update", "momentum"]})
+        "help": "1-bit LAMB and 0/1 Adam: what the 1-bit all-reduce compresses: the update (Adam's direction, the "
+                "momentum over the variance's root) or the momentum (the papers' and DeepSpeed's)",
+        "choices": ["update", "momentum"]})
     trust_ratio_after_freeze: str = field(default="frozen", metadata={
         "help": "1-bit LAMB: the layer-wise coefficient after the freeze: frozen (the paper's: the trust ratio of "
                 "the freeze times a per-layer factor) or live (LAMB's ratio, every step)", "choices": ["frozen", "live"]})
@@ -203,7 +207,7 @@ class TrainConfig:
             if isinstance(value, float) and not math.isfinite(value):
                 refuse(f.name, "a finite number")
         for name in ("steps", "global_batch", "micro_batch", "workers", "eval_every", "eval_samples", "ckpt_every",
-                     "threads", "vocab_size", "seq_len", "hidden", "layers", "heads", "intermediate"):
+                     "var_update_scaler", "threads", "vocab_size", "seq_len", "hidden", "layers", "heads", "intermediate"):
             if getattr(self, name) < 1:
                 refuse(name, ">= 1")
         if self.seq_len < 8:  # [CLS], [SEP] and a few tokens (data.encode_blocks)

@@ -299,8 +299,9 @@ def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
         common.update(compression_space=cfg.compression_space, trust_ratio_after_freeze=cfg.trust_ratio_after_freeze)
     if cfg.optimizer == "zerooneadam":  # it exchanges in step() (its syncs need the step's update first)
         return onebitlamb.ZeroOneAdam(groups, **{**common, "overlap_with_backward": False}, total_steps=cfg.steps,
-                                      var_freeze_step=cfg.var_freeze, local_step_scaler=cfg.local_step_scaler,
-                                      warmup_dtype=getattr(torch, cfg.warmup_dtype))
+                                      var_freeze_step=cfg.var_freeze, var_update_scaler=cfg.var_update_scaler,
+                                      local_step_scaler=cfg.local_step_scaler,
+                                      compression_space=cfg.compression_space, warmup_dtype=getattr(torch, cfg.warmup_dtype))
     cls = onebitlamb.OneBitLamb if cfg.optimizer == "onebitlamb" else onebitlamb.OneBitAdam
     return cls(groups, **common, freeze_step=cfg.freeze_step(), warmup_dtype=getattr(torch, cfg.warmup_dtype))
 
