@@ -204,13 +204,15 @@ class ZeroOneReference:
 
     Steps ``t <= var_freeze_step``: ``t`` a multiple of the variance interval: the mean gradient
     into ``m`` and ``v``; otherwise the 1-bit average of the gradients (each layer scaled by the
-    ``k`` of the last variance step) into ``m``. Then Adam's update. After the freeze each worker
-    steps alone and sums ``lr * u``; every ``local interval`` steps the sums (times the
+    ``k`` of the last variance step, taken from its mean gradient) into ``m``. Then Adam's update.
+    After the freeze each worker steps alone and sums ``lr * u``; every ``local interval`` steps the sums (times the
     denominator) go through the 1-bit average, the parameters become the last sync's minus the
     average over the denominator, and the momentum the average over the summed learning rates.
 
-    ``compression_space="update"``: what goes through the 1-bit average is also divided by Adam's
-    denominator as it stands (and multiplied back after), and ``k`` is taken from ``m`` over it."""
+    That is DeepSpeed's rule, ``compression_space="momentum"``. With ``"update"`` (the default) a
+    1-bit step averages each worker's momentum ``b1 m + (1-b1) g_i`` instead (``k`` from ``m``),
+    and whatever goes through the 1-bit average is also divided by Adam's denominator as it
+    stands (and multiplied back after)."""
 
     def __init__(self, init: List[torch.Tensor], lr: List[float], wd: List[float], *, n: int,
                  var_freeze_step: int, var_update_scaler: int, local_step_scaler: int, local_step_clipper: int,
@@ -265,11 +267,10 @@ class ZeroOneReference:
                 off += size
         return [out[l] * self.mask[l] for l in range(L)]
 
-    def _norms_sent(self) -> List[float]:
-        """Each layer's norm of what the 1-bit steps send: ``m``, or ``m`` over the denominator."""
+    def _norms_sent(self, sent: List[torch.Tensor]) -> List[float]:
+        """Each layer's norm of what stands for what is sent, over the denominator in the update space."""
         den = self._den()
-        return [float((self.m[0][l] / den[l] if self.update_space else self.m[0][l]).norm())
-                for l in range(len(den))]
+        return [float((sent[l] / den[l] if self.update_space else sent[l]).norm()) for l in range(len(den))]
 
     def _scales(self, values: List[float], numels: List[int]) -> List[float]:
         s = [v / math.sqrt(k) for v, k in zip(values, numels)]
@@ -292,10 +293,12 @@ class ZeroOneReference:
                 self.var_counter += 1
                 if self.var_counter == self.kappa:
                     self.var_counter, self.var_interval = 0, self.var_interval * 2
-                self.m[0] = m
-                self.k = self._scales(self._norms_sent(), numels)
+                self.k = self._scales(self._norms_sent(m if self.update_space else g), numels)
                 self.mask = [(v != 0).float() for v in self.v]
-            else:
+            elif self.update_space:  # each worker's momentum goes through the 1-bit average
+                m = self._average_1bit([[b1 * self.m[0][l] + (1 - b1) * w[l] for l in range(L)]
+                                        for w in grads_per_worker])
+            else:  # DeepSpeed's: the gradients do
                 avg = self._average_1bit(grads_per_worker)
                 m = [b1 * self.m[0][l] + (1 - b1) * avg[l] for l in range(L)]
             bc2 = (1 - b2 ** self.kv) if self.bc else 1.0
@@ -308,7 +311,7 @@ class ZeroOneReference:
                 self.frozen = True
                 self.mask = [(v != 0).float() for v in self.v]
                 self.den = [torch.sqrt(v / bc2) + self.eps for v in self.v]
-                self.k = self._scales([s * self.lr[l] for l, s in enumerate(self._norms_sent())], numels)
+                self.k = self._scales([s * self.lr[l] for l, s in enumerate(self._norms_sent(self.m[0]))], numels)
                 if n > 1:
                     self.sim = OneBitAllReduceSim(n, self.D)  # the errors restart
                 self.x_sync = [p.clone() for p in self.x[0]]

@@ -67,8 +67,10 @@ def _run(rank, n, resume_at, kw):
         run(params, opt, 1, stop)
         params, opt = through_a_checkpoint(params, opt, fresh)
         resumed[stop] = run(params, opt, stop + 1, STEPS)[0][-1]
+    params = [torch.nn.Parameter(t.clone()) for t in initial_params()]
+    momentum_space = run(params, make(params, compression_space="momentum"), 1, STEPS)[0]
     return {"history": history, "calls": calls, "stages": stages, "resumed": resumed, "state": final_state,
-            "deepspeed_case": _ds_run(rank, n, STEPS)}
+            "momentum_space": momentum_space, "deepspeed_case": _ds_run(rank, n, STEPS)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,6 +113,20 @@ def test_every_phase_matches_the_reference_and_resumes_exactly(n):
         for stop, final in out[r]["resumed"].items():
             for a, b in zip(final, out[r]["history"][-1]):
                 assert torch.equal(a, b), f"rank {r}: resume after step {stop}"
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_deepspeeds_compression_space_matches_the_reference(n):
+    """compression_space="momentum": the 1-bit steps average the gradients and a sync the update
+    sums times the denominator, unscaled (DeepSpeed's rule), on four layers of their own scales."""
+    out, ref = _spawned(n), _reference_run(n, compression_space="momentum")
+    for t in range(STEPS):
+        for r in range(n):
+            for a, x in zip(out[r]["momentum_space"][t], ref[t][r]):
+                assert rel_err(a, x) < 1e-5, f"rank {r}, step {t + 1} ({STAGES[t]})"
+    # the two spaces part at the first 1-bit step (step 5) and not before
+    assert all(torch.equal(a, b) for a, b in zip(out[0]["momentum_space"][3], out[0]["history"][3]))
+    assert not all(torch.equal(a, b) for a, b in zip(out[0]["momentum_space"][4], out[0]["history"][4]))
 
 
 @pytest.mark.parametrize("bias_correction", [True, False])

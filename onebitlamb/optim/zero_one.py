@@ -182,14 +182,14 @@ class ZeroOneAdam(StagedOptimizer):
         return F.adam_denominator(flat["exp_avg_sq"], bc2, self.defaults["eps"],
                                   out=self._scratch.buffer("variance_denominator", self._layout.numel))
 
-    def _layer_scales(self, momentum: torch.Tensor, lrs: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Each layer's ``k_l`` from the size of what will be sent: the momentum, or in the update
-        space Adam's direction ``m / den``; times each layer's learning rate where that is sent
-        (a sync's update sum)."""
+    def _layer_scales(self, sent: torch.Tensor, lrs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Each layer's ``k_l`` from the size of what will be sent (a gradient, or the momentum that
+        stands for a sync's update sum), over Adam's denominator in the update space; times each
+        layer's learning rate where that is sent (a sync's update sum)."""
         lay = self._layout
         if self._compresses_update():
-            momentum = momentum / self._adam_denominator()
-        norms = lay.norms(momentum)
+            sent = sent / self._adam_denominator()
+        norms = lay.norms(sent)
         return F.momentum_scales(norms if lrs is None else norms * lrs, lay.per_layer(lay.numels))
 
     def _compression_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,7 +220,12 @@ class ZeroOneAdam(StagedOptimizer):
         buf = self._scratch.buffer("comm", buffer_sizes(self.exchange.buckets)[0])[b.comm]
         mine = buf[:b.numel]
         if flat["frozen_at"] is None:
-            torch.mul(self._scratch.buffers["grad"][b.start:b.end], scale[b.start:b.end], out=mine)
+            grad = self._scratch.buffers["grad"][b.start:b.end]
+            if self._compresses_update():
+                torch.mul(flat["exp_avg"][b.start:b.end], self._betas()[0], out=mine)
+                mine.add_(grad, alpha=1 - self._betas()[0]).mul_(scale[b.start:b.end])
+            else:
+                torch.mul(grad, scale[b.start:b.end], out=mine)
         else:
             self._local_update_once(flat["step"] + 1)
             den, _ = self._frozen_denominators()
@@ -260,7 +265,8 @@ class ZeroOneAdam(StagedOptimizer):
 
     def _variance_phase_step(self, stage: str, grads: torch.Tensor) -> None:
         """A variance step (the averaged gradient into both moments) or a 1-bit step (the 1-bit
-        average into the momentum), then Adam's update with the variance as it stands."""
+        average of the ranks' momenta, or in DeepSpeed's rule of the gradients into the momentum),
+        then Adam's update with the variance as it stands."""
         flat, lay = self._flat, self._layout
         beta1, beta2 = self._betas()
         m, v = flat["exp_avg"], flat["exp_avg_sq"]
@@ -269,11 +275,17 @@ class ZeroOneAdam(StagedOptimizer):
             flat["variance_updates"] += 1
             flat["var_interval"], flat["var_counter"] = F.interval_after(
                 flat["var_interval"], flat["var_counter"], self.defaults["var_update_scaler"])
-            # the 1-bit steps' per-layer scales follow the synchronized momentum; elements that
-            # never had a gradient at a variance step stay masked (1-bit signs cannot send a 0)
-            flat["momentum_scale"] = self._layer_scales(m)
+            # the per-layer scales follow what the 1-bit steps send: the momentum, or DeepSpeed's
+            # gradient (whose layers are in other proportions: the noise averages out of the
+            # momentum); elements that never had a gradient at a variance step stay masked (1-bit
+            # signs cannot send a 0)
+            flat["momentum_scale"] = self._layer_scales(m if self._compresses_update() else grads)
             flat["momentum_mask"] = v != 0
-        else:
+        elif self._compresses_update():  # each rank's momentum, averaged as 1-bit Adam's stage 2 does
+            local = self._scratch.buffer("local_momentum", lay.numel)
+            torch.mul(m, beta1, out=local).add_(grads, alpha=1 - beta1)
+            m.copy_(self._averaged(local))
+        else:  # DeepSpeed's: the 1-bit average of the gradients into the momentum
             m.mul_(beta1).add_(self._averaged(grads), alpha=1 - beta1)
         bc1, bc2 = self._bias_corrections()
         update = self._scratch.buffer("update", lay.numel)
