@@ -96,7 +96,7 @@ def _mean(values: Sequence[float], digits: int, unit: str = "") -> str:
     return text + (f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
 
 
-def _rounds(runs: Sequence[dict]) -> str:
+def rounds_cell(runs: Sequence[dict]) -> str:
     """Collective calls per worker over the run, mean over the seeds ("-" for runs from before they
     were counted)."""
     rounds = [m.get("rounds_per_rank") for m in runs]
@@ -125,7 +125,7 @@ def preset_table(preset: str, seeds: Sequence[int], results: Results) -> List[st
             row.name, len(seeds), _mean([m["final_eval_loss"] for m in runs], 3),
             "-" if row is ROWS[0] else _mean(gaps, 1, "%"),
             "-" if steps[0] is None else (str(steps[0]) if len(set(steps)) == 1 else ", ".join(map(str, steps))),
-            f"{sent / 1e6:,.1f}", f"{lamb_bytes / sent:.2f}x", _rounds(runs)]))
+            f"{sent / 1e6:,.1f}", f"{lamb_bytes / sent:.2f}x", rounds_cell(runs)]))
     return lines
 
 

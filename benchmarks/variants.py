@@ -55,10 +55,12 @@ def section(title: str, command: str, seeds: Sequence[int], variants: Sequence[V
     ref = "LAMB" if variants[0] is LAMB else "the first row"
     lines = [*heading(title, command),
              f"Seeds {', '.join(map(str, seeds))}: held-out loss (mean ± standard deviation over the seeds), its gap "
-             f"to {ref} at the same seed, the freeze step per seed, and the whole run's bytes per worker against "
-             f"{ref}'s. Each row is `onebitlamb pretrain --preset {preset}` with its flags." + note, "",
-             table_row(["row", "held-out loss", f"gap to {ref}", "freeze steps", f"{ref}'s bytes / row's"]),
-             "|---|---:|---:|---:|---:|"]
+             f"to {ref} at the same seed, the freeze step per seed, the whole run's bytes per worker against "
+             f"{ref}'s, and its rounds (collective calls) per worker, mean over the seeds. Each row is "
+             f"`onebitlamb pretrain --preset {preset}` with its flags." + note, "",
+             table_row(["row", "held-out loss", f"gap to {ref}", "freeze steps", f"{ref}'s bytes / row's",
+                        "rounds per worker"]),
+             "|---|---:|---:|---:|---:|---:|"]
     for v in variants:
         runs = [results[s, v.row.name] for s in seeds]
         losses = [m["final_eval_loss"] for m in runs]
@@ -70,7 +72,7 @@ def section(title: str, command: str, seeds: Sequence[int], variants: Sequence[V
                f"{statistics.mean(gaps):+.2f}% (from {min(gaps):+.2f}% to {max(gaps):+.2f}%)")
         lines.append(table_row([v.row.name, f"{statistics.mean(losses):.3f}{spread}", gap,
                                 ", ".join(str(m["freeze_step"]) for m in runs) if v is not LAMB else "-",
-                                f"{ratio:.2f}x"]))
+                                f"{ratio:.2f}x", convergence.rounds_cell(runs)]))
     return "\n".join(lines)
 
 
