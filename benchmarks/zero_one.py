@@ -1,6 +1,6 @@
 """0/1 Adam on the demo: the default 1-bit steps against DeepSpeed's rule, beside LAMB and 1-bit LAMB.
 
-    python -m benchmarks.zero_one --seeds 3     # 6 demo runs on 2 cores beyond the convergence benchmark's
+    python -m benchmarks.zero_one --seeds 3     # 9 demo runs on 2 cores beyond the convergence benchmark's
 
 0/1 Adam (``onebitlamb.ZeroOneAdam``) sends 1 bit per element at most of its steps from the second
 one on, not only after a warm-up. DeepSpeed's rule (``--compression-space momentum``) averages the
@@ -9,7 +9,9 @@ per chunk then gives the elements with a small variance large Adam steps, and on
 stalls from step 48, where three steps in four are 1-bit. The default averages each rank's
 momentum over Adam's denominator instead (1-bit Adam's stage 2, in the variance phase). Rows: LAMB
 and 1-bit LAMB with the main job's defaults and 0/1 Adam with the main job's schedules (the
-convergence benchmark's runs, reused from the same folders), and 0/1 Adam with DeepSpeed's rule.
+convergence benchmark's runs, reused from the same folders), 0/1 Adam with DeepSpeed's rule, and
+with the variance refreshed half as often (``--var-update-scaler 8``: the interval doubles after 8
+refreshes instead of 16; the full-precision refreshes are most of 0/1 Adam's bytes).
 Writes the "zero-one" section of BENCHMARKS.md. Run from the repository root.
 """
 from __future__ import annotations
@@ -23,7 +25,10 @@ from benchmarks.variants import DEFAULT, LAMB, Variant, main_for
 ZERO_ONE = Variant(convergence.ROWS[4])
 DEEPSPEED_RULE = Variant(convergence.Row("0/1 Adam, DeepSpeed's 1-bit steps (the gradient)", "zerooneadam-momentum",
                                          [*ZERO_ONE.row.flags, "--compression-space", "momentum"]))
-VARIANTS = [LAMB, DEFAULT, ZERO_ONE, DEEPSPEED_RULE]
+# the variance refreshed half as often: its full-precision steps are most of the run's bytes
+SPARSER = Variant(convergence.Row("0/1 Adam, var_update_scaler 8", "zerooneadam-scaler8",
+                                  [*ZERO_ONE.row.flags, "--var-update-scaler", "8"]))
+VARIANTS = [LAMB, DEFAULT, ZERO_ONE, DEEPSPEED_RULE, SPARSER]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
