@@ -523,6 +523,11 @@ class StagedOptimizer(Optimizer):
             derived["denominator_source"] = v_frozen
         return derived["denominator"], derived["inverse_denominator"]
 
+    def _inverse_denominator(self) -> torch.Tensor:
+        """``1 / (sqrt(v_hat) + eps)`` as the update space divides what it sends: the frozen one
+        (0/1 Adam's variance phase has its own)."""
+        return self._frozen_denominators()[1]
+
     def _compresses_update(self) -> bool:
         return self.defaults.get("compression_space", "momentum") == "update"
 
@@ -539,7 +544,7 @@ class StagedOptimizer(Optimizer):
             numels = torch.tensor(self._layout.numels, device=self._layout.device)
             scale = torch.repeat_interleave(flat["momentum_scale"], numels)
             if self._compresses_update():
-                scale.mul_(self._frozen_denominators()[1])
+                scale.mul_(self._inverse_denominator())
             derived["scale"], derived["unscale"] = scale, torch.reciprocal(scale).mul_(flat["momentum_mask"])
             derived["scale_source"] = source
         return derived["scale"], derived["unscale"]

@@ -192,25 +192,13 @@ class ZeroOneAdam(StagedOptimizer):
         norms = lay.norms(sent)
         return F.momentum_scales(norms if lrs is None else norms * lrs, lay.per_layer(lay.numels))
 
-    def _compression_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """As the staged optimizers' (``k_l`` per element, and its inverse times the mask), but in
-        the update space each element is also divided by the denominator of the phase it is in,
-        which in the variance phase moves with every variance step. What is sent (the gradient, or
-        the update sum in the momentum's units) times this scale is then Adam's direction, so the
-        1-bit code's one magnitude per chunk does not give the elements with a small variance large
-        steps; the unscale brings the average back to the units it was sent in."""
-        derived, flat = self._scratch.derived, self._flat
-        # both are replaced (never changed in place) at every variance step, at the freeze and on load
-        source = (flat["momentum_scale"], flat["momentum_mask"])
-        held = derived.get("scale_source")
-        if held is None or any(a is not b for a, b in zip(held, source)):
-            numels = torch.tensor(self._layout.numels, device=self._layout.device)
-            scale = torch.repeat_interleave(flat["momentum_scale"], numels)
-            if self._compresses_update():
-                scale.div_(self._adam_denominator())
-            derived["scale"], derived["unscale"] = scale, torch.reciprocal(scale).mul_(flat["momentum_mask"])
-            derived["scale_source"] = source
-        return derived["scale"], derived["unscale"]
+    def _inverse_denominator(self) -> torch.Tensor:
+        """In the variance phase the denominator moves with every variance step, and the update
+        space divides by it as it stands (the staged optimizers' scales are rebuilt then: the layer
+        scales are replaced at every variance step)."""
+        if self._flat["frozen_at"] is not None:
+            return super()._inverse_denominator()
+        return torch.reciprocal(self._adam_denominator())
 
     def _bucket_momentum(self, b: Bucket) -> torch.Tensor:
         """What bucket ``b`` sends through the 1-bit all-reduce, each layer scaled: this rank's
