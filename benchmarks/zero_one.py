@@ -2,12 +2,12 @@
 
     python -m benchmarks.zero_one --seeds 3     # 9 demo runs on 2 cores beyond the convergence benchmark's
 
-0/1 Adam (``onebitlamb.ZeroOneAdam``) sends 1 bit per element at most of its steps from the second
+0/1 Adam (``onebitlamb.ZeroOneAdam``) sends 1 bit per element at most of its steps from the 17th
 one on, not only after a warm-up. DeepSpeed's rule (``--compression-space momentum``) averages the
 ranks' gradients with the 1-bit all-reduce and adds the result to the momentum; its one magnitude
-per chunk then gives the elements with a small variance large Adam steps, and on the demo it
-stalls from step 48, where three steps in four are 1-bit. The default averages each rank's
-momentum over Adam's denominator instead (1-bit Adam's stage 2, in the variance phase). Rows: LAMB
+per chunk then gives the elements with a small variance large Adam steps. The default averages
+each rank's momentum over Adam's denominator instead (1-bit Adam's stage 2, in the variance
+phase). Rows: LAMB
 and 1-bit LAMB with the main job's defaults and 0/1 Adam with the main job's schedules (the
 convergence benchmark's runs, reused from the same folders), 0/1 Adam with DeepSpeed's rule, and
 with the variance refreshed half as often (``--var-update-scaler 8``: the interval doubles after 8
