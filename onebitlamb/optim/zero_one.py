@@ -5,12 +5,12 @@ Two phases, each counted from the optimizer's own first step ``s`` (``docs/algor
 
 - the variance phase, ``s <= var_freeze_step``: a step is a *variance step* (``s`` a multiple of
   the variance interval) that averages the gradients in full precision and updates both moments,
-  or a *1-bit step* that averages them with the error-compensated 1-bit all-reduce and updates
-  the momentum only. The interval doubles after every ``var_update_scaler`` variance updates.
+  or a *1-bit step* that averages the ranks' momenta with the error-compensated 1-bit all-reduce
+  (DeepSpeed's rule: their gradients, into the momentum) and leaves the variance. The interval
+  doubles after every ``var_update_scaler`` variance updates.
 - after it (the variance frozen, the compression errors restarted): *local steps*, each rank
   moving its own parameters with its own momentum and summing what it moved them by; every
-  ``local_interval`` steps a *sync* averages that sum (times the denominator, so in the
-  momentum's units) with the 1-bit all-reduce, sets the parameters to the last sync's plus the
+  ``local_interval`` steps a *sync* averages that sum with the 1-bit all-reduce, sets the parameters to the last sync's plus the
   average, the same on every rank, and the momentum to the average per unit of learning rate.
   The interval doubles every ``local_step_scaler`` steps, up to ``local_step_clipper``.
 
@@ -183,9 +183,9 @@ class ZeroOneAdam(StagedOptimizer):
                                   out=self._scratch.buffer("variance_denominator", self._layout.numel))
 
     def _layer_scales(self, sent: torch.Tensor, lrs: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Each layer's ``k_l`` from the size of what will be sent (a gradient, or the momentum that
-        stands for a sync's update sum), over Adam's denominator in the update space; times each
-        layer's learning rate where that is sent (a sync's update sum)."""
+        """Each layer's ``k_l`` from the size of what will be sent (the momentum, the gradient, or the
+        momentum standing for a sync's update sum), over Adam's denominator in the update space;
+        times each layer's learning rate where that is sent (a sync's update sum)."""
         lay = self._layout
         if self._compresses_update():
             sent = sent / self._adam_denominator()
@@ -201,8 +201,9 @@ class ZeroOneAdam(StagedOptimizer):
         return torch.reciprocal(self._adam_denominator())
 
     def _bucket_momentum(self, b: Bucket) -> torch.Tensor:
-        """What bucket ``b`` sends through the 1-bit all-reduce, each layer scaled: this rank's
-        gradient at a 1-bit step; at a sync, its update sum times the frozen denominator."""
+        """What bucket ``b`` sends through the 1-bit all-reduce, each layer scaled (and in the update
+        space divided by Adam's denominator): at a 1-bit step this rank's momentum, or its gradient
+        in DeepSpeed's rule; at a sync, its update sum times the frozen denominator."""
         flat = self._flat
         scale, _ = self._compression_scales()
         buf = self._scratch.buffer("comm", buffer_sizes(self.exchange.buckets)[0])[b.comm]
@@ -210,8 +211,9 @@ class ZeroOneAdam(StagedOptimizer):
         if flat["frozen_at"] is None:
             grad = self._scratch.buffers["grad"][b.start:b.end]
             if self._compresses_update():
-                torch.mul(flat["exp_avg"][b.start:b.end], self._betas()[0], out=mine)
-                mine.add_(grad, alpha=1 - self._betas()[0]).mul_(scale[b.start:b.end])
+                beta1, _ = self._betas()
+                torch.mul(flat["exp_avg"][b.start:b.end], beta1, out=mine)
+                mine.add_(grad, alpha=1 - beta1).mul_(scale[b.start:b.end])
             else:
                 torch.mul(grad, scale[b.start:b.end], out=mine)
         else:
@@ -378,11 +380,13 @@ ZeroOneAdam.__doc__ = fr"""0/1 Adam (Lu et al., "Maximizing Communication Effici
         total_steps (int, default None): the run's length, which fractional schedule values refer
             to and ``var_freeze_step`` must not exceed.
         compression_space (str, default "update"): what the 1-bit all-reduce compresses:
-            ``"update"`` (the gradient, or a sync's update sum, divided by Adam's denominator as it
-            stands, undone after the exchange; the same bytes), so that the 1-bit code's one
-            magnitude per chunk lands on Adam's direction rather than giving the elements with a
-            small variance large steps; or ``"momentum"`` (the paper's and DeepSpeed's). Changes
-            the numbers; part of the state. ``docs/algorithm.md``.
+            ``"update"`` (at a 1-bit step each rank's momentum ``b1 m + (1-b1) g_i``, at a sync its
+            update sum, divided by Adam's denominator as it stands, undone after the exchange; the
+            same bytes), so that the 1-bit code's one magnitude per chunk lands on Adam's
+            direction rather than giving the elements with a small variance large steps; or
+            ``"momentum"`` (DeepSpeed's rule: the gradient, whose 1-bit average goes into the
+            momentum, and the update sum times the denominator). Changes the numbers; part of the
+            state. ``docs/algorithm.md``.
         {_MAXIMIZE_DOC}
 
     {_EXCHANGE_DOC.format(warmup_dtype="torch.float32")}
