@@ -7,12 +7,11 @@ one on, not only after a warm-up. DeepSpeed's rule (``--compression-space moment
 ranks' gradients with the 1-bit all-reduce and adds the result to the momentum; its one magnitude
 per chunk then gives the elements with a small variance large Adam steps. The default averages
 each rank's momentum over Adam's denominator instead (1-bit Adam's stage 2, in the variance
-phase). Rows: LAMB
-and 1-bit LAMB with the main job's defaults and 0/1 Adam with the main job's schedules (the
-convergence benchmark's runs, reused from the same folders), 0/1 Adam with DeepSpeed's rule, and
-with the variance refreshed half as often (``--var-update-scaler 8``: the interval doubles after 8
-refreshes instead of 16; the full-precision refreshes are most of 0/1 Adam's bytes).
-Writes the "zero-one" section of BENCHMARKS.md. Run from the repository root.
+phase). Rows: LAMB and 1-bit LAMB with the main job's defaults and 0/1 Adam with the main job's
+schedules (the convergence benchmark's runs, reused from the same folders), 0/1 Adam with
+DeepSpeed's rule, and with the variance refreshed half as often (``--var-update-scaler 8``: the
+interval doubles after 8 refreshes instead of 16; the full-precision refreshes are most of 0/1
+Adam's bytes). Writes the "zero-one" section of BENCHMARKS.md. Run from the repository root.
 """
 from __future__ import annotations
 

@@ -205,8 +205,8 @@ class ZeroOneReference:
     Steps ``t <= var_freeze_step``: ``t`` a multiple of the variance interval: the mean gradient
     into ``m`` and ``v``; otherwise the 1-bit average of the gradients (each layer scaled by the
     ``k`` of the last variance step, taken from its mean gradient) into ``m``. Then Adam's update.
-    After the freeze each worker steps alone and sums ``lr * u``; every ``local interval`` steps the sums (times the
-    denominator) go through the 1-bit average, the parameters become the last sync's minus the
+    After the freeze each worker steps alone and sums ``lr * u``; every ``local interval`` steps
+    the sums (times the denominator) go through the 1-bit average, the parameters become the last sync's minus the
     average over the denominator, and the momentum the average over the summed learning rates.
 
     That is DeepSpeed's rule, ``compression_space="momentum"``. With ``"update"`` (the default) a

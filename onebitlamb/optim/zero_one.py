@@ -10,8 +10,8 @@ Two phases, each counted from the optimizer's own first step ``s`` (``docs/algor
   doubles after every ``var_update_scaler`` variance updates.
 - after it (the variance frozen, the compression errors restarted): *local steps*, each rank
   moving its own parameters with its own momentum and summing what it moved them by; every
-  ``local_interval`` steps a *sync* averages that sum with the 1-bit all-reduce, sets the parameters to the last sync's plus the
-  average, the same on every rank, and the momentum to the average per unit of learning rate.
+  ``local_interval`` steps a *sync* averages that sum with the 1-bit all-reduce, sets the
+  parameters to the last sync's plus the average, the same on every rank, and the momentum to the average per unit of learning rate.
   The interval doubles every ``local_step_scaler`` steps, up to ``local_step_clipper``.
 
 The stages of ``StagedOptimizer`` name what a step exchanges: ``WARMUP`` (a full-precision
