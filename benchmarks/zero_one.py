@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 from benchmarks import convergence
 from benchmarks.variants import DEFAULT, LAMB, Variant, main_for
 
-ZERO_ONE = Variant(convergence.ROWS[4])
+ZERO_ONE = Variant(next(row for row in convergence.ROWS if row.folder == "zerooneadam"))
 DEEPSPEED_RULE = Variant(convergence.Row("0/1 Adam, DeepSpeed's 1-bit steps (the gradient)", "zerooneadam-momentum",
                                          [*ZERO_ONE.row.flags, "--compression-space", "momentum"]))
 # the variance refreshed half as often: its full-precision steps are most of the run's bytes
