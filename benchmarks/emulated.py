@@ -26,7 +26,7 @@ from benchmarks.report import write_section
 from onebitlamb.comm.costmodel import parse_rate, rate_label
 
 OPTIMIZERS = ("lamb", "onebitlamb", "onebitadam")
-LABELS = {"lamb": "LAMB", "onebitlamb": "1-bit LAMB", "onebitadam": "1-bit Adam"}
+LABELS = {"lamb": "LAMB", "onebitlamb": "1-bit LAMB", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam"}
 
 
 @dataclass

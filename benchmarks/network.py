@@ -1,4 +1,4 @@
-"""Network benchmark: LAMB, 1-bit LAMB and 1-bit Adam pretraining a small BERT on emulated hosts.
+"""Network benchmark: LAMB, 1-bit LAMB, 1-bit Adam and 0/1 Adam pretraining a small BERT on emulated hosts.
 
     sudo .venv/bin/python -m benchmarks.network      # from the repository root; default: 2 hosts, 10M..1G + unshaped
     sudo .venv/bin/python -m benchmarks.network --rates 10M,1G --hosts 4 --no-write   # print the tables only
@@ -7,34 +7,46 @@
 Every host is a network namespace on a bridge, every link shaped by a token bucket (see
 ``benchmarks.netsim``). One unshaped launch first measures what does not depend on the rate: the
 latency of a tiny collective, the hosts' own byte rate and the 1-bit codec's cost. Then one
-launch per rate trains every optimizer through its stages, each right after the same steps with
-no communication (all hosts computing at once, as they share the CPUs): the compute-only time
-the cost model (``onebitlamb.comm.costmodel``) starts from, measured minutes apart from the step
-it predicts on a machine whose load varies. For each rate: step time in the warm-up and in the
-compression stage, LAMB's share of a step spent communicating, the compression-stage and
-end-to-end speed-up, the bytes each host's interface counted per step, and the cost model's
-prediction beside every measured step. Last, on plain loopback, LAMB's and the 1-bit steps
-interleaved in one launch. Writes the "network" section of BENCHMARKS.md, a PNG of speed-up
-against link rate and the raw results (JSON) next to it.
+launch per rate trains every optimizer through each kind of step it takes, each right after the
+same steps with no communication (all hosts computing at once, as they share the CPUs): the
+compute-only time the cost model (``onebitlamb.comm.costmodel``) starts from, measured minutes
+apart from the step it predicts on a machine whose load varies. For each rate: step time in the
+warm-up and in the compression stage (and 0/1 Adam's local steps and syncs), LAMB's share of a
+step spent communicating, the compression-stage and end-to-end speed-up, the bytes each host's
+interface counted per step, and the cost model's prediction beside every measured step. Then
+the whole run: the main job's demo run (``--schedules``: each optimizer's steps by kind, as its
+run of the convergence benchmark took them) timed at each rate, every step at the measured time
+of its kind. Last, on plain loopback, LAMB's and the 1-bit steps interleaved in one launch.
+Writes the "network" section of BENCHMARKS.md, a PNG of speed-up against link rate and the raw
+results (JSON) next to it.
 """
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import math
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from benchmarks import emulated
 from benchmarks.emulated import LABELS, OPTIMIZERS, Settings, kb, mean, ms, parse_rate, quartiles, rate_label, slowest
+from benchmarks.convergence import ROWS as CONVERGENCE_ROWS
 from benchmarks.netsim.runner import run_workers
+from benchmarks.netsim.worker import KINDS, LOCAL, SYNC
 from benchmarks.netsim.topology import Network, cleanup_stale
 from benchmarks.report import command_line, machine_line, write_section
 from onebitlamb.comm import costmodel
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
+# 0/1 Adam runs here only: the other emulated benchmarks compare the two-stage optimizers stage by stage
+NETWORK_OPTIMIZERS = (*OPTIMIZERS, "zerooneadam")
+PAIRED = ("lamb", "onebitlamb", "onebitadam")  # the interleaved loopback steps: LAMB against the compression stage
+SCHEDULES = os.path.join("runs", "convergence", "demo", "1234")  # the convergence benchmark's demo runs
 
 
 def run_experiment(s: Settings, log=print) -> dict:
@@ -70,6 +82,7 @@ def run_paired(s: Settings) -> List[dict]:
     from benchmarks.netsim.worker import paired_steps
 
     spec = dict(s.spec(), rounds=s.paired_rounds)
+    spec["optimizers"] = [name for name in spec["optimizers"] if name in PAIRED]
     return spawn_local(paired_steps, s.hosts, (spec,), timeout_s=s.timeout_s,
                        threads_per_worker=s.threads)
 
@@ -133,13 +146,15 @@ def summarise(raw: dict) -> dict:
         alpha = mean(r["probe"]["alpha_s"] for r in ranks)
         link = costmodel.Link(rate, alpha, host_Bps=host_Bps)
         for name in ranks[0]["train"]:
-            for stage in ("warmup", "compression"):
+            for stage in KINDS:
                 if stage not in ranks[0]["train"][name]:
                     continue
                 per = [r["train"][name][stage] for r in ranks]
                 measured = mean(p["median_s"] for p in per)
                 comp = synchronous_compute_s([r["compute_only"][name][stage]["step_times"] for r in ranks])
-                if stage == "compression":
+                if stage == LOCAL:  # only the agreed finite check
+                    predicted = costmodel.predict_step(comp, costmodel.finite_flag_collectives(n), link)
+                elif stage in ("compression", SYNC):
                     predicted = costmodel.predict_step(comp, onebit_bytes + costmodel.finite_flag_collectives(n),
                                                        link, codec_s)
                 else:
@@ -186,6 +201,66 @@ def _speedups(rows: List[dict], w: float) -> List[dict]:
                 "over_compute_only": comp["measured_s"] / comp["compute_s"] - 1.0,
             })
     return out
+
+
+def load_schedules(folder: str, optimizers: Sequence[str]) -> Dict[str, Dict[str, int]]:
+    """Per optimizer, how many steps of each kind (``KINDS``) its run of the convergence benchmark
+    under ``folder`` took (the stages its ``log.csv`` records; 0/1 Adam's compression steps after
+    its ``freeze_step`` are syncs). Optimizers whose run is missing are left out."""
+    folders = {row.flags[row.flags.index("--optimizer") + 1]: row.folder for row in CONVERGENCE_ROWS}
+    out = {}
+    for name in optimizers:
+        run = os.path.join(folder, folders[name])
+        if not os.path.exists(os.path.join(run, "metrics.json")):
+            continue
+        with open(os.path.join(run, "metrics.json")) as f:
+            frozen_at = json.load(f)["freeze_step"]
+        counts = {kind: 0 for kind in KINDS}
+        with open(os.path.join(run, "log.csv")) as f:
+            for line in csv.DictReader(f):
+                if not line["stage"]:  # the evaluation before the first step
+                    continue
+                sync = name == "zerooneadam" and line["stage"] == "compression" and int(line["step"]) > frozen_at
+                counts[SYNC if sync else line["stage"]] += 1
+        out[name] = {kind: n for kind, n in counts.items() if n}
+    return out
+
+
+def whole_run_rows(rows: List[dict], schedules: Dict[str, Dict[str, int]]) -> List[dict]:
+    """Per rate and optimizer with a schedule: the whole run's time, each step at the measured
+    time of its kind at that rate, and LAMB's whole run over it."""
+    by = {(r["rate_bps"], r["optimizer"], r["stage"]): r["measured_s"] for r in rows}
+    rates = list(dict.fromkeys(r["rate_bps"] for r in rows))
+    out = []
+    for rate in rates:
+        totals = {}
+        for name, counts in schedules.items():
+            if all((rate, name, kind) in by for kind in counts):
+                totals[name] = sum(n * by[rate, name, kind] for kind, n in counts.items())
+        for name, total in totals.items():
+            out.append({"rate_bps": rate, "optimizer": name, "steps": sum(schedules[name].values()),
+                        "counts": schedules[name], "whole_run_s": total,
+                        "speedup": totals["lamb"] / total if "lamb" in totals else math.nan})
+    return out
+
+
+def format_whole_run(whole: List[dict], folder: str) -> str:
+    """Markdown: the whole demo run per rate, the optimizers side by side."""
+    names = list(dict.fromkeys(r["optimizer"] for r in whole))
+    lines = [f"The whole demo run (`onebitlamb pretrain --preset demo`, seed 1234: each optimizer's steps by kind as "
+             f"its run in `{folder}` took them), every step at the median time measured above for its kind at that "
+             f"rate; minutes, and LAMB's time over the optimizer's:", "",
+             "| steps by kind | " + " | ".join(LABELS[n] for n in names) + " |",
+             "|---|" + "---:|" * len(names)]
+    counts = {r["optimizer"]: r["counts"] for r in whole}
+    lines.append("| " + " | ".join(["(warm-up / compression / local / sync)"]
+                                   + [" / ".join(str(counts[n].get(k, 0)) for k in KINDS) for n in names]) + " |")
+    for rate in dict.fromkeys(r["rate_bps"] for r in whole):
+        cells = {r["optimizer"]: r for r in whole if r["rate_bps"] == rate}
+        lines.append("| " + " | ".join([rate_label(rate)] + [
+            f"{cells[n]['whole_run_s'] / 60:.1f} min ({cells[n]['speedup']:.2f}x)" if n in cells else "-"
+            for n in names]) + " |")
+    return "\n".join(lines)
 
 
 def format_tables(summary: dict, w: float) -> str:
@@ -319,8 +394,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", type=int, default=d.hosts, help="emulated hosts, one worker each (default %(default)s)")
     parser.add_argument("--rates", default="10M,50M,200M,1G,inf",
                         help="link rates, comma-separated (10M, 1G, inf = unshaped); default %(default)s")
-    parser.add_argument("--optimizers", default=",".join(d.optimizers),
-                        help="comma-separated subset of lamb,onebitlamb,onebitadam (default: all)")
+    parser.add_argument("--optimizers", default=",".join(NETWORK_OPTIMIZERS),
+                        help=f"comma-separated subset of {','.join(NETWORK_OPTIMIZERS)} (default: all)")
+    parser.add_argument("--schedules", default=SCHEDULES,
+                        help="the convergence benchmark's runs whose steps by kind the whole-run table times "
+                             "(default %(default)s: `python -m benchmarks.convergence` writes them)")
     parser.add_argument("--hidden", type=int, default=128, help="BERT hidden size (default %(default)s)")
     parser.add_argument("--layers", type=int, default=2, help="BERT layers (default %(default)s)")
     parser.add_argument("--heads", type=int, default=None, help="attention heads (default hidden/64, at least 2)")
@@ -349,9 +427,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args) -> Settings:
     optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
-    unknown = [o for o in optimizers if o not in OPTIMIZERS]
+    unknown = [o for o in optimizers if o not in NETWORK_OPTIMIZERS]
     if unknown:
-        raise ValueError(f"unknown optimizer(s) {unknown}; choose from {', '.join(OPTIMIZERS)}")
+        raise ValueError(f"unknown optimizer(s) {unknown}; choose from {', '.join(NETWORK_OPTIMIZERS)}")
     if "lamb" not in optimizers:
         raise ValueError("the comparison needs lamb among --optimizers (it is the baseline)")
     if args.hosts < 2:
@@ -392,7 +470,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     raw, _ = done
     summary = summarise(raw)
+    schedules = load_schedules(args.schedules, s.optimizers)
+    summary["whole_run"] = whole_run_rows(summary["rows"], schedules)
     tables = format_tables(summary, s.warmup_fraction)
+    missing = [LABELS[name] for name in s.optimizers if name not in schedules]
+    if summary["whole_run"]:
+        tables += "\n\n" + format_whole_run(summary["whole_run"], args.schedules)
+    if missing:
+        tables += (f"\n\nNo whole run for {', '.join(missing)}: no finished run in {args.schedules} "
+                   f"(`python -m benchmarks.convergence` trains them).")
     targets = check_targets(summary)
     print(tables)
     print()
@@ -403,7 +489,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plot(summary, args.plot)
     m = s.model
     body = "\n".join([
-        "## Network: LAMB vs 1-bit LAMB / 1-bit Adam on emulated hosts",
+        "## Network: LAMB vs 1-bit LAMB / 1-bit Adam / 0/1 Adam on emulated hosts",
         "",
         f"Command: `{command_line(argv if argv is not None else None)}` (as root)",
         "",
@@ -412,7 +498,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"all sharing this machine's CPUs. BERT hidden {m['hidden']}, {m['layers']} layers, "
         f"{summary['calibration']['params']:,} parameters, {s.batch} x 64 tokens per host per step; "
         f"{s.warmup_steps} timed warm-up and {s.compression_steps} timed compression steps per optimizer "
-        f"(one untimed step before each stage). Run took {raw['elapsed_s'] / 60:.1f} min. "
+        f"(0/1 Adam: variance and 1-bit steps, and as many local steps and syncs; one untimed step of each kind "
+        f"first; every step after a barrier). Run took {raw['elapsed_s'] / 60:.1f} min. "
         f"Method and discussion: docs/netsim.md. Plot: docs/{Path(args.plot).name}.",
         "",
         tables,

@@ -46,15 +46,36 @@ def test_network_benchmark_end_to_end_on_a_tiny_model(tmp_path, capsys):
     from benchmarks import network
 
     out = tmp_path / "netsim.json"
-    code = network.main(["--rates", "20M", "--optimizers", "lamb,onebitlamb", "--hidden", "64",
+    schedules = tmp_path / "runs"
+    for folder, stages, freeze in (("lamb", ["warmup"] * 4, None),
+                                   ("zerooneadam", ["warmup", "compression", "local", "compression"], 2)):
+        (schedules / folder).mkdir(parents=True)
+        (schedules / folder / "metrics.json").write_text(json.dumps({"freeze_step": freeze}))
+        (schedules / folder / "log.csv").write_text("step,stage\n0,\n" + "".join(
+            f"{i},{stage}\n" for i, stage in enumerate(stages, start=1)))
+    code = network.main(["--rates", "20M", "--optimizers", "lamb,onebitlamb,zerooneadam", "--hidden", "64",
                          "--layers", "1", "--batch", "4", "--warmup-steps", "1", "--compression-steps", "2",
-                         "--raw", str(out), "--plot", str(tmp_path / "speedup.png"),
-                         "--results", str(tmp_path / "BENCHMARKS.md"), "--timeout", "120"])
+                         "--raw", str(out), "--plot", str(tmp_path / "speedup.png"), "--schedules", str(schedules),
+                         "--results", str(tmp_path / "BENCHMARKS.md"), "--timeout", "120", "--paired-rounds", "4"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "| 20 Mbit/s | 1-bit LAMB | compression |" in printed
     summary = json.loads(out.read_text())["summary"]
     (row,) = summary["summary"]
     assert row["optimizer"] == "onebitlamb" and row["wire_reduction"] > 10
-    stages = {(r["optimizer"], r["stage"]) for r in summary["rows"]}
-    assert stages == {("lamb", "warmup"), ("onebitlamb", "warmup"), ("onebitlamb", "compression")}
+    rows = {(r["optimizer"], r["stage"]): r for r in summary["rows"]}
+    assert set(rows) == {("lamb", "warmup"), ("onebitlamb", "warmup"), ("onebitlamb", "compression"),
+                         ("zerooneadam", "warmup"), ("zerooneadam", "compression"), ("zerooneadam", "local"),
+                         ("zerooneadam", "sync")}
+    # a local step sends only the agreed finite flag; a 1-bit step and a sync far less than a variance step
+    assert rows["zerooneadam", "local"]["accounted_bytes"] < 100
+    for kind in ("compression", "sync"):
+        assert rows["zerooneadam", kind]["wire_bytes"] * 10 < rows["zerooneadam", "warmup"]["wire_bytes"]
+    # the paired loopback rounds compare the compression stage with LAMB: 0/1 Adam is not among them
+    assert [p["optimizer"] for p in summary["paired"]] == ["onebitlamb"]
+    whole = {r["optimizer"]: r for r in summary["whole_run"]}
+    assert set(whole) == {"lamb", "zerooneadam"}  # 1-bit LAMB has no run in the schedules folder
+    m = {kind: rows["zerooneadam", kind]["measured_s"] for kind in ("warmup", "compression", "local", "sync")}
+    assert whole["zerooneadam"]["whole_run_s"] == pytest.approx(sum(m.values()))
+    assert whole["lamb"]["whole_run_s"] == pytest.approx(4 * rows["lamb", "warmup"]["measured_s"])
+    assert "No whole run for 1-bit LAMB" in printed

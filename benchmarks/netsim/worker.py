@@ -24,14 +24,15 @@ Jobs, in the order they run when present in the spec:
   both stages (``hierarchy_steps``; also runs on loopback under ``spawn_local``); ``spec["modes"]``
   may add the flat and the hierarchical optimizer with ``overlap_with_backward`` (the serial step
   against the one whose exchange runs behind the backward);
-- ``train``: per optimizer, timed steps of the warm-up and the compression stage of the BERT
-  pretraining workload on synthetic token batches, with per-stage wire and accounted bytes; just
+- ``train``: per optimizer, timed steps of each kind it takes (``KINDS``: the warm-up, the
+  compression stage; 0/1 Adam's variance steps, 1-bit steps, local steps and syncs) of the BERT
+  pretraining workload on synthetic token batches, with per-kind wire and accounted bytes; just
   before, the same steps with no communication at all (each rank alone in a one-rank group, all
   ranks at once so that they contend for the CPUs as in the networked run).
 
 Each rank times its own steps; a step is the whole loop body (forward, backward, optimizer step,
-which includes the communication). Counters are read after a barrier, so every byte a stage sent
-has reached its peer.
+which includes the communication). In ``train`` every step starts after a barrier and its
+interface counter is read after another, so every byte the step sent has reached its peer.
 """
 from __future__ import annotations
 
@@ -47,7 +48,18 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from onebitlamb.optim.staged import COMPRESSION, WARMUP  # the stage names optimizer.stage reports
+from onebitlamb.optim import functional as F
+from onebitlamb.optim.staged import COMPRESSION, LOCAL, WARMUP  # the stage names optimizer.stage reports
+
+SYNC = "sync"  # 0/1 Adam's compression steps after its variance froze: the update sums averaged
+# the kinds of step ``train`` times, in the order of the tables: LAMB's and the warm-up's (0/1
+# Adam's variance steps: the full-precision average), the 1-bit steps, then 0/1 Adam's local
+# steps (no exchange beyond the agreed finite check) and syncs
+KINDS = (WARMUP, COMPRESSION, LOCAL, SYNC)
+# 0/1 Adam in ``train``: the variance interval doubling after 4 refreshes, then syncs and local
+# steps alternating (an interval of 2 from the second step after the freeze), so that every kind
+# comes up within a few dozen steps; a step's time does not depend on where in a schedule it falls
+ZERO_ONE_SCHEDULE = dict(var_update_scaler=4, local_step_scaler=1, local_step_clipper=2)
 
 
 def read_counter(interface: str, name: str = "tx_bytes") -> int:
@@ -65,7 +77,37 @@ def make_optimizer(name: str, params, lr: float, freeze_step: int, group, **exch
         return onebitlamb.OneBitLamb(params, lr=lr, freeze_step=freeze_step, process_group=group, **exchange)
     if name == "onebitadam":
         return onebitlamb.OneBitAdam(params, lr=lr, freeze_step=freeze_step, process_group=group, **exchange)
-    raise ValueError(f"unknown optimizer {name!r} (lamb, onebitlamb, onebitadam)")
+    if name == "zerooneadam":  # ``freeze_step``: its var_freeze_step
+        return onebitlamb.ZeroOneAdam(params, lr=lr, var_freeze_step=freeze_step, process_group=group,
+                                      **ZERO_ONE_SCHEDULE, **exchange)
+    raise ValueError(f"unknown optimizer {name!r} (lamb, onebitlamb, onebitadam, zerooneadam)")
+
+
+def zero_one_freeze_step(variance_steps: int, onebit_steps: int) -> int:
+    """The first ``var_freeze_step`` by which 0/1 Adam under ``ZERO_ONE_SCHEDULE`` has taken at
+    least ``variance_steps`` variance steps and ``onebit_steps`` 1-bit steps (its own schedule
+    rule, ``ZeroOneAdam.stage``; ``train_one`` checks each step's kind against the optimizer)."""
+    interval, counter, variance, onebit, step = 1, 0, 0, 0, 0
+    while variance < variance_steps or onebit < onebit_steps:
+        step += 1
+        if step % interval == 0:
+            variance += 1
+            interval, counter = F.interval_after(interval, counter, ZERO_ONE_SCHEDULE["var_update_scaler"])
+        else:
+            onebit += 1
+    return step
+
+
+def step_kind(opt) -> str:
+    """The kind of the optimizer's next step (``KINDS``): its stage, a compression step of 0/1
+    Adam after its variance froze being a sync."""
+    import onebitlamb
+
+    stage = opt.stage
+    if (stage == COMPRESSION and isinstance(opt, onebitlamb.ZeroOneAdam)
+            and opt.freeze_stats()["frozen_at"] is not None):
+        return SYNC
+    return stage
 
 
 def _model_config(spec: dict):
@@ -124,55 +166,58 @@ def _two_stage_rounds(runs: list, batches: list, skip: int, warm: int, comp: int
 
 
 def train_one(name: str, spec: dict, rank: int, group, interface: Optional[str]) -> dict:
-    """Run one optimizer through its stages; per stage: step times, wire and accounted bytes."""
+    """Run one optimizer through every kind of step it takes; per kind: step times, wire and
+    accounted bytes. The first ``skip_steps`` of each kind are untimed, as are the steps of a kind
+    already timed often enough (0/1 Adam's kinds interleave)."""
     from onebitlamb.train.model import build_model
 
     cfg = _model_config(spec)
     warm, comp, skip = spec["warmup_steps"], spec["compression_steps"], spec.get("skip_steps", 1)
+    wanted = {WARMUP: warm} if name == "lamb" else {WARMUP: warm, COMPRESSION: comp}
+    freeze_step = skip + warm
+    if name == "zerooneadam":
+        wanted.update({LOCAL: comp, SYNC: comp})
+        freeze_step = zero_one_freeze_step(skip + warm, skip + comp)
     model = build_model(cfg, seed=spec.get("seed", 0))
     model.train()
-    freeze_step = skip + warm
     opt = make_optimizer(name, model.parameters(), spec.get("lr", 1e-3), freeze_step, group)
-    stages = [(WARMUP, skip, warm)]
-    if name != "lamb":
-        stages.append((COMPRESSION, skip, comp))
     batches = _batches(cfg, spec["batch"], 4, seed=1000 * rank + 7)
-    result = {"optimizer": name, "params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
-    step_no = 0
-    for stage, untimed, timed in stages:
-        times: List[float] = []
-        opt_times: List[float] = []  # of which in optimizer.step (maths and communication)
-        tx0 = stats0 = None
-        for i in range(untimed + timed):
-            if i == untimed:
-                _barrier(group)
-                tx0 = read_counter(interface) if interface else 0
-                stats0 = opt.comm_stats.bytes_sent
-            if opt.stage != stage:
-                raise RuntimeError(f"{name}: expected stage {stage} at step {step_no + 1}, optimizer "
-                                   f"is in {opt.stage}")
-            batch = batches[step_no % len(batches)]
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = model(**batch).loss
-            loss.backward()
-            t1 = time.perf_counter()
-            opt.step()
-            t2 = time.perf_counter()
-            step_no += 1
-            if i >= untimed:
-                times.append(t2 - t0)
-                opt_times.append(t2 - t1)
+    barrier_bytes = _barrier_bytes(interface, group)
+    records = {kind: {"step_times": [], "opt_step_times": [], "wire": 0, "accounted": 0} for kind in wanted}
+    taken = {kind: 0 for kind in wanted}
+    step_no, loss = 0, None
+    while any(taken[kind] < skip + n for kind, n in wanted.items()):
+        kind = step_kind(opt)
+        if kind not in wanted or step_no > 4 * sum(skip + n for n in wanted.values()):
+            raise RuntimeError(f"{name}: step {step_no + 1} is a {kind} step; expected only {sorted(wanted)}, "
+                               f"each {skip} untimed then timed")
+        timed = skip <= taken[kind] < skip + wanted[kind]
+        taken[kind] += 1
+        batch = batches[step_no % len(batches)]
         _barrier(group)
-        tx1 = read_counter(interface) if interface else 0
-        result[stage] = {
-            "step_times": times,
-            "median_s": statistics.median(times),
-            "opt_step_times": opt_times,
-            "wire_bytes_per_step": (tx1 - tx0) / timed,
-            "accounted_bytes_per_step": (opt.comm_stats.bytes_sent - stats0) / timed,
-            "loss": float(loss),
-        }
+        tx0 = read_counter(interface) if interface else 0
+        stats0 = opt.comm_stats.bytes_sent
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        step_no += 1
+        _barrier(group)
+        if timed:
+            rec = records[kind]
+            rec["step_times"].append(t2 - t0)
+            rec["opt_step_times"].append(t2 - t1)  # of which in optimizer.step (maths and communication)
+            rec["wire"] += (read_counter(interface) - tx0 - barrier_bytes) if interface else 0
+            rec["accounted"] += opt.comm_stats.bytes_sent - stats0
+    result = {"optimizer": name, "params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    for kind, rec in records.items():
+        times = rec["step_times"]
+        result[kind] = {"step_times": times, "median_s": statistics.median(times),
+                        "opt_step_times": rec["opt_step_times"], "wire_bytes_per_step": rec["wire"] / len(times),
+                        "accounted_bytes_per_step": rec["accounted"] / len(times), "loss": float(loss)}
     return result
 
 
