@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from benchmarks import emulated
-from benchmarks.emulated import LABELS, OPTIMIZERS, Settings, kb, mean, ms, parse_rate, quartiles, rate_label, slowest
 from benchmarks.convergence import ROWS as CONVERGENCE_ROWS
+from benchmarks.emulated import LABELS, OPTIMIZERS, Settings, kb, mean, ms, parse_rate, quartiles, rate_label, slowest
 from benchmarks.netsim.runner import run_workers
 from benchmarks.netsim.worker import KINDS, LOCAL, SYNC
 from benchmarks.netsim.topology import Network, cleanup_stale
