@@ -1,6 +1,6 @@
 """0/1 Adam on the demo: the default 1-bit steps against DeepSpeed's rule, beside LAMB and 1-bit LAMB.
 
-    python -m benchmarks.zero_one --seeds 3     # 9 demo runs on 2 cores beyond the convergence benchmark's
+    python -m benchmarks.zero_one --seeds 3     # 9 demo runs beyond the convergence benchmark's, ~4 min each
 
 0/1 Adam (``onebitlamb.ZeroOneAdam``) sends 1 bit per element at most of its steps from the 17th
 one on, not only after a warm-up. DeepSpeed's rule (``--compression-space momentum``) averages the
@@ -11,7 +11,9 @@ phase). Rows: LAMB and 1-bit LAMB with the main job's defaults and 0/1 Adam with
 schedules (the convergence benchmark's runs, reused from the same folders), 0/1 Adam with
 DeepSpeed's rule, and with the variance refreshed half as often (``--var-update-scaler 8``: the
 interval doubles after 8 refreshes instead of 16; the full-precision refreshes are most of 0/1
-Adam's bytes). Writes the "zero-one" section of BENCHMARKS.md. Run from the repository root.
+Adam's bytes), and with those refreshes averaged in bfloat16 (``--warmup-dtype bfloat16``: half
+their bytes, the schedule unchanged). Writes the "zero-one" section of BENCHMARKS.md. Run from the
+repository root.
 """
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ DEEPSPEED_RULE = Variant(convergence.Row("0/1 Adam, DeepSpeed's 1-bit steps (the
 # the variance refreshed half as often: its full-precision steps are most of the run's bytes
 SPARSER = Variant(convergence.Row("0/1 Adam, var_update_scaler 8", "zerooneadam-scaler8",
                                   [*ZERO_ONE.row.flags, "--var-update-scaler", "8"]))
-VARIANTS = [LAMB, DEFAULT, ZERO_ONE, DEEPSPEED_RULE, SPARSER]
+# the same refreshes, averaged in bfloat16: half their bytes
+BF16_VARIANCE = Variant(convergence.Row("0/1 Adam, variance refreshes in bfloat16", "zerooneadam-bf16",
+                                        [*ZERO_ONE.row.flags, "--warmup-dtype", "bfloat16"]))
+VARIANTS = [LAMB, DEFAULT, ZERO_ONE, DEEPSPEED_RULE, SPARSER, BF16_VARIANCE]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
