@@ -1,6 +1,6 @@
 """0/1 Adam on the demo: the default 1-bit steps against DeepSpeed's rule, beside LAMB and 1-bit LAMB.
 
-    python -m benchmarks.zero_one --seeds 3     # 9 demo runs beyond the convergence benchmark's, ~4 min each
+    python -m benchmarks.zero_one --seeds 3     # 15 demo runs beyond the convergence benchmark's, ~5 min each
 
 0/1 Adam (``onebitlamb.ZeroOneAdam``) sends 1 bit per element at most of its steps from the 17th
 one on, not only after a warm-up. DeepSpeed's rule (``--compression-space momentum``) averages the
@@ -12,8 +12,9 @@ schedules (the convergence benchmark's runs, reused from the same folders), 0/1 
 DeepSpeed's rule, and with the variance refreshed half as often (``--var-update-scaler 8``: the
 interval doubles after 8 refreshes instead of 16; the full-precision refreshes are most of 0/1
 Adam's bytes), and with those refreshes averaged in bfloat16 (``--warmup-dtype bfloat16``: half
-their bytes, the schedule unchanged). Writes the "zero-one" section of BENCHMARKS.md. Run from the
-repository root.
+their bytes, the schedule unchanged), and at half the learning rate (``--lr 1e-3``: 2e-3 is 1-bit
+Adam's, which left 0/1 Adam on the plateau at seed 1236). Writes the "zero-one" section of
+BENCHMARKS.md. Run from the repository root.
 """
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ SPARSER = Variant(convergence.Row("0/1 Adam, var_update_scaler 8", "zerooneadam-
 # the same refreshes, averaged in bfloat16: half their bytes
 BF16_VARIANCE = Variant(convergence.Row("0/1 Adam, variance refreshes in bfloat16", "zerooneadam-bf16",
                                         [*ZERO_ONE.row.flags, "--warmup-dtype", "bfloat16"]))
-VARIANTS = [LAMB, DEFAULT, ZERO_ONE, DEEPSPEED_RULE, SPARSER, BF16_VARIANCE]
+# half the learning rate: 2e-3 is 1-bit Adam's, which stalled 0/1 Adam on the demo's plateau at seed 1236
+HALF_LR = Variant(convergence.Row("0/1 Adam, learning rate 1e-3", "zerooneadam-lr1e-3",
+                                  [*ZERO_ONE.row.flags, "--lr", "1e-3"]))
+VARIANTS = [LAMB, DEFAULT, ZERO_ONE, DEEPSPEED_RULE, SPARSER, BF16_VARIANCE, HALF_LR]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
