@@ -1,4 +1,4 @@
-"""0/1 Adam on the demo: the default 1-bit steps against DeepSpeed's rule, beside LAMB and 1-bit LAMB.
+"""0/1 Adam on the demo and b1024: the main job's schedules against DeepSpeed's rule and the variants measured.
 
     python -m benchmarks.zero_one --seeds 3     # 18 demo runs beyond the convergence benchmark's, ~5 min each
     python -m benchmarks.zero_one --seeds 3 --preset b1024     # 3 more, ~10 min each
