@@ -1,6 +1,6 @@
 """0/1 Adam on the demo and b1024: the main job's schedules against DeepSpeed's rule and the variants measured.
 
-    python -m benchmarks.zero_one --seeds 3     # 18 demo runs beyond the convergence benchmark's, ~5 min each
+    python -m benchmarks.zero_one --seeds 3     # 15 demo runs beyond the convergence benchmark's, ~5 min each
     python -m benchmarks.zero_one --seeds 3 --preset b1024     # 3 more, ~10 min each
 
 0/1 Adam (``onebitlamb.ZeroOneAdam``) sends 1 bit per element at most of its steps from the 17th
