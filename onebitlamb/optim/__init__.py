@@ -6,7 +6,8 @@ freeze.py       when the warm-up ends: a fixed step or AutoFreeze
 checks.py       what is refused, what the ranks must agree on, non-finite steps
 staged.py       the two stages and the freeze, shared by the three optimizers
 optimizers.py   the public classes
-zero_one.py     0/1 Adam: the thinning variance schedule, local steps and syncs
+zero_one.py     0/1 Adam: the thinning variance schedule, then local steps
+local_steps.py  local steps after a freeze and the syncs that average them (0/1 Adam's second phase)
 elastic.py      a checkpoint of n ranks re-sharded for m
 """
 from onebitlamb.optim.elastic import reshard_state_dicts

@@ -11,8 +11,9 @@ Two phases, each counted from the optimizer's own first step ``s`` (``docs/algor
 - after it (the variance frozen, the compression errors restarted): *local steps*, each rank
   moving its own parameters with its own momentum and summing what it moved them by; every
   ``local_interval`` steps a *sync* averages that sum with the 1-bit all-reduce, sets the
-  parameters to the last sync's plus the average, the same on every rank, and the momentum to the average per unit of learning rate.
-  The interval doubles every ``local_step_scaler`` steps, up to ``local_step_clipper``.
+  parameters to the last sync's plus the average, the same on every rank, and the momentum to
+  the average per unit of learning rate. The interval doubles every ``local_step_scaler``
+  steps, up to ``local_step_clipper`` (``local_steps.py``).
 
 The stages of ``StagedOptimizer`` name what a step exchanges: ``WARMUP`` (a full-precision
 average: the variance steps), ``COMPRESSION`` (a 1-bit all-reduce: the 1-bit steps and the syncs)
@@ -25,14 +26,13 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
-from onebitlamb.comm import world_size_of
 from onebitlamb.optim import functional as F
-from onebitlamb.optim.checks import parameter_checksum
 from onebitlamb.optim.exchange import ProcessGroupLike
+from onebitlamb.optim.local_steps import LocalSteps
 from onebitlamb.optim.layout import Bucket, FlatLayout, buffer_sizes
 from onebitlamb.optim.optimizers import (_ADAM_DOC, _EXCHANGE_DOC, _MAXIMIZE_DOC, _PARAMS_DOC,
                                          _exchange_defaults)
-from onebitlamb.optim.staged import (COMPRESSION, COMPRESSION_SPACES, LOCAL, WARMUP, StagedOptimizer,
+from onebitlamb.optim.staged import (COMPRESSION, COMPRESSION_SPACES, WARMUP, StagedOptimizer,
                                      validate_common)
 
 StepsOrFraction = Union[int, float]
@@ -61,7 +61,7 @@ def steps_of(name: str, value: Any, total_steps: Optional[int]) -> int:
                      f"(0, 1] given as a float)")
 
 
-class ZeroOneAdam(StagedOptimizer):
+class ZeroOneAdam(LocalSteps, StagedOptimizer):
     _layerwise, _fresh_variance = False, False
     _errors_from_start = True
 
@@ -107,15 +107,11 @@ class ZeroOneAdam(StagedOptimizer):
         # Every entry exists from the start (DCP loads into a template of the same entries); those
         # that differ between ranks from the freeze on are saved under this rank's key.
         flat.update({
-            "rank_local": ["exp_avg", "update_sum"],
             "variance_updates": 0, "var_interval": 1, "var_counter": 0,
-            "local_interval": 1, "local_counter": 0,
             "momentum_scale": torch.ones(layers, **f32),
             "momentum_mask": torch.zeros(d, dtype=torch.bool, device=layout.device),
-            "update_sum": torch.zeros(d, **f32),  # sum of lr * u since the last sync
-            "lr_sums": torch.zeros(layers, dtype=torch.float64, device=layout.device),
-            "sync_params": torch.zeros(d, **f32),  # the parameters at the last sync, alike on every rank
         })
+        self._new_local_state(layout)
         self.exchange.new_error_buffers(flat, layout.device)
 
     def _setup(self, layout: FlatLayout) -> Dict[str, Any]:
@@ -127,9 +123,7 @@ class ZeroOneAdam(StagedOptimizer):
         setup["0/1 Adam schedule (var_interval, var_counter, variance_updates, local_interval, local_counter)"] = (
             flat["var_interval"], flat["var_counter"], flat["variance_updates"], flat["local_interval"],
             flat["local_counter"])
-        if flat["frozen_at"] is not None:  # between syncs the ranks' parameters differ; the last sync's do not
-            setup["parameter values (crc32 of each tensor)"] = [parameter_checksum(flat["sync_params"][s])
-                                                                for s in layout.slices]
+        self._local_setup(setup, layout)
         return setup
 
     @property
@@ -142,14 +136,7 @@ class ZeroOneAdam(StagedOptimizer):
         s = flat["step"] + 1
         if flat["frozen_at"] is None:
             return WARMUP if s % flat["var_interval"] == 0 else COMPRESSION
-        return COMPRESSION if s % flat["local_interval"] == 0 else LOCAL
-
-    @property
-    def parameters_synchronized(self) -> bool:
-        """Whether every rank's parameters are alike now: in the variance phase and after a sync;
-        not after a local step (a checkpoint then needs each rank's parameters)."""
-        flat = self.state.get("flat")
-        return flat is None or flat["frozen_at"] is None or not bool(flat["lr_sums"].any())
+        return self._local_stage()
 
     def freeze_stats(self) -> Dict[str, Any]:
         """Where the schedules stand: ``stage`` (the next step's), ``frozen_at`` (the step at whose
@@ -182,15 +169,14 @@ class ZeroOneAdam(StagedOptimizer):
         return F.adam_denominator(flat["exp_avg_sq"], bc2, self.defaults["eps"],
                                   out=self._scratch.buffer("variance_denominator", self._layout.numel))
 
-    def _layer_scales(self, sent: torch.Tensor, lrs: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Each layer's ``k_l`` from the size of what will be sent (the momentum, the gradient, or the
-        momentum standing for a sync's update sum), over Adam's denominator in the update space;
-        times each layer's learning rate where that is sent (a sync's update sum)."""
+    def _layer_scales(self, sent: torch.Tensor) -> torch.Tensor:
+        """Each layer's ``k_l`` from the size of what a 1-bit step will send (the momentum, or the
+        gradient), over Adam's denominator in the update space."""
         lay = self._layout
         if self._compresses_update():
             sent = sent / self._adam_denominator()
         norms = lay.norms(sent)
-        return F.momentum_scales(norms if lrs is None else norms * lrs, lay.per_layer(lay.numels))
+        return F.momentum_scales(norms, lay.per_layer(lay.numels))
 
     def _inverse_denominator(self) -> torch.Tensor:
         """In the variance phase the denominator moves with every variance step, and the update
@@ -217,25 +203,9 @@ class ZeroOneAdam(StagedOptimizer):
             else:
                 torch.mul(grad, scale[b.start:b.end], out=mine)
         else:
-            self._local_update_once(flat["step"] + 1)
-            den, _ = self._frozen_denominators()
-            torch.mul(flat["update_sum"][b.start:b.end], den[b.start:b.end], out=mine)
-            mine.mul_(scale[b.start:b.end])
+            self._sync_payload(b, mine)
         buf[b.numel:].zero_()
         return buf
-
-    def _averaged(self, local: torch.Tensor) -> torch.Tensor:
-        """The 1-bit average the buckets' exchanges left in the communication buffer, unscaled and
-        masked; with one process, ``local`` masked."""
-        _, unscale = self._compression_scales()
-        out = self._scratch.buffer("averaged", self._layout.numel)
-        if world_size_of(self.process_group) > 1:
-            buf = self._scratch.buffers["comm"]
-            for b in self.exchange.buckets:
-                torch.mul(buf[b.comm][:b.numel], unscale[b.start:b.end], out=out[b.start:b.end])
-        else:
-            torch.mul(local, self._flat["momentum_mask"], out=out)
-        return out
 
     # ------------------------------------------------------------------ steps
     def _take_step(self, stage: str, grads: torch.Tensor) -> None:
@@ -245,13 +215,7 @@ class ZeroOneAdam(StagedOptimizer):
             if flat["step"] == self.defaults["var_freeze_step"]:
                 self._freeze()
             return
-        if stage == LOCAL:
-            self._apply_(self._local_update_once(flat["step"]), self._layout.ones())
-        else:
-            self._sync()
-        flat["local_interval"], flat["local_counter"] = F.interval_after(
-            flat["local_interval"], flat["local_counter"], self.defaults["local_step_scaler"],
-            self.defaults["local_step_clipper"])
+        self._local_phase_step(stage)
 
     def _variance_phase_step(self, stage: str, grads: torch.Tensor) -> None:
         """A variance step (the averaged gradient into both moments) or a 1-bit step (the 1-bit
@@ -294,65 +258,7 @@ class ZeroOneAdam(StagedOptimizer):
         flat["momentum_mask"] = v != 0
         v.div_(bc2)
         flat["frozen_at"] = flat["step"]  # from here the denominator is the frozen one
-        # what a sync sends is about lr * m per layer: groups with another lr get another scale
-        lrs = torch.tensor([float(self.param_groups[g]["lr"]) for g in lay.groups], dtype=torch.float32,
-                           device=lay.device)
-        flat["momentum_scale"] = self._layer_scales(flat["exp_avg"], lrs)
-        for key in ("worker_error", "server_error"):
-            if key in flat:
-                flat[key].zero_()
-        lay.gather_params(flat["sync_params"])
-        flat["update_sum"].zero_()
-        flat["lr_sums"].zero_()
-        flat["local_interval"], flat["local_counter"] = 1, 0
-
-    def _local_update_once(self, step: int) -> torch.Tensor:
-        """Step ``step``'s local update from this rank's gradient, once (a sync's exchange asks for
-        it before ``step()`` gets to it): the momentum, Adam's direction with the frozen variance,
-        and the update sum. Returns the update (the parameters are not moved here)."""
-        scratch, flat, lay = self._scratch, self._flat, self._layout
-        update = scratch.buffer("update", lay.numel)
-        if scratch.derived.get("local_update_of") == step:
-            return update
-        beta1, _ = self._betas()
-        m = flat["exp_avg"]
-        m.mul_(beta1).add_(scratch.buffers["grad"], alpha=1 - beta1).mul_(flat["momentum_mask"])
-        den, _ = self._frozen_denominators()
-        bc1 = 1 - beta1 ** step if self.defaults["bias_correction"] else 1.0
-        F.adam_direction(m, den, bc1, out=update)
-        lay.add_weight_decay_(update, self.param_groups)
-        lrs = [float(self.param_groups[g]["lr"]) for g in lay.groups]
-        F.accumulate_update_(flat["update_sum"], update, lrs, lay.slices)
-        flat["lr_sums"].add_(torch.tensor(lrs, dtype=torch.float64, device=lay.device))
-        scratch.derived["local_update_of"] = step
-        return update
-
-    def _sync(self) -> None:
-        """The ranks' update sums averaged: every rank's parameters become the last sync's minus the
-        average (over the frozen denominator), bit for bit alike, and its momentum the average
-        per unit of learning rate."""
-        flat, lay = self._flat, self._layout
-        self._local_update_once(flat["step"])  # one process: no exchange asked for it
-        den, _ = self._frozen_denominators()
-        if world_size_of(self.process_group) > 1:
-            averaged = self._averaged(flat["update_sum"])
-        else:
-            averaged = self._averaged(torch.mul(flat["update_sum"], den))
-        synced = self._scratch.buffer("synced", lay.numel)
-        torch.div(averaged, den, out=synced)
-        torch.sub(flat["sync_params"], synced, out=synced)
-        if not bool(torch.isfinite(synced).all()):
-            raise FloatingPointError(f"ZeroOneAdam: the sync of step {flat['step']} is not finite although every "
-                                     f"rank's gradient was; the parameters were left as they were. Resume from an "
-                                     f"earlier checkpoint with a lower learning rate")
-        flat["sync_params"].copy_(synced)
-        lay.assign_(synced)
-        beta1, _ = self._betas()
-        bc1 = 1 - beta1 ** flat["step"] if self.defaults["bias_correction"] else 1.0
-        F.synced_momentum_(flat["exp_avg"], averaged, flat["lr_sums"], lay.slices, bc1)
-        flat["update_sum"].zero_()
-        flat["lr_sums"].zero_()
-        self._last_coeff = lay.ones()
+        self._start_local_phase()
 
 
 ZeroOneAdam.__doc__ = fr"""0/1 Adam (Lu et al., "Maximizing Communication Efficiency for Large-scale Training via 0/1
