@@ -111,6 +111,7 @@ def test_a_run_writes_its_curves_and_a_csv_and_announces_the_freeze(compared):
             assert re.search(rf"^\[{name}\] step {step}: held-out loss [0-9.]+ \| train loss [0-9.]+, "
                              rf"[0-9.]+ MB sent, [0-9]+ samples/s, \w+, {step}/8$", proc.stderr, re.M), proc.stderr
     assert "\r" not in proc.stderr  # --no-progress: no bar
+    assert "continue with --resume" not in proc.stderr  # every run completed: none says it stopped
     if importlib.util.find_spec("tensorboard") is None:  # optional: nothing about it, nothing written
         assert "tensorboard" not in proc.stderr.lower() and not (out / "onebitlamb" / "tensorboard").exists()
 

@@ -201,7 +201,7 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
                             f"records them). A smaller --lr, or --clip, usually helps")
         if master:
             print(summary["error"], file=sys.stderr, flush=True)
-    elif master:
+    elif not completed and master:
         print(f"[{cfg.optimizer}] stopped ({stopped_by}) after step {done}; continue with --resume",
               file=sys.stderr, flush=True)
     return summary
