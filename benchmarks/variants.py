@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from benchmarks import convergence
 from benchmarks.report import command_line, heading, table_row, write_section
@@ -80,9 +80,10 @@ def section(title: str, command: str, seeds: Sequence[int], variants: Sequence[V
 
 
 def main_for(prog: str, doc: str, title: str, name: str, variants: Union[Sequence[Variant], Dict[str, Sequence[Variant]]],
-             argv: Optional[Sequence[str]], note: str = "", presets: Sequence[str] = ("demo",)) -> int:
+             argv: Optional[Sequence[str]], note: str = "", presets: Sequence[str] = ("demo",),
+             more: Optional[Callable[[Sequence[int], Sequence[Variant], Dict[tuple, dict]], str]] = None) -> int:
     """An experiment's command line: run (or read back) its variants (or each preset's) and write its
-    section ``name``."""
+    section ``name``; ``more(seeds, variants, results)``: what the section adds below its table."""
     parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3, help=f"how many seeds, from {convergence.FIRST_SEED} up")
@@ -103,6 +104,8 @@ def main_for(prog: str, doc: str, title: str, name: str, variants: Union[Sequenc
     # one heading per section: the demo's section keeps the bare title, another preset's names it
     body = section(title if preset == "demo" else f"{title}: {preset}", command_line(argv), seeds, variants,
                    results, note, preset)
+    if more is not None:
+        body += "\n\n" + more(seeds, variants, results)
     print("\n" + body)
     if not args.no_write:
         write_section(name if preset == "demo" else f"{name}-{preset}", body)
