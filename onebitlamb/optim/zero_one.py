@@ -28,8 +28,8 @@ import torch
 
 from onebitlamb.optim import functional as F
 from onebitlamb.optim.exchange import ProcessGroupLike
-from onebitlamb.optim.local_steps import LocalSteps
 from onebitlamb.optim.layout import Bucket, FlatLayout, buffer_sizes
+from onebitlamb.optim.local_steps import LocalSteps
 from onebitlamb.optim.optimizers import (_ADAM_DOC, _EXCHANGE_DOC, _MAXIMIZE_DOC, _PARAMS_DOC,
                                          _exchange_defaults)
 from onebitlamb.optim.staged import (COMPRESSION, COMPRESSION_SPACES, WARMUP, StagedOptimizer,
