@@ -146,6 +146,25 @@ def test_one_process_matches_the_reference(bias_correction):
     assert opt.comm_stats.calls == 0
 
 
+def test_weight_decay_reaches_the_synchronized_momentum_tenfold():
+    """DeepSpeed's rule puts weight decay in the update sums a sync averages, so the momentum keeps
+    it: with every step a sync and the gradient gone, a step moves x by lr * wd * x / (1 - b1), not
+    lr * wd * x (docs/algorithm.md). Pinned so that a change of the rule is seen, not inferred."""
+    lr, wd, beta1 = 1e-2, 0.01, 0.9
+    p = torch.nn.Parameter(torch.ones(64))
+    opt = onebitlamb.ZeroOneAdam([p], lr=lr, weight_decay=wd, betas=(beta1, 0.999), var_freeze_step=10,
+                                 var_update_scaler=100, local_step_scaler=1000, local_step_clipper=1)
+    gen = torch.Generator().manual_seed(0)
+    ratios = []
+    for t in range(1, 121):
+        p.grad = torch.randn(64, generator=gen) if t <= 10 else torch.zeros(64)
+        before = p.detach().clone()
+        opt.step()
+        ratios.append(float(((before - p.detach()) / (lr * wd * before)).median()))
+    assert opt.stage == "compression"  # every step after the freeze a sync
+    assert abs(ratios[-1] - 1 / (1 - beta1)) < 0.05 * (1 / (1 - beta1))
+
+
 # ---------------------------------------------------------------- DeepSpeed's rule
 def _ds_compressed_allreduce(buffers, worker_errors, server_errors):
     """DeepSpeed's ``NcclBackend.compressed_allreduce`` for ``n`` simulated ranks at once (the
