@@ -150,8 +150,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from onebitlamb.cli import main as onebitlamb_main
         return onebitlamb_main(argv[2:] if argv[:1] == ["--local-step-clipper"] else argv)
     title = "1-bit LAMB with local steps after the freeze (an experiment)"
+    note = (" The last two rows run it through `python -m benchmarks.local_lamb --local-step-clipper H pretrain ...`: "
+            "this module's optimizer in place of `OneBitLamb` (its docstring has the rule; no per-layer factor), "
+            "the local interval doubling every tenth of the run up to H.")
     return main_for("benchmarks.local_lamb", __doc__, title, "local-lamb", {"demo": VARIANTS, "b1024": VARIANTS},
-                    argv, presets=("demo", "b1024"))
+                    argv, note, presets=("demo", "b1024"))
 
 
 if __name__ == "__main__":
