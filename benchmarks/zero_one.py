@@ -1,6 +1,6 @@
 """0/1 Adam on the demo and b1024: the main job's schedules against DeepSpeed's rule and the variants measured.
 
-    python -m benchmarks.zero_one --seeds 3     # 15 demo runs beyond the convergence benchmark's, ~5 min each
+    python -m benchmarks.zero_one --seeds 3     # 18 demo runs beyond the convergence benchmark's, ~5 min each
     python -m benchmarks.zero_one --seeds 3 --preset b1024     # 6 more, ~10 min each
 
 0/1 Adam (``onebitlamb.ZeroOneAdam``) sends 1 bit per element at most of its steps from the 17th
@@ -20,10 +20,10 @@ step for 32 refreshes and every second for 32 more (``--var-update-scaler 32``: 
 refreshes). Each section also shows where each 0/1 Adam row parts from 1-bit Adam (the same
 update rule in full precision until its automatic freeze; its row too): the gap at the same seed
 every half of the variance phase. Writes the "zero-one" section of BENCHMARKS.md; with ``--preset
-b1024`` LAMB, 1-bit Adam, 0/1 Adam with the main job's schedules, that last variant, and that
-variant with every step after the variance freeze a sync (``--local-step-scaler 1.0``: the local
-interval never doubles; what the local steps cost, apart from the variance phase) into
-"zero-one-b1024". Run from the repository root.
+b1024`` LAMB, 1-bit Adam, 0/1 Adam with the main job's schedules and that last variant into
+"zero-one-b1024". On both presets a last row takes that variant with every step after the
+variance freeze a sync (``--local-step-scaler 1.0``: the local interval never doubles): what the
+local steps cost, apart from the variance phase. Run from the repository root.
 """
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ DENSER_BF16_SYNCED = Variant(convergence.Row("0/1 Adam, var_update_scaler 32, bf
                                              [*DENSER_BF16.row.flags, "--local-step-scaler", "1.0"]))
 # the same update rule with a dense warm-up until its automatic freeze: where 0/1 Adam parts from it
 ONE_BIT_ADAM = Variant(next(row for row in convergence.ROWS if row.folder == "onebitadam-auto"))
-VARIANTS = [LAMB, DEFAULT, ONE_BIT_ADAM, ZERO_ONE, DEEPSPEED_RULE, SPARSER, BF16_VARIANCE, HALF_LR, DENSER_BF16]
+VARIANTS = [LAMB, DEFAULT, ONE_BIT_ADAM, ZERO_ONE, DEEPSPEED_RULE, SPARSER, BF16_VARIANCE, HALF_LR, DENSER_BF16,
+            DENSER_BF16_SYNCED]
 # on b1024 only the variant that held on the demo, beside the convergence benchmark's runs
 B1024_VARIANTS = [LAMB, ONE_BIT_ADAM, ZERO_ONE, DENSER_BF16, DENSER_BF16_SYNCED]
 
