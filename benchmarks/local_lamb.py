@@ -49,9 +49,9 @@ class LocalStepOneBitLamb(LocalSteps, onebitlamb.OneBitLamb):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, *, total_steps: int, local_step_scaler: float = 0.1,
                  local_step_clipper: int = 16, **kwargs: Any) -> None:
-        super().__init__(params, lr, **kwargs)
         if kwargs.get("overlap_with_backward"):
             raise ValueError("Invalid overlap_with_backward: True (a sync needs the step's update first)")
+        super().__init__(params, lr, **kwargs)
         if not isinstance(local_step_clipper, int) or local_step_clipper < 1:
             raise ValueError(f"Invalid local_step_clipper: {local_step_clipper!r} (must be an integer >= 1)")
         self.defaults.update(local_step_scaler=steps_of("local_step_scaler", local_step_scaler, total_steps),
