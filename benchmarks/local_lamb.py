@@ -33,7 +33,7 @@ import torch
 import onebitlamb
 from benchmarks import convergence
 from benchmarks.variants import DEFAULT, LAMB, Variant, main_for
-from onebitlamb.optim.layout import Bucket, FlatLayout, buffer_sizes
+from onebitlamb.optim.layout import Bucket, FlatLayout
 from onebitlamb.optim.local_steps import LocalSteps
 from onebitlamb.optim.staged import WARMUP
 from onebitlamb.optim.zero_one import steps_of
@@ -89,9 +89,8 @@ class LocalStepOneBitLamb(LocalSteps, onebitlamb.OneBitLamb):
 
     def _bucket_momentum(self, b: Bucket) -> torch.Tensor:
         """At a sync (the only exchange after the freeze), this rank's update sum."""
-        buf = self._scratch.buffer("comm", buffer_sizes(self.exchange.buckets)[0])[b.comm]
+        buf = self._comm_region(b)
         self._sync_payload(b, buf[:b.numel])
-        buf[b.numel:].zero_()
         return buf
 
 

@@ -328,12 +328,18 @@ class StagedOptimizer(Optimizer):
         in the bucket's padded region of the communication buffer."""
         beta1, _ = self._betas()
         scale, _ = self._compression_scales()
-        buf = self._scratch.buffer("comm", buffer_sizes(self.exchange.buckets)[0])[b.comm]
+        buf = self._comm_region(b)
         mine = buf[:b.numel]
         torch.mul(self._flat["exp_avg"][b.start:b.end], beta1, out=mine)
         mine.add_(self._scratch.buffers["grad"][b.start:b.end], alpha=1 - beta1)
         mine.mul_(scale[b.start:b.end])
-        buf[b.numel:].zero_()  # the padding: the previous result left values there
+        return buf
+
+    def _comm_region(self, b: Bucket) -> torch.Tensor:
+        """Bucket ``b``'s padded region of the communication buffer, its padding zeroed (the
+        previous exchange left values there); the caller fills the first ``b.numel`` elements."""
+        buf = self._scratch.buffer("comm", buffer_sizes(self.exchange.buckets)[0])[b.comm]
+        buf[b.numel:].zero_()
         return buf
 
     # ------------------------------------------------------------------ step

@@ -28,7 +28,7 @@ import torch
 
 from onebitlamb.optim import functional as F
 from onebitlamb.optim.exchange import ProcessGroupLike
-from onebitlamb.optim.layout import Bucket, FlatLayout, buffer_sizes
+from onebitlamb.optim.layout import Bucket, FlatLayout
 from onebitlamb.optim.local_steps import LocalSteps
 from onebitlamb.optim.optimizers import (_ADAM_DOC, _EXCHANGE_DOC, _MAXIMIZE_DOC, _PARAMS_DOC,
                                          _exchange_defaults)
@@ -192,7 +192,7 @@ class ZeroOneAdam(LocalSteps, StagedOptimizer):
         in DeepSpeed's rule; at a sync, its update sum times the frozen denominator."""
         flat = self._flat
         scale, _ = self._compression_scales()
-        buf = self._scratch.buffer("comm", buffer_sizes(self.exchange.buckets)[0])[b.comm]
+        buf = self._comm_region(b)
         mine = buf[:b.numel]
         if flat["frozen_at"] is None:
             grad = self._scratch.buffers["grad"][b.start:b.end]
@@ -204,7 +204,6 @@ class ZeroOneAdam(LocalSteps, StagedOptimizer):
                 torch.mul(grad, scale[b.start:b.end], out=mine)
         else:
             self._sync_payload(b, mine)
-        buf[b.numel:].zero_()
         return buf
 
     # ------------------------------------------------------------------ steps
