@@ -26,7 +26,7 @@ LAMB's at fewer whole-run bytes than 1-bit LAMB's. Run from the repository root.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Iterable, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -107,22 +107,20 @@ def _make_optimizer(cfg, groups) -> torch.optim.Optimizer:
                                compression_space=cfg.compression_space,
                                trust_ratio_after_freeze=cfg.trust_ratio_after_freeze,
                                warmup_dtype=getattr(torch, cfg.warmup_dtype), total_steps=cfg.steps,
-                               local_step_scaler=LOCAL_STEP_SCALER, local_step_clipper=_clipper_of(sys.argv[1:]))
+                               local_step_scaler=LOCAL_STEP_SCALER, local_step_clipper=_split(sys.argv[1:])[0])
 
 
-def _clipper_of(argv: Sequence[str]) -> int:
-    """``--local-step-clipper H`` before ``pretrain`` (default 16)."""
+def _split(argv: Sequence[str]) -> Tuple[int, List[str]]:
+    """``--local-step-clipper H`` before the main job's command line: ``(H, the rest)``, H 16 without it."""
     argv = list(argv)
     if argv[:1] == ["--local-step-clipper"]:
-        return int(argv[1])
-    return LOCAL_STEP_CLIPPER
+        return int(argv[1]), argv[2:]
+    return LOCAL_STEP_CLIPPER, argv
 
 
 def _training(argv: Sequence[str]) -> bool:
-    argv = list(argv)
-    if argv[:1] == ["--local-step-clipper"]:
-        argv = argv[2:]
-    return argv[:1] == ["pretrain"]
+    """Whether ``argv`` runs the main job (``pretrain``) rather than the benchmark."""
+    return _split(argv)[1][:1] == ["pretrain"]
 
 
 _library_make_optimizer = loop.make_optimizer
@@ -147,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if _training(argv):
         from onebitlamb.cli import main as onebitlamb_main
-        return onebitlamb_main(argv[2:] if argv[:1] == ["--local-step-clipper"] else argv)
+        return onebitlamb_main(_split(argv)[1])
     title = "1-bit LAMB with local steps after the freeze (an experiment)"
     note = (" The last two rows run it through `python -m benchmarks.local_lamb --local-step-clipper H pretrain ...`: "
             "this module's optimizer in place of `OneBitLamb` (its docstring has the rule; no per-layer factor), "

@@ -76,6 +76,7 @@ def where_the_gap_opens(seeds: Sequence[int], variants: Sequence[Variant], resul
     variance phase: whether the gap opens in the variance phase (its 1-bit steps) or after it
     (the syncs and local steps)."""
     reference = [results[s, ONE_BIT_ADAM.row.name] for s in seeds]
+    reference_losses = [_eval_losses(m) for m in reference]
     rows = [v for v in variants if v.row.folder.startswith("zerooneadam")]
     first = results[seeds[0], rows[0].row.name]
     freeze, last = first["freeze_step"], first["steps"]
@@ -86,10 +87,10 @@ def where_the_gap_opens(seeds: Sequence[int], variants: Sequence[Variant], resul
              f"ends at step {freeze}) and at the end.", "",
              table_row(["row", *(f"step {s}" for s in steps)]), "|---|" + "---:|" * len(steps)]
     for v in rows:
+        losses = [_eval_losses(results[s, v.row.name]) for s in seeds]
         cells = []
         for step in steps:
-            gaps = [100 * (_eval_losses(results[s, v.row.name])[step] / _eval_losses(ref)[step] - 1)
-                    for s, ref in zip(seeds, reference)]
+            gaps = [100 * (mine[step] / ref[step] - 1) for mine, ref in zip(losses, reference_losses)]
             cells.append(" / ".join(f"{g:+.1f}%" for g in gaps))
         lines.append(table_row([v.row.name, *cells]))
     return "\n".join(lines)

@@ -97,6 +97,6 @@ def test_the_substitution_holds_only_in_the_experiments_program():
 
     assert loop.make_optimizer is experiment._library_make_optimizer
     assert experiment._training(["--local-step-clipper", "1", "pretrain", "--preset", "demo"])
-    assert experiment._clipper_of(["--local-step-clipper", "1", "pretrain"]) == 1
-    assert experiment._clipper_of(["pretrain"]) == experiment.LOCAL_STEP_CLIPPER
+    assert experiment._split(["--local-step-clipper", "1", "pretrain"]) == (1, ["pretrain"])
+    assert experiment._split(["pretrain"]) == (experiment.LOCAL_STEP_CLIPPER, ["pretrain"])
     assert not experiment._training(["--seeds", "3"])
