@@ -47,6 +47,18 @@ class OneBitAllReduceSim:
         return out
 
 
+def adam_bound(t: int, betas, bias_correction: bool) -> float:
+    """The largest ``|m_hat / sqrt(v_hat)|`` Adam can reach at step ``t`` (docs/algorithm.md, "A
+    bounded stage 2"), summed term by term: ``m_t / sqrt(v_t) <= (1-b1) / sqrt(1-b2) *
+    sqrt(sum_k (b1^2/b2)^k)`` over ``k < t``, times ``sqrt(1-b2^t) / (1-b1^t)`` when corrected."""
+    b1, b2 = betas
+    total = sum((b1 * b1 / b2) ** k for k in range(t))
+    bound = (1 - b1) / math.sqrt(1 - b2) * math.sqrt(total)
+    if bias_correction:
+        bound = bound * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+    return bound
+
+
 class Reference:
     """kind: "lamb" (never freezes), "onebitlamb" or "onebitadam"."""
 
@@ -54,7 +66,7 @@ class Reference:
                  freeze_step: Optional[int] = None, n: int = 1, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps=1e-8, min_coeff=0.01, max_coeff=10.0, coeff_beta=0.9,
                  factor_min=0.5, factor_max=4.0, factor_threshold=0.1, compression_space="momentum",
-                 trust_ratio_after_freeze="frozen"):
+                 trust_ratio_after_freeze="frozen", bound_direction=False):
         self.x = [t.detach().clone().float() for t in init]
         self.kind, self.lr, self.wd, self.T = kind, lr, wd, freeze_step
         self.n, self.bc = n, bias_correction
@@ -62,6 +74,7 @@ class Reference:
         self.eps, self.min_c, self.max_c, self.cb = eps, min_coeff, max_coeff, coeff_beta
         self.fmin, self.fmax, self.fthr = factor_min, factor_max, factor_threshold
         self.space, self.live = compression_space, trust_ratio_after_freeze == "live"
+        self.bounded = bound_direction
         L = len(self.x)
         self.m = [torch.zeros_like(t) for t in self.x]
         self.v = [torch.zeros_like(t) for t in self.x]
@@ -104,10 +117,20 @@ class Reference:
             D = self.sim.D
             bufs = []
             # what is sent per layer: k_l m, or in the update space k_l m / (sqrt(v_frozen) + eps)
+            # (masked: an element without a gradient before the freeze sends nothing; bounded in the
+            # update space: what stands for the direction clipped like the direction)
             to_sent = [self.k[l] / self._sent_denominator(l) for l in range(L)]
             for w in local:
+                sent = []
+                for l in range(L):
+                    if self.bounded and self.space == "update":
+                        limit = adam_bound(self.t, (self.b1, self.b2), self.bc) * self._hat(self.b1)
+                        quotient = (w[l] / self._sent_denominator(l)).clamp(-limit, limit)
+                        sent.append(self.k[l] * quotient * self.mask[l])
+                    else:
+                        sent.append(to_sent[l] * w[l] * self.mask[l])
                 b = torch.zeros(D)
-                b[:d] = torch.cat([(to_sent[l] * w[l]).reshape(-1) for l in range(L)])
+                b[:d] = torch.cat([t_.reshape(-1) for t_ in sent])
                 bufs.append(b)
             out = self.sim(bufs)
             off = 0
@@ -121,6 +144,9 @@ class Reference:
             self.v_fresh[l] = self.b2 * self.v_fresh[l] + (1 - self.b2) * ghat * ghat
             den = torch.sqrt(self.v_frozen[l]) + self.eps
             u0 = (self.m[l] / self._hat(self.b1)) / den
+            if self.bounded:
+                limit = adam_bound(self.t, (self.b1, self.b2), self.bc)
+                u0 = u0.clamp(-limit, limit)
             u = u0 + self.wd[l] * self.x[l]
             coef = 1.0
             if self.kind == "onebitlamb" and self.live:  # LAMB's ratio on the exchanged momentum

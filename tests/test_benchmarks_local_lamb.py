@@ -26,8 +26,9 @@ def _run(rank: int, n: int) -> list:
 
     params = [torch.nn.Parameter(t.clone()) for t in initial_params()]
     groups = [{"params": [p], "lr": lr, "weight_decay": wd} for p, lr, wd in zip(params, LRS, WDS)]
+    # the experiment as it was measured: the paper's unbounded stage 2, as its reference composes it
     opt = LocalStepOneBitLamb(groups, lr=LRS[0], freeze_step=FREEZE, total_steps=STEPS, local_step_scaler=SCALER,
-                              local_step_clipper=CLIPPER)
+                              local_step_clipper=CLIPPER, bound_direction=False)
     history = []
     for t in range(1, STEPS + 1):
         for p, g in zip(params, grads_for(params, rank, t)):

@@ -68,9 +68,9 @@ def test_factor_bounds_bind_and_match_the_reference(name, fmin, fmax, betas, ste
     opt = onebitlamb.OneBitLamb(groups_of(params, LRS, WDS), lr=LRS[0], betas=betas, freeze_step=freeze,
                                 factor_min=fmin, factor_max=fmax)
     ref = Reference(initial_params(), "onebitlamb", LRS, WDS, freeze_step=freeze, betas=betas,
-                    factor_min=fmin, factor_max=fmax)
+                    factor_min=fmin, factor_max=fmax, bound_direction=True)
     unbounded = Reference(initial_params(), "onebitlamb", LRS, WDS, freeze_step=freeze, betas=betas,
-                          factor_min=0.0, factor_max=math.inf)
+                          factor_min=0.0, factor_max=math.inf, bound_direction=True)
     bound = torch.tensor(fmin if binds == "min" else fmax, dtype=torch.float32)
     on_bound = 0
     for t in range(1, steps + 1):
@@ -131,7 +131,7 @@ def test_rows_without_gradient_never_move_on_two_ranks(space):
     assert out[0]["stages"] == ["warmup"] * freeze + ["compression"] * (steps - freeze)
     start = initial_params(MASK_SHAPES)
     ref = Reference(initial_params(MASK_SHAPES), "onebitlamb", MASK_LRS, MASK_WDS, freeze_step=freeze, n=n,
-                    compression_space=space)
+                    compression_space=space, bound_direction=True)
     numel = sum(math.prod(s) for s in SHAPES)
     # the mask covers exactly the rows without a gradient (the trained elements all have one)
     mask = out[0]["mask"]

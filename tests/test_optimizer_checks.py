@@ -225,7 +225,8 @@ def test_a_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(kind):
     for r in range(2):
         assert out[r]["skipped_steps"] == 3
         assert [i + 1 for i, s in enumerate(out[r]["skipped"]) if s] == list(poisoned)
-        assert len(out[r]["warnings"]) == 3 and "step skipped on every rank" in out[r]["warnings"][0]
+        skips = [w for w in out[r]["warnings"] if "step skipped on every rank" in w]
+        assert len(skips) == 3, out[r]["warnings"]
         for a, b in zip(out[r]["params"], clean[r]["params"]):
             assert torch.isfinite(a).all() and torch.equal(a, b)
         assert out[r]["stage"] == ("warmup" if kind == "lamb" else "compression")

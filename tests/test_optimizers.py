@@ -37,7 +37,8 @@ def rel_err(a, b):
 @pytest.mark.parametrize("kind", ["lamb", "onebitlamb", "onebitadam", "onebitlamb-torch"])
 @pytest.mark.parametrize("bias_correction", [True, False])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
-def test_single_process_matches_reference(kind, bias_correction, weight_decay, monkeypatch):
+@pytest.mark.parametrize("bound", [True, False])
+def test_single_process_matches_reference(kind, bias_correction, weight_decay, bound, monkeypatch):
     if kind == "onebitlamb-torch":   # 1-bit LAMB without its compiled stage-2 loop (optim/native.py)
         from onebitlamb.optim import native
         monkeypatch.setattr(native, "usable", lambda *tensors: None)
@@ -45,9 +46,10 @@ def test_single_process_matches_reference(kind, bias_correction, weight_decay, m
     steps, freeze = 60, 20
     wds = [weight_decay, 0.0, weight_decay, weight_decay]
     params = [torch.nn.Parameter(t.clone()) for t in initial_params()]
-    opt = make_optimizer(kind, params, LRS, wds, freeze, bias_correction=bias_correction)
+    opt = make_optimizer(kind, params, LRS, wds, freeze, bias_correction=bias_correction,
+                         **({} if kind == "lamb" else {"bound_direction": bound}))
     ref = Reference(initial_params(), kind, LRS, wds, freeze_step=None if kind == "lamb" else freeze,
-                    bias_correction=bias_correction)
+                    bias_correction=bias_correction, bound_direction=bound)
     for t in range(1, steps + 1):
         for p, g in zip(params, grads_for(params, 0, t)):
             p.grad = g
@@ -106,12 +108,13 @@ def _assert_ranks_agree_and_resume_exactly(out):
                 assert torch.equal(a, b), f"rank {r}: resume after step {stop}"
 
 
-@pytest.mark.parametrize("n,space,ratio", [(2, "momentum", "frozen"), (4, "momentum", "frozen"),
-                                           (2, "update", "frozen"), (2, "update", "live")])
-def test_ranks_bit_identical_match_simulation_bytes_and_resume(n, space, ratio):
+@pytest.mark.parametrize("n,space,ratio,bound", [(2, "momentum", "frozen", False), (4, "momentum", "frozen", True),
+                                                 (2, "update", "frozen", True), (2, "update", "live", False)])
+def test_ranks_bit_identical_match_simulation_bytes_and_resume(n, space, ratio, bound):
     steps, freeze = 30, 10
     kind = "onebitlamb"
-    out = spawn_local(functools.partial(_distributed_run, compression_space=space, trust_ratio_after_freeze=ratio),
+    out = spawn_local(functools.partial(_distributed_run, compression_space=space, trust_ratio_after_freeze=ratio,
+                                        bound_direction=bound),
                       n, (kind, steps, freeze, (5, 17)), timeout_s=180)
     # bit-identical on all ranks after every step
     for t in range(steps):
@@ -120,7 +123,7 @@ def test_ranks_bit_identical_match_simulation_bytes_and_resume(n, space, ratio):
                 assert torch.equal(a, b), f"rank {r} differs from rank 0 at step {t + 1}"
     # the same trajectory as a one-process simulation of the n workers
     ref = Reference(initial_params(), kind, LRS, [0.01, 0.0, 0.01, 0.0], freeze_step=freeze, n=n,
-                    compression_space=space, trust_ratio_after_freeze=ratio)
+                    compression_space=space, trust_ratio_after_freeze=ratio, bound_direction=bound)
     for t in range(1, steps + 1):
         ref.step([grads_for(ref.x, r, t) for r in range(n)])
         for a, x in zip(out[0]["history"][t - 1], ref.x):

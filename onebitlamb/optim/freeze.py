@@ -9,8 +9,9 @@ to use which; ``docs/algorithm.md`` states the rule.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -90,20 +91,38 @@ def schedule_for(owner: str, freeze_step: Any, waits_for_trust_peak: bool) -> "F
     if isinstance(freeze_step, AutoFreeze):
         return AutomaticSchedule(freeze_step, waits_for_trust_peak)
     if _is_int(freeze_step) and freeze_step >= 1:
-        return FixedSchedule(freeze_step)
+        return FixedSchedule(freeze_step, owner)
     raise ValueError(f"Invalid freeze_step for {owner}: {freeze_step!r}. Pass the number of warm-up steps "
                      f"with full communication (an integer >= 1; the paper suggests 15-25% of the run, small "
                      f"models may need more) or onebitlamb.AutoFreeze(total_steps=...) to let the warm-up decide")
 
 
+class EarlyFreezeWarning(UserWarning):
+    """A fixed ``freeze_step`` came while the variance was still moving (``FixedSchedule``)."""
+
+
 class FixedSchedule:
-    """``freeze_step=N``: the freeze comes at the end of step N, whatever the warm-up shows."""
+    """``freeze_step=N``: the freeze comes at the end of step N, whatever the warm-up shows.
 
-    watches = False
+    It watches what ``AutoFreeze`` watches, each layer's ``log ||v_hat||`` over the last warm-up
+    steps (up to ``AutoFreeze``'s window), and at the freeze warns (``EarlyFreezeWarning``) when
+    ``AutoFreeze`` would not have frozen on those statistics, where they are clear: within
+    ``AutoFreeze``'s first window a layer whose variance moves by more than its tolerance (without
+    the end of a transient), and at any step a layer still in a transient (a spread above
+    ``transient_end``). Stage 2 keeps the frozen variance,
+    and a variance caught in its early fall gives elements steps that the bound on stage 2's
+    direction limits but cannot make right. Advice, not state: the window is not saved, so a run
+    resumed a step or two before its freeze checks only the steps it has seen.
+    """
 
-    def __init__(self, step: int) -> None:
+    watches = True
+
+    def __init__(self, step: int, owner: str = "the optimizer") -> None:
         self.step = step
+        self.owner = owner
         self.floor_step = self.cap_step = step
+        self._levels: List[torch.Tensor] = []
+        self._peak = 0.0
 
     def __repr__(self) -> str:
         return f"freeze_step={self.step}"
@@ -116,10 +135,41 @@ class FixedSchedule:
 
     def record(self, flat: Dict[str, Any], variance_levels: torch.Tensor,
                trust_levels: Optional[torch.Tensor]) -> None:
-        pass
+        self._levels = (self._levels + [variance_levels.detach().float().cpu()])[-(AutoFreeze.window + 1):]
+        spread = self._spread()
+        if spread is not None:
+            self._peak = max(self._peak, spread[0])
+
+    def _spread(self) -> Optional[tuple]:
+        """The largest move of a layer's level over the steps seen, and that layer's index."""
+        if len(self._levels) < 2:
+            return None
+        rows = torch.stack(self._levels)
+        finite = torch.isfinite(rows).all(dim=0)
+        if not bool(finite.any()):
+            return None
+        moves = torch.where(finite, rows.max(dim=0).values - rows.min(dim=0).values, torch.zeros_like(rows[0]))
+        return float(moves.max()), int(moves.argmax())
 
     def due(self, flat: Dict[str, Any]) -> bool:
-        return flat["step"] == self.step
+        if flat["step"] != self.step:
+            return False
+        spread = self._spread()
+        if spread is not None:
+            # AutoFreeze's own test on a short warm-up (no full window yet), and on any warm-up a
+            # transient still under way (a spread AutoFreeze never freezes in); a longer warm-up that
+            # merely drifts more than the tolerance is the user's informed choice
+            moving = not (F.settled(spread[0], AutoFreeze.tolerance) or F.transient_passed(
+                spread[0], self._peak, AutoFreeze.transient, AutoFreeze.transient_end))
+            if (moving and self.step <= AutoFreeze.window) or spread[0] > AutoFreeze.transient_end:
+                warnings.warn(
+                    f"{self.owner}: freeze_step={self.step} freezes a variance that has not settled: parameter "
+                    f"{spread[1]} (in the optimizer's order) moved its log ||v_hat|| by {spread[0]:.2f} over the "
+                    f"last {len(self._levels) - 1} warm-up steps, where AutoFreeze waits for {AutoFreeze.tolerance}. "
+                    f"Stage 2 keeps this variance, and the loss may jump after the freeze. Use "
+                    f"freeze_step=onebitlamb.AutoFreeze(total_steps=...) or a later step "
+                    f"(docs/algorithm.md, \"A freeze that comes too early\")", EarlyFreezeWarning, stacklevel=4)
+        return True
 
     def stats(self, flat: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         return _stats(flat, self.floor_step, self.cap_step)

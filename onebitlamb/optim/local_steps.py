@@ -142,6 +142,7 @@ class LocalSteps:
         den, _ = self._frozen_denominators()
         bc1 = 1 - beta1 ** step if self.defaults["bias_correction"] else 1.0
         F.adam_direction(m, den, bc1, out=update)
+        self._bound_direction_(update, step)  # a rank's own momentum over the frozen variance
         lay.add_weight_decay_(update, self.param_groups)
         rates = self._local_rates()
         F.accumulate_update_(flat["update_sum"], update, rates, lay.slices)

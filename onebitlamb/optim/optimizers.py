@@ -56,6 +56,14 @@ _ADAM_DOC = """betas (Tuple[float, float], default (0.9, 0.999)): Adam's moment 
 _TRUST_DOC = """max_coeff, min_coeff (float, defaults 10.0 and 0.01): the trust ratio ``||x|| / ||u||``
             is clipped to this range (the paper's scaling function)."""
 
+_BOUND_DOC = """bound_direction (bool, default True): after the freeze, clip each element of Adam's
+            direction ``m_hat / (sqrt(v_frozen) + eps)`` to the largest value Adam's own direction
+            can take at that step (7.27 in the limit for betas (0.9, 0.999)), so that no element
+            moves more than Adam or LAMB could move it. ``False``: the paper's and DeepSpeed's
+            rule, under which an element with a tiny frozen variance can take steps thousands of
+            times LAMB's. Changes the numbers; part of the state. ``docs/algorithm.md``, "A
+            bounded stage 2"."""
+
 _MAXIMIZE_DOC = """maximize (bool, default False): maximize the objective (the gradients' sign flipped),
             as in ``torch.optim``."""
 
@@ -82,6 +90,12 @@ _EXCHANGE_DOC = """How the ranks talk (keyword-only; ``optimizer.exchange`` hold
             of about ten int64 per rank, one CRC pass over the parameters: ``docs/optimizers.md``),
             and raise on every rank, naming what differs, if some rank's parameters or lr were
             changed alone; None: at the first step only."""
+
+
+def _checked_bound_direction(bound_direction: bool) -> bool:
+    if not isinstance(bound_direction, bool):
+        raise ValueError(f"Invalid bound_direction: {bound_direction!r} (must be True or False)")
+    return bound_direction
 
 
 def _exchange_defaults(warmup_dtype: Union[str, torch.dtype], bucket_cap_mb: Optional[float]) -> Dict[str, Any]:
@@ -134,7 +148,7 @@ class OneBitLamb(_OneBit):
                  bias_correction: bool = True, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                  factor_threshold: float = 0.1, compression_space: str = "update",
-                 trust_ratio_after_freeze: str = "frozen", maximize: bool = False,
+                 trust_ratio_after_freeze: str = "frozen", bound_direction: bool = True, maximize: bool = False,
                  process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
                  bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
                  agree_every: Optional[int] = 1000) -> None:
@@ -157,7 +171,8 @@ class OneBitLamb(_OneBit):
                         bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
                         coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
                         factor_threshold=factor_threshold, compression_space=compression_space,
-                        trust_ratio_after_freeze=trust_ratio_after_freeze, maximize=maximize,
+                        trust_ratio_after_freeze=trust_ratio_after_freeze,
+                        bound_direction=_checked_bound_direction(bound_direction), maximize=maximize,
                         **_exchange_defaults(warmup_dtype, bucket_cap_mb))
         # the live ratio needs no fresh variance and no factor
         self._fresh_variance = trust_ratio_after_freeze == "frozen"
@@ -193,6 +208,7 @@ OneBitLamb.__doc__ = fr"""1-bit LAMB (Li et al., "1-bit LAMB: Communication Effi
             it gives elements with a small variance large steps; or ``"momentum"`` (the paper's
             and DeepSpeed's: each layer's momentum, scaled to a common RMS). Changes the numbers;
             part of the state. ``docs/algorithm.md``, "Stage 2's fidelity to LAMB".
+        {_BOUND_DOC}
         trust_ratio_after_freeze (str, default "frozen"): the layer-wise coefficient of stage 2:
             ``"frozen"`` (the paper's: the trust ratio kept at the freeze times the per-layer
             factor) or ``"live"`` (LAMB's ``clip(||x|| / ||u||)`` every step, ``u`` from the
@@ -215,15 +231,15 @@ class OneBitAdam(_OneBit):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, *, freeze_step: FreezeStep,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 bias_correction: bool = True, maximize: bool = False,
+                 bias_correction: bool = True, bound_direction: bool = True, maximize: bool = False,
                  process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
                  bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
                  agree_every: Optional[int] = 1000) -> None:
         schedule = schedule_for(type(self).__name__, freeze_step, waits_for_trust_peak=False)
         validate_common(lr, betas, eps, weight_decay, maximize)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, maximize=maximize,
-                        **_exchange_defaults(warmup_dtype, bucket_cap_mb))
+                        bias_correction=bias_correction, bound_direction=_checked_bound_direction(bound_direction),
+                        maximize=maximize, **_exchange_defaults(warmup_dtype, bucket_cap_mb))
         super().__init__(params, defaults, schedule=schedule, process_group=process_group,
                          overlap_with_backward=overlap_with_backward, agree_every=agree_every)
 
@@ -238,6 +254,7 @@ OneBitAdam.__doc__ = fr"""1-bit Adam (Tang et al., "1-bit Adam: Communication Ef
         {_FREEZE_DOC}
         {_ADAM_DOC}
         bias_correction (bool, default True): bias-correct the moments.
+        {_BOUND_DOC}
         {_MAXIMIZE_DOC}
 
     {_EXCHANGE_DOC.format(warmup_dtype="torch.float32")}

@@ -36,7 +36,7 @@ LOCAL = "local"
 # options had them: the exchange's, and what the 1-bit optimizers compress.
 EXCHANGE_SETTINGS_BEFORE = {"warmup_dtype": "float32", "bucket_cap_mb": None}
 CHECKED_SETTINGS_BEFORE = {**EXCHANGE_SETTINGS_BEFORE, "compression_space": "momentum",
-                           "trust_ratio_after_freeze": "frozen"}
+                           "trust_ratio_after_freeze": "frozen", "bound_direction": False}
 COMPRESSION_SPACES = ("momentum", "update")
 TRUST_RATIOS_AFTER_FREEZE = ("frozen", "live")
 
@@ -333,7 +333,24 @@ class StagedOptimizer(Optimizer):
         torch.mul(self._flat["exp_avg"][b.start:b.end], beta1, out=mine)
         mine.add_(self._scratch.buffers["grad"][b.start:b.end], alpha=1 - beta1)
         mine.mul_(scale[b.start:b.end])
+        self._bound_sent_(mine, b)
         return buf
+
+    def _bound_sent_(self, sent: torch.Tensor, b: Bucket) -> None:
+        """In the update space, what a rank sends (its momentum over the frozen denominator, times
+        ``k_l``) clipped like the direction it stands for (``_bound_direction_``): a gradient that
+        an element meets after the freeze, against a variance that was tiny until then, would
+        otherwise enter the buffer millions of times larger than the rest and set the 1-bit
+        magnitude of its whole chunk, moving every element of the chunk by that much."""
+        if not (self.defaults.get("bound_direction", False) and self._compresses_update()):
+            return
+        beta1, beta2 = self._betas()
+        step = self._flat["step"] + 1  # the step being taken: its exchange comes before the count
+        bc1 = 1 - beta1 ** step if self.defaults["bias_correction"] else 1.0
+        limit = F.adam_direction_bound(beta1, beta2, step, self.defaults["bias_correction"]) * bc1
+        if math.isfinite(limit):
+            bound = self._scratch.derived["layer_scale"][b.start:b.end] * limit
+            torch.clamp(sent, -bound, bound, out=sent)
 
     def _comm_region(self, b: Bucket) -> torch.Tensor:
         """Bucket ``b``'s padded region of the communication buffer, its padding zeroed (the
@@ -449,6 +466,21 @@ class StagedOptimizer(Optimizer):
         t = self._flat["step"]
         return 1 - beta1 ** t, 1 - beta2 ** t
 
+    def _bound_direction_(self, update: torch.Tensor, step: Optional[int] = None) -> bool:
+        """Stage 2's direction ``m_hat / (sqrt(v_frozen) + eps)`` clipped, element by element, to the
+        largest value Adam's own direction can take at this step (``F.adam_direction_bound``), unless
+        built with ``bound_direction=False`` (the paper's and DeepSpeed's rule). Returns whether it
+        clipped. Why: after the freeze an element's momentum is what the 1-bit code gives it (about
+        its chunk's magnitude), or in local steps its own rank's, while its variance stays the
+        frozen one; where that variance is tiny (a bias whose gradient is zero in exact arithmetic,
+        a rare embedding row) the quotient is thousands of times what LAMB or Adam would take."""
+        if not self.defaults.get("bound_direction", False):
+            return False
+        beta1, beta2 = self._betas()
+        F.clip_direction_(update, F.adam_direction_bound(beta1, beta2, step or self._flat["step"],
+                                                         self.defaults["bias_correction"]))
+        return True
+
     def _apply_(self, update: torch.Tensor, coeff: torch.Tensor) -> None:
         # The agreed check before the step (checks.locally_finite: the gradient's squares) keeps the
         # moments finite; this is the guard that the parameters never become non-finite either
@@ -542,16 +574,24 @@ class StagedOptimizer(Optimizer):
         layer's momentum brought to one common RMS, since the compressor has one scale per chunk),
         divided by the frozen denominator where the update space is compressed; and what the
         decompressed result is multiplied by: its inverse times the momentum mask, so one pass both
-        undoes the scaling and masks."""
+        undoes the scaling and masks.
+
+        The mask applies to what is sent as well: an element that had no gradient before the freeze
+        has ``v = 0``, so in the update space its scale is ``k_l / eps``; a gradient it meets after
+        the freeze would enter the buffer ``1e8`` times too large and set the 1-bit magnitude of its
+        whole chunk (every element of the chunk then moves by that magnitude)."""
         derived, flat = self._scratch.derived, self._flat
-        source = (flat["momentum_scale"], flat["exp_avg_sq"])
+        source = (flat["momentum_scale"], flat["exp_avg_sq"], flat["momentum_mask"])
         held = derived.get("scale_source")  # the tensors themselves: they stay alive, so `is` cannot mistake them
         if held is None or any(a is not b for a, b in zip(held, source)):
             numels = torch.tensor(self._layout.numels, device=self._layout.device)
             scale = torch.repeat_interleave(flat["momentum_scale"], numels)
             if self._compresses_update():
                 scale.mul_(self._inverse_denominator())
-            derived["scale"], derived["unscale"] = scale, torch.reciprocal(scale).mul_(flat["momentum_mask"])
+            mask = flat["momentum_mask"]
+            derived["layer_scale"] = torch.repeat_interleave(flat["momentum_scale"], numels).mul_(mask)
+            derived["unscale"] = torch.reciprocal(scale).mul_(mask)
+            derived["scale"] = scale.mul_(mask)
             derived["scale_source"] = source
         return derived["scale"], derived["unscale"]
 
@@ -580,6 +620,8 @@ class StagedOptimizer(Optimizer):
             max_ratio, plain_norms = F.fresh_variance_statistics_(
                 flat["exp_avg_sq_fresh"], m, m_prev, den, inverse_den, bc1, bc2, beta1, beta2,
                 self.defaults["eps"], lay.slices, lay.offsets, update, scratch=self._scratch.buffer("ratio", d))
+            if self._bound_direction_(update):
+                plain_norms = lay.norms(update)
             lay.add_weight_decay_(update, self.param_groups)
             update_norms = lay.decayed_update_norms(update, plain_norms, self.param_groups)
             factor = F.scaling_factors(max_ratio, plain_norms, update_norms,
@@ -590,6 +632,7 @@ class StagedOptimizer(Optimizer):
             coeff = coeff * factor
         else:
             F.adam_direction(m, den, bc1, out=update)
+            self._bound_direction_(update)
             lay.add_weight_decay_(update, self.param_groups)
             if self._layerwise:  # LAMB's own ratio, on the exchanged momentum and the frozen variance
                 coeff, _ = F.trust_ratios(lay.param_norms(), lay.norms(update), self.defaults["min_coeff"],

@@ -1,0 +1,262 @@
+"""Models the project was never tuned on, each small enough for a test on 2 gloo ranks.
+
+Every entry builds a model (seeded, alike on every rank) and draws a rank's batch for a step; the
+data is synthetic but learnable (a Markov chain of tokens, a fixed teacher for images), so the
+loss falls under a working optimizer. ``run_case`` trains one model with one optimizer and
+returns what the zoo's claims are about: each step's largest element move, where the freeze came,
+the losses, and whether the ranks' parameters agree at the end.
+
+Used by ``tests/test_zoo.py`` (every optimizer bounded after its freeze on every model) and by
+``benchmarks/families.py``.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import onebitlamb
+
+VOCAB, SEQ, BATCH = 64, 16, 8
+
+
+def _markov_tokens(g: torch.Generator, batch: int, seq: int, vocab: int = VOCAB) -> torch.Tensor:
+    """Tokens from a fixed sparse Markov chain (each token has 4 likely successors), so that a
+    language model has something to learn; the chain is the same on every rank and call."""
+    table = torch.Generator().manual_seed(7)
+    successors = torch.randint(0, vocab, (vocab, 4), generator=table)
+    tokens = torch.empty(batch, seq, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+    for t in range(1, seq):
+        pick = torch.randint(0, 4, (batch,), generator=g)
+        tokens[:, t] = successors[tokens[:, t - 1], pick]
+    return tokens
+
+
+class TokenLM(nn.Module):
+    """A causal language model around a body that maps embeddings to features."""
+
+    def __init__(self, body: nn.Module, d: int, vocab: int = VOCAB, causal: bool = False) -> None:
+        super().__init__()
+        self.embed, self.body, self.head = nn.Embedding(vocab, d), body, nn.Linear(d, vocab)
+        self.causal = causal
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens[:, :-1])
+        if self.causal:
+            mask = nn.Transformer.generate_square_subsequent_mask(h.shape[1])
+            h = self.body(h, mask=mask, is_causal=True)
+        else:
+            h = self.body(h)
+        if isinstance(h, tuple):  # a recurrent body returns (output, state)
+            h = h[0]
+        logits = self.head(h)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _torch_transformer() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    return TokenLM(nn.TransformerEncoder(layer, 1, enable_nested_tensor=False), 16, causal=True)
+
+
+def _lstm() -> nn.Module:
+    return TokenLM(nn.LSTM(16, 24, batch_first=True, proj_size=16), 16)
+
+
+def _gru() -> nn.Module:
+    return TokenLM(nn.GRU(16, 16, batch_first=True), 16)
+
+
+class _HFLoss(nn.Module):
+    """A transformers model whose forward returns its own loss."""
+
+    def __init__(self, model: nn.Module, masked: bool) -> None:
+        super().__init__()
+        self.model, self.masked = model, masked
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not self.masked:
+            return self.model(input_ids=tokens, labels=tokens).loss
+        # mask every fourth position (fixed, so the loss is comparable step to step)
+        labels = torch.full_like(tokens, -100)
+        labels[:, 1::4] = tokens[:, 1::4]
+        inputs = tokens.clone()
+        inputs[:, 1::4] = 0  # token 0 stands for [MASK]
+        return self.model(input_ids=inputs, labels=labels).loss
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    return _HFLoss(GPT2LMHeadModel(cfg), masked=False)
+
+
+def _bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    return _HFLoss(BertForMaskedLM(cfg), masked=True)
+
+
+class SmallCNN(nn.Module):
+    """Two convolutions with BatchNorm and a linear head on 12x12 single-channel images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                      nn.AdaptiveAvgPool2d(2))
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, batch) -> torch.Tensor:
+        images, labels = batch
+        return nn.functional.cross_entropy(self.head(self.features(images).flatten(1)), labels)
+
+
+def _image_batch(g: torch.Generator, batch: int = 32):
+    """Images of four classes: a class's fixed pattern plus noise, so a classifier can reach a
+    loss near zero (the regime where the issue's CNN diverged)."""
+    patterns = torch.randn(4, 1, 12, 12, generator=torch.Generator().manual_seed(11))
+    labels = torch.randint(0, 4, (batch,), generator=g)
+    return patterns[labels] + 0.8 * torch.randn(batch, 1, 12, 12, generator=g), labels
+
+
+class RareRows(nn.Module):
+    """An embedding-heavy classifier: 512 rows drawn Zipf-like, so most rows see a gradient rarely
+    (their variance is tiny, not zero) and a few never."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.EmbeddingBag(512, 16, mode="mean")
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, batch) -> torch.Tensor:
+        tokens, labels = batch
+        return nn.functional.cross_entropy(self.head(self.embed(tokens)), labels)
+
+
+def _rare_batch(g: torch.Generator, batch: int = 32):
+    ranks = torch.arange(1, 481, dtype=torch.float)  # rows 480-511 are never drawn
+    tokens = torch.multinomial(1.0 / ranks ** 1.2, batch * 6, replacement=True, generator=g).view(batch, 6)
+    labels = (tokens % 2).sum(dim=1) % 2  # a function of the rows, so the embedding must learn them
+    return tokens, labels
+
+
+@dataclass(frozen=True)
+class Family:
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator], object]
+
+
+def _tokens(g: torch.Generator):
+    return _markov_tokens(g, BATCH, SEQ)
+
+
+ZOO: Dict[str, Family] = {
+    "torch-transformer": Family(_torch_transformer, _tokens),
+    "gpt2": Family(_gpt2, _tokens),
+    "bert": Family(_bert, _tokens),
+    "cnn-batchnorm": Family(SmallCNN, _image_batch),
+    "lstm": Family(_lstm, _tokens),
+    "gru": Family(_gru, _tokens),
+    "rare-rows": Family(RareRows, _rare_batch),
+}
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
+    """Decay on matrices, none on biases and norms: the usual two groups."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def make_optimizer(name: str, groups: List[dict], lr: float, steps: int, freeze: Optional[int] = None):
+    """The optimizers the zoo compares, by name; ``freeze`` a fixed step, else the automatic one."""
+    auto = onebitlamb.AutoFreeze(total_steps=steps) if freeze is None else freeze
+    if name == "lamb":
+        return onebitlamb.Lamb(groups, lr=lr)
+    if name == "adamw":  # 1-bit Adam's and 0/1 Adam's rule never frozen (weight decay added to the update)
+        return torch.optim.AdamW(groups, lr=lr)
+    if name == "onebitlamb":
+        return onebitlamb.OneBitLamb(groups, lr=lr, freeze_step=auto)
+    if name == "onebitlamb-momentum":
+        return onebitlamb.OneBitLamb(groups, lr=lr, freeze_step=auto, compression_space="momentum")
+    if name == "onebitadam":
+        return onebitlamb.OneBitAdam(groups, lr=lr, freeze_step=auto)
+    if name == "zerooneadam":
+        var_freeze = max(2, round(0.3 * steps)) if freeze is None else freeze
+        return onebitlamb.ZeroOneAdam(groups, lr=lr, var_freeze_step=var_freeze, var_update_scaler=4,
+                                      local_step_scaler=max(1, steps // 8), local_step_clipper=4)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+OPTIMIZERS = ("lamb", "adamw", "onebitlamb", "onebitlamb-momentum", "onebitadam", "zerooneadam")
+
+
+def _frozen_at(opt) -> Optional[int]:
+    if isinstance(opt, onebitlamb.ZeroOneAdam):
+        return opt.defaults.get("var_freeze_step") if not hasattr(opt, "var_frozen_at") else opt.var_frozen_at
+    if hasattr(opt, "freeze_stats"):
+        return opt.freeze_stats()["frozen_at"]
+    return None
+
+
+def run_case(rank: int, world: int, family: str, optimizer: str, lr: float, steps: int, seed: int = 0,
+             freeze: Optional[int] = None, weight_decay: float = 0.01) -> dict:
+    """Train ``family`` with ``optimizer`` for ``steps`` steps on this rank's batches; inside a
+    process group of ``world`` ranks. Returns per step the training loss (this rank's batch, then
+    averaged over the ranks) and the largest absolute change of any parameter element."""
+    torch.manual_seed(seed)
+    fam = ZOO[family]
+    model = fam.build()
+    opt = make_optimizer(optimizer, param_groups(model, weight_decay), lr, steps, freeze)
+    params = [p for p in model.parameters() if p.requires_grad]
+    losses, moves, stages = [], [], []
+    diverged = None
+    for step in range(1, steps + 1):
+        g = torch.Generator().manual_seed(seed * 100_003 + 1009 * step + rank)
+        before = torch.cat([p.detach().flatten() for p in params]).clone()
+        stages.append(getattr(opt, "stage", "warmup"))  # what this step runs
+        opt.zero_grad()
+        loss = model(fam.batch(g))
+        loss.backward()
+        if not isinstance(opt, onebitlamb.optim.StagedOptimizer) and world > 1:  # a torch optimizer: average here
+            for p in params:
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        try:
+            opt.step()
+        except FloatingPointError as e:  # raised alike on every rank (the skip is agreed)
+            diverged = f"step {step}: {e}"
+            losses.append(float(loss.detach()))
+            moves.append(math.inf)
+            break
+        after = torch.cat([p.detach().flatten() for p in params])
+        moves.append(float((after - before).abs().max()))
+        losses.append(float(loss.detach()))
+    mean_losses = torch.tensor(losses + [math.nan] * (steps - len(losses)))
+    if world > 1:
+        dist.all_reduce(mean_losses)
+        mean_losses /= world
+    flat = torch.cat([p.detach().flatten() for p in params])
+    checksum = zlib.crc32(flat.numpy().tobytes())
+    sums = [None] * world
+    if world > 1:
+        dist.all_gather_object(sums, checksum)
+    else:
+        sums = [checksum]
+    return {"family": family, "optimizer": optimizer, "steps": steps, "losses": mean_losses.tolist(), "moves": moves,
+            "stages": stages, "ranks_identical": len(set(sums)) == 1, "diverged": diverged,
+            "finite": bool(torch.isfinite(flat).all()) and all(math.isfinite(x) for x in mean_losses.tolist())}
+
+
+def run_cases(rank: int, world: int, cases: List[dict]) -> List[dict]:
+    """Several ``run_case`` calls in one start of the ranks (starting them is most of a test's time)."""
+    return [run_case(rank, world, **case) for case in cases]
