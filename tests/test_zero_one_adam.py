@@ -1,14 +1,15 @@
 """0/1 Adam (``onebitlamb.ZeroOneAdam``) against the reference of docs/algorithm.md
-(``tests/reference.py``) on 1, 2 and 4 ranks through every phase, exact resume inside each phase,
-DeepSpeed's rule with ``bias_correction=False``, the schedules as fractions, and what is refused."""
+(``tests/reference.py``, with the errors kept in their unit across a variance step: ``Reference``
+below) on 1, 2 and 4 ranks through every phase, exact resume inside each phase, DeepSpeed's rule
+(``compression_space="momentum"``), the schedules as fractions, and what is refused. Against
+DeepSpeed's own code: ``tests/test_deepspeed_code.py``."""
 from __future__ import annotations
 
 import functools
+import inspect
 
-import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 import onebitlamb
 from onebitlamb.comm.launch import spawn_local
@@ -29,9 +30,14 @@ RESUME_AT = (2, 7, 14, 21)  # dense variance steps, sparse ones, syncs every ste
 
 
 
+# the reference's direction is the paper's and DeepSpeed's, unbounded
+UNBOUNDED = ({"bound_direction": False} if "bound_direction" in inspect.signature(onebitlamb.ZeroOneAdam).parameters
+             else {})
+
+
 def make(params, **kw):
     groups = [{"params": [p], "lr": lr, "weight_decay": wd} for p, lr, wd in zip(params, LRS, WDS)]
-    return onebitlamb.ZeroOneAdam(groups, lr=LRS[0], **{**SCHEDULE, **kw})
+    return onebitlamb.ZeroOneAdam(groups, lr=LRS[0], **{**SCHEDULE, **UNBOUNDED, **kw})
 
 
 def rel_err(a, b):
@@ -70,7 +76,7 @@ def _run(rank, n, resume_at, kw):
     params = [torch.nn.Parameter(t.clone()) for t in initial_params()]
     momentum_space = run(params, make(params, compression_space="momentum"), 1, STEPS)[0]
     return {"history": history, "calls": calls, "stages": stages, "resumed": resumed, "state": final_state,
-            "momentum_space": momentum_space, "deepspeed_case": _ds_run(rank, n, STEPS)}
+            "momentum_space": momentum_space}
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,8 +85,37 @@ def _spawned(n):
     return spawn_local(_run, n, (RESUME_AT, {}), timeout_s=180)
 
 
+class Reference(ZeroOneReference):
+    """``reference.ZeroOneReference`` with the compression errors kept in their unit across a
+    variance step (docs/algorithm.md, "Where ZeroOneAdam departs from DeepSpeed's"): a variance step
+    changes the scale each element is sent with (``k_l``; over Adam's denominator in the update
+    space), and the errors the 1-bit steps left are in the old one. After it each error is
+    multiplied by its element's new scale over its old (an element whose scale is 0 or not finite
+    keeps its error), the padding by the mean of those ratios."""
+
+    def _sent_scale(self) -> torch.Tensor:
+        den = self._den()
+        return torch.cat([(self.k[l] / den[l] if self.update_space else torch.full_like(den[l], self.k[l])).reshape(-1)
+                          for l in range(len(self.k))])
+
+    def step(self, grads_per_worker):
+        variance_step = self.n > 1 and not self.frozen and (self.t + 1) % self.var_interval == 0
+        before = self._sent_scale() if variance_step else None
+        super().step(grads_per_worker)
+        if before is None:
+            return
+        after = self._sent_scale()
+        kept = torch.isfinite(before) & torch.isfinite(after) & (before != 0) & (after != 0)
+        ratio = torch.where(kept, after / torch.where(kept, before, torch.ones_like(before)), torch.ones_like(after))
+        pad = float(ratio[kept].mean()) if bool(kept.any()) else 1.0
+        full = torch.cat([ratio, torch.full((self.D - self.d,), pad)])
+        chunk = self.D // self.n
+        self.sim.worker_errors = [e * full for e in self.sim.worker_errors]
+        self.sim.server_errors = [e * full[j * chunk:(j + 1) * chunk] for j, e in enumerate(self.sim.server_errors)]
+
+
 def _reference_run(n, steps=STEPS, **kw):
-    ref = ZeroOneReference(initial_params(), LRS, WDS, n=n, **{**SCHEDULE, **kw})
+    ref = Reference(initial_params(), LRS, WDS, n=n, **{**SCHEDULE, **kw})
     out = []
     for t in range(1, steps + 1):
         ref.step([grads_for(ref.x[r], r, t) for r in range(n)])
@@ -129,6 +164,48 @@ def test_deepspeeds_compression_space_matches_the_reference(n):
     assert not all(torch.equal(a, b) for a, b in zip(out[0]["momentum_space"][4], out[0]["history"][4]))
 
 
+def _scales_held(rank, n):
+    """DeepSpeed's rule where each compression sees one layer, so that it compresses alike at any
+    constant scale: on the world (flat) with every tensor a bucket of its own; on 2 nodes x 2 ranks
+    likewise, and with two layers of 16 elements in one bucket of 32, of which each local rank
+    compresses one layer's half across the nodes. The run whose layer scales follow each variance
+    step, and the run whose scales are held at 1."""
+    from onebitlamb.comm import node_groups
+
+    out = {}
+    nodes = node_groups(2)
+    for name, group, shapes, cap in (("flat", None, SHAPES, 1e-9), ("nodes", nodes, SHAPES, 1e-9),
+                                     ("nodes, a layer a chunk", nodes, [(16,), (16,)], None)):
+        for held in (False, True):
+            params = [torch.nn.Parameter(t.clone()) for t in initial_params(shapes)]
+            opt = make(params, compression_space="momentum", bias_correction=False, bucket_cap_mb=cap,
+                       process_group=group)
+            if held:
+                opt._layer_scales = lambda sent: torch.ones(len(shapes))
+            history = []
+            for t in range(1, SCHEDULE["var_freeze_step"] + 1):
+                for p, g in zip(params, grads_for(params, rank, t)):
+                    p.grad = g
+                opt.step()
+                history.append([p.detach().clone() for p in params])
+            out[name, held] = history
+    return out
+
+
+def test_the_errors_keep_their_unit_across_a_variance_step():
+    """A variance step sets new layer scales ``k_l`` while the 1-bit steps' errors carry over; they
+    are rescaled to the new ones (zero_one.py, ``_rescale_errors_``). A bucket of one tensor
+    compresses alike at any constant scale, so with the errors rescaled the scales change nothing
+    but rounding, on a flat group and on a hierarchical one (whose ranks hold the errors of a
+    chunk: the rescaling must pick the right one). Left in the old unit, the runs part at step 7,
+    the first 1-bit step after a variance step that moved the scales."""
+    ranks = spawn_local(_scales_held, 4, (), timeout_s=120, collective_timeout_s=60)
+    for r, out in enumerate(ranks):
+        for name in ("flat", "nodes", "nodes, a layer a chunk"):
+            for t, (a, b) in enumerate(zip(out[name, False], out[name, True]), start=1):
+                assert max(rel_err(x, y) for x, y in zip(a, b)) < 1e-6, f"rank {r}, {name}, step {t} ({STAGES[t - 1]})"
+
+
 @pytest.mark.parametrize("bias_correction", [True, False])
 def test_one_process_matches_the_reference(bias_correction):
     """One process: nothing is compressed, the momentum takes the gradient at every step (DeepSpeed's
@@ -163,211 +240,6 @@ def test_weight_decay_reaches_the_synchronized_momentum_tenfold():
         ratios.append(float(((before - p.detach()) / (lr * wd * before)).median()))
     assert opt.stage == "compression"  # every step after the freeze a sync
     assert abs(ratios[-1] - 1 / (1 - beta1)) < 0.05 * (1 / (1 - beta1))
-
-
-# ---------------------------------------------------------------- DeepSpeed's rule
-def _ds_compressed_allreduce(buffers, worker_errors, server_errors):
-    """DeepSpeed's ``NcclBackend.compressed_allreduce`` for ``n`` simulated ranks at once (the
-    buffers already padded): worker ``y = b + e_w``, ``s = ||y|| / sqrt(D)``, ``e_w = y - s sign0(y)``;
-    server ``z = sum_i sign0(y_i)[chunk] * (s_i * (1/n)) + e_s``, ``s' = ||z|| / sqrt(D/n)``,
-    ``e_s = z - s' sign0(z)``; the result ``s'_j sign0(z_j)`` chunk by chunk. ``sign0`` is its
-    ``sign().add_(1).bool()`` read back as -1/+1 (0 counts as +1)."""
-    n = len(buffers)
-
-    def sign0(t):
-        return t.sign().add_(1).bool().float().add_(-0.5).mul_(2.0)
-
-    signs, scales = [], []
-    for i, b in enumerate(buffers):
-        y = b + worker_errors[i]
-        scale = torch.norm(y) / np.sqrt(torch.numel(y))
-        worker_errors[i] = y - scale * sign0(y)
-        signs.append(sign0(y))
-        scales.append(scale.reshape(1))
-    chunk = buffers[0].numel() // n
-    result = torch.empty_like(buffers[0])
-    for j in range(n):
-        rows = torch.stack([s[j * chunk:(j + 1) * chunk] for s in signs])
-        z = rows.mul_(torch.stack(scales).mul_(1 / n)).sum(0)
-        z.add_(server_errors[j])
-        server_scale = torch.norm(z) / np.sqrt(z.numel())
-        server_errors[j] = z - server_scale * sign0(z)
-        result[j * chunk:(j + 1) * chunk] = sign0(z) * server_scale
-    return result
-
-
-class DeepSpeedZeroOneAdam:
-    """A transcription of DeepSpeed 0.19.6's ``ZeroOneAdam.step`` (``runtime/fp16/onebit/zoadam.py``)
-    and of its engine's part (``enable_backward_allreduce``: the gradient a step sees is the ranks'
-    average when the previous step set it, else the rank's own), for ``n`` ranks simulated in one
-    process and one parameter tensor of one param group. Read line by line against the source;
-    the comparison test names the quirks it accounts for."""
-
-    def __init__(self, p0, n, lr, weight_decay, betas, eps, var_freeze_step, var_update_scaler,
-                 local_step_scaler, local_step_clipper):
-        self.n, self.lr, self.wd, self.betas, self.eps = n, lr, weight_decay, betas, eps
-        self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
-        self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
-        self.p = [p0.clone() for _ in range(n)]
-        self.state = [{} for _ in range(n)]
-        self.initialize = self.freeze_key = self.reinitial_error_buffer = False
-        self.enable_backward_allreduce = True  # the engine's default
-        self.divider = int(n * 8 / np.gcd(n, 8))
-
-    def step(self, local_grads):
-        n, (beta1, beta2), lr, eps = self.n, self.betas, self.lr, self.eps
-        if self.enable_backward_allreduce:
-            mean = sum(local_grads) / n
-            grads = [mean.clone() for _ in range(n)]
-        else:
-            grads = [g.clone() for g in local_grads]
-        for i in range(n):
-            state, p = self.state[i], self.p[i]
-            if len(state) == 0:
-                state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-            if not self.initialize or "worker_error" not in state:
-                size = p.numel()
-                corrected = size + ((n * self.divider) - size % (n * self.divider)) % (n * self.divider)
-                state.update(var_interval=1, var_counter=0, local_step_interval=1, local_step_counter=0, lrs=0,
-                             worker_error=torch.zeros(corrected), server_error=torch.zeros(corrected // n),
-                             momentum_accumulator=torch.zeros_like(p))
-            state["step"] += 1
-        s0 = self.state[0]
-        if self.initialize:
-            if not self.freeze_key:
-                if s0["step"] % s0["var_interval"] == 0:
-                    for i in range(n):
-                        st, g = self.state[i], grads[i]
-                        st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                        st["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
-                else:
-                    onebit = self._allreduce([grads[i] for i in range(n)])
-                    for i in range(n):
-                        self.state[i]["exp_avg"].mul_(beta1).add_(onebit, alpha=1 - beta1)
-            else:
-                for i in range(n):
-                    self.state[i]["exp_avg"].mul_(beta1).add_(grads[i], alpha=1 - beta1)
-                    self.state[i]["lrs"] += lr
-        if not self.initialize:
-            self._allreduce([self.state[i]["momentum_accumulator"] for i in range(n)])  # zeros: warms the backend
-        if self.initialize:
-            for i in range(n):
-                st, p = self.state[i], self.p[i]
-                update = st["exp_avg"] / (st["exp_avg_sq"].sqrt() + eps)
-                if self.wd > 0.0:
-                    update += self.wd * p
-                p.add_(-lr * update)
-                if self.freeze_key:
-                    st["momentum_accumulator"].add_(-lr * update)
-            if s0["step"] % s0["local_step_interval"] == 0 and self.freeze_key:
-                for i in range(n):
-                    st = self.state[i]
-                    self.p[i].add_(-1 * st["momentum_accumulator"])
-                    st["momentum_accumulator"].mul_(st["exp_avg_sq"].sqrt() + eps)
-                averaged = self._allreduce([self.state[i]["momentum_accumulator"] for i in range(n)])
-                for i in range(n):
-                    st = self.state[i]
-                    st["momentum_accumulator"].copy_(averaged)
-                    st["exp_avg"].zero_().add_(st["momentum_accumulator"] / st["lrs"], alpha=-1)
-                    self.p[i].add_(st["momentum_accumulator"] / (st["exp_avg_sq"].sqrt() + eps))
-                    st["momentum_accumulator"].zero_()
-                    st["lrs"] = 0
-            for i in range(n):
-                st = self.state[i]
-                if not self.freeze_key:
-                    if st["step"] % st["var_interval"] == 0:
-                        st["var_counter"] += 1
-                        if st["var_counter"] == self.var_update_scaler:
-                            st["var_counter"] = 0
-                            st["var_interval"] *= 2
-                    self.enable_backward_allreduce = (st["step"] + 1) % st["var_interval"] == 0
-                else:
-                    st["local_step_counter"] += 1
-                    if st["local_step_counter"] == self.local_step_scaler:
-                        st["local_step_counter"] = 0
-                        st["local_step_interval"] = min(self.local_step_clipper, st["local_step_interval"] * 2)
-        if not self.initialize:
-            for st in self.state:
-                st.pop("worker_error")
-                st.pop("server_error")
-            self.initialize = True
-            return
-        if s0["step"] > self.var_freeze_step:
-            self.freeze_key = True
-            self.enable_backward_allreduce = False
-        if self.freeze_key and not self.reinitial_error_buffer:
-            for st in self.state:
-                st["worker_error"].zero_()
-                st["server_error"].zero_()
-            self.reinitial_error_buffer = True
-
-    def _allreduce(self, buffers):
-        """The 1-bit all-reduce of one tensor per rank with each rank's errors (no padding: the
-        tests' tensor is a multiple of ``n * divider``)."""
-        n = self.n
-        workers = [self.state[i]["worker_error"] for i in range(n)]
-        servers = [self.state[i]["server_error"] for i in range(n)]
-        result = _ds_compressed_allreduce([b.reshape(-1).clone() for b in buffers], workers, servers)
-        for i in range(n):
-            self.state[i]["worker_error"], self.state[i]["server_error"] = workers[i], servers[i]
-        return result.reshape(buffers[0].shape)
-
-
-DS_SHAPE, DS_LR, DS_WD = (64,), 0.02, 0.01
-
-
-def _ds_run(rank, n, steps):
-    param = torch.nn.Parameter(initial_params([DS_SHAPE])[0])
-    opt = onebitlamb.ZeroOneAdam([param], lr=DS_LR, weight_decay=DS_WD, bias_correction=False,
-                                 compression_space="momentum", **SCHEDULE)
-    history = []
-    for t in range(1, steps + 1):
-        param.grad = grads_for([param], rank, t, scales=[1.0])[0]
-        opt.step()
-        history.append(param.detach().clone())
-    return history
-
-
-@pytest.mark.parametrize("n", [2, 4])
-def test_matches_deepspeeds_rule_without_bias_correction(n):
-    """The library on ``n`` gloo ranks against ``DeepSpeedZeroOneAdam`` (above), a transcription of
-    DeepSpeed 0.19.6's ``ZeroOneAdam.step`` and of its ``NcclBackend.compressed_allreduce`` (the
-    library's 1-bit all-reduce computes the same, docs/algorithm.md), through every phase: dense
-    and sparse variance steps, 1-bit steps, syncs every step and every 2 and 4 steps, local steps.
-    DeepSpeed is not installed here (nor installable: it was removed); the transcription was
-    checked line by line against its source. Its quirks, accounted for:
-
-    - its first ``step()`` only initialises and discards the gradient: the transcription is given a
-      zero gradient first, and from then on its step ``t + 1`` is our step ``t``;
-    - that first step is counted by its schedules (our defect list): after it the transcription's
-      step counter is set back to 0, so that both count the steps that moved the parameters; its
-      freeze condition ``step > var_freeze_step`` then freezes one step late, so it is given our
-      ``var_freeze_step - 1`` (with its own count it freezes at the end of its step
-      ``var_freeze_step + 1``, our ``var_freeze_step``: the same);
-    - ``bias_correction`` is read but never applied: ours is off;
-    - it compresses the gradients and the update sums as they are: ours with
-      ``compression_space="momentum"`` (the default compresses Adam's direction, a departure);
-    - it compresses each tensor on its own, we compress one buffer with a per-layer scale: one
-      tensor, whose scale is 1, of 64 elements (a multiple of its ``n * lcm(n, 8)`` padding and of
-      our ``8 n``), with no element that never had a gradient (no mask on either side);
-    - after a sync it rebuilds each rank's parameters from the local ones (and they drift apart by
-      float rounding), we from the last sync's: the same to float rounding, compared with a
-      relative tolerance of 1e-5 (float32 rounding over 30 steps, and its drift);
-    - with one process it drops the gradient on 1-bit steps: compared on 2 and 4 ranks only.
-    """
-    out = [r["deepspeed_case"] for r in _spawned(n)]
-    ds = DeepSpeedZeroOneAdam(initial_params([DS_SHAPE])[0], n, DS_LR, DS_WD, (0.9, 0.999), 1e-8,
-                              var_freeze_step=SCHEDULE["var_freeze_step"] - 1,
-                              var_update_scaler=SCHEDULE["var_update_scaler"],
-                              local_step_scaler=SCHEDULE["local_step_scaler"],
-                              local_step_clipper=SCHEDULE["local_step_clipper"])
-    ds.step([torch.zeros(DS_SHAPE) for _ in range(n)])  # its initialisation step
-    for st in ds.state:
-        st["step"] = 0
-    for t in range(1, STEPS + 1):
-        ds.step([grads_for([ds.p[r]], r, t, scales=[1.0])[0] for r in range(n)])
-        for r in range(n):
-            assert rel_err(out[r][t - 1], ds.p[r]) < 1e-5, f"rank {r}, step {t} ({STAGES[t - 1]})"
 
 
 # ---------------------------------------------------------------- schedules, validation

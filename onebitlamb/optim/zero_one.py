@@ -26,12 +26,13 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
+from onebitlamb.comm import rank_of, world_size_of
 from onebitlamb.optim import functional as F
 from onebitlamb.optim.exchange import ProcessGroupLike
 from onebitlamb.optim.layout import Bucket, FlatLayout
 from onebitlamb.optim.local_steps import LocalSteps
-from onebitlamb.optim.optimizers import (_ADAM_DOC, _EXCHANGE_DOC, _MAXIMIZE_DOC, _PARAMS_DOC,
-                                         _exchange_defaults)
+from onebitlamb.optim.optimizers import (_ADAM_DOC, _BOUND_DOC, _EXCHANGE_DOC, _MAXIMIZE_DOC, _PARAMS_DOC,
+                                         _checked_bound_direction, _exchange_defaults)
 from onebitlamb.optim.staged import (COMPRESSION, COMPRESSION_SPACES, WARMUP, StagedOptimizer,
                                      validate_common)
 
@@ -69,7 +70,8 @@ class ZeroOneAdam(LocalSteps, StagedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
                  var_freeze_step: StepsOrFraction, var_update_scaler: int = 16,
                  local_step_scaler: StepsOrFraction = 32678, local_step_clipper: int = 16,
-                 total_steps: Optional[int] = None, compression_space: str = "update", maximize: bool = False,
+                 total_steps: Optional[int] = None, compression_space: str = "update", bound_direction: bool = True,
+                 maximize: bool = False,
                  process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
                  bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
                  agree_every: Optional[int] = 1000) -> None:
@@ -94,7 +96,8 @@ class ZeroOneAdam(LocalSteps, StagedOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, var_freeze_step=freeze, var_update_scaler=var_update_scaler,
                         local_step_scaler=scaler, local_step_clipper=local_step_clipper,
-                        compression_space=compression_space, maximize=maximize,
+                        compression_space=compression_space,
+                        bound_direction=_checked_bound_direction(bound_direction), maximize=maximize,
                         **_exchange_defaults(warmup_dtype, bucket_cap_mb))
         super().__init__(params, defaults, schedule=None, process_group=process_group,
                          overlap_with_backward=overlap_with_backward, agree_every=agree_every)
@@ -200,11 +203,55 @@ class ZeroOneAdam(LocalSteps, StagedOptimizer):
                 beta1, _ = self._betas()
                 torch.mul(flat["exp_avg"][b.start:b.end], beta1, out=mine)
                 mine.add_(grad, alpha=1 - beta1).mul_(scale[b.start:b.end])
+                self._bound_sent_(mine, b)
             else:
                 torch.mul(grad, scale[b.start:b.end], out=mine)
         else:
             self._sync_payload(b, mine)
         return buf
+
+    # ------------------------------------------------------------------ the errors across a variance step
+    def _scales_of_the_errors(self) -> Optional[torch.Tensor]:
+        """Per element, the scale the carried compression errors are in: what the last 1-bit step
+        multiplied its values by (``k_l``, over Adam's denominator in the update space); None with
+        one process (no errors)."""
+        if "worker_error" not in self._flat:
+            return None
+        return self._compression_scales()[0].clone()
+
+    def _rescale_errors_(self, before: Optional[torch.Tensor]) -> None:
+        """After a variance step changed the scales (``k_l``, and the denominator in the update
+        space), the errors the 1-bit steps carry are brought into the new ones: each element's times
+        its new scale over its old. An error is what an earlier exchange left unsent of the scaled
+        values; the next exchange adds it to values scaled anew and divides the result by the new
+        scale, so left as it was it would come back in another unit: the error feedback would no
+        longer return what was left out (DeepSpeed compresses each tensor's gradient unscaled, and
+        its errors keep their unit). A masked element (scale 0) keeps its error, as does any element
+        whose scale was not finite. The padding has no scale of its own: its error is what the
+        bucket's 1-bit scale left there, in the unit of the bucket's values, so it takes the mean
+        ratio of the bucket's elements (exactly their unit when the bucket holds one layer, as
+        DeepSpeed's tensors are compressed). With a hierarchical group a rank holds the errors of
+        its local rank's chunk of each bucket (worker) and of its node's part of that chunk
+        (server)."""
+        if before is None:
+            return
+        after, _ = self._compression_scales()
+        # (before the first variance update the update space's scale is not finite: 0 / 0)
+        kept = torch.isfinite(before) & torch.isfinite(after) & (before != 0) & (after != 0)
+        ratio = torch.where(kept, after / torch.where(kept, before, torch.ones_like(before)), torch.ones_like(after))
+        flat, group = self._flat, self.process_group
+        n, local = world_size_of(group), self.exchange.local_size
+        chunk_of_worker, chunk_of_server = (group.local_rank, group.node) if local > 1 else (0, rank_of(group))
+        for b in self.exchange.buckets:
+            padded = b.comm.stop - b.comm.start
+            full = torch.ones(padded, dtype=ratio.dtype, device=ratio.device)
+            full[:b.numel] = ratio[b.start:b.end]
+            mine = kept[b.start:b.end]
+            full[b.numel:] = torch.where(mine.any(), (ratio[b.start:b.end] * mine).sum() / mine.sum().clamp(min=1),
+                                         torch.ones((), dtype=ratio.dtype, device=ratio.device))
+            worker = full.view(local, -1)[chunk_of_worker]
+            flat["worker_error"][b.worker].mul_(worker)
+            flat["server_error"][b.server].mul_(worker.view(n // local, -1)[chunk_of_server])
 
     # ------------------------------------------------------------------ steps
     def _take_step(self, stage: str, grads: torch.Tensor) -> None:
@@ -224,6 +271,7 @@ class ZeroOneAdam(LocalSteps, StagedOptimizer):
         beta1, beta2 = self._betas()
         m, v = flat["exp_avg"], flat["exp_avg_sq"]
         if stage == WARMUP:
+            carried = self._scales_of_the_errors()
             F.update_moments_(m, v, grads, beta1, beta2)
             flat["variance_updates"] += 1
             flat["var_interval"], flat["var_counter"] = F.interval_after(
@@ -234,6 +282,7 @@ class ZeroOneAdam(LocalSteps, StagedOptimizer):
             # signs cannot send a 0)
             flat["momentum_scale"] = self._layer_scales(m if self._compresses_update() else grads)
             flat["momentum_mask"] = v != 0
+            self._rescale_errors_(carried)  # the errors the 1-bit steps carry, into the new scales
         elif self._compresses_update():  # each rank's momentum, averaged as 1-bit Adam's stage 2 does
             local = self._scratch.buffer("local_momentum", lay.numel)
             torch.mul(m, beta1, out=local).add_(grads, alpha=1 - beta1)
@@ -244,6 +293,8 @@ class ZeroOneAdam(LocalSteps, StagedOptimizer):
         update = self._scratch.buffer("update", lay.numel)
         den = F.adam_denominator(v, bc2, self.defaults["eps"], out=update)
         F.adam_direction(m, den, bc1, out=update)
+        if stage != WARMUP:  # the 1-bit average over a variance that is not this step's
+            self._bound_direction_(update)
         lay.add_weight_decay_(update, self.param_groups)
         self._apply_(update, lay.ones())
 
@@ -292,6 +343,7 @@ ZeroOneAdam.__doc__ = fr"""0/1 Adam (Lu et al., "Maximizing Communication Effici
             ``"momentum"`` (DeepSpeed's rule: the gradient, whose 1-bit average goes into the
             momentum, and the update sum times the denominator). Changes the numbers; part of the
             state. ``docs/algorithm.md``.
+        {_BOUND_DOC}
         {_MAXIMIZE_DOC}
 
     {_EXCHANGE_DOC.format(warmup_dtype="torch.float32")}
