@@ -13,7 +13,7 @@ from onebitlamb.train.model import ModelConfig
 PRETRAIN_FLAGS = {"--preset", "--optimizer", "--out", "--resume", "--overwrite", "--seed", "--steps", "--global-batch",
                   "--micro-batch", "--workers", "--lr", "--warmup-frac", "--weight-decay", "--clip", "--freeze",
                   "--var-freeze", "--var-update-scaler", "--local-step-scaler", "--warmup-dtype", "--compression-space",
-                  "--trust-ratio-after-freeze", "--bucket-cap-mb", "--local-size",
+                  "--stage2-bound", "--trust-ratio-after-freeze", "--bucket-cap-mb", "--local-size",
                   "--eval-every", "--eval-samples", "--ckpt-every", "--corpus", "--stdlib-tests", "--cache-dir",
                   "--threads", "--no-progress", "--stop-after-steps", "--timeout",
                   "--vocab-size", "--seq-len", "--hidden", "--layers", "--heads", "--intermediate"}
@@ -52,6 +52,8 @@ def test_the_exchange_flags_reach_the_optimizer():
     assert lamb.exchange.warmup_dtype == torch.float32  # the exact baseline stays float32
     space = loop.make_optimizer(cfg("--compression-space", "update", "--trust-ratio-after-freeze", "live"), groups())
     assert space.defaults["compression_space"] == "update" and space.defaults["trust_ratio_after_freeze"] == "live"
+    assert space.defaults["bound_direction"] is True
+    assert loop.make_optimizer(cfg("--stage2-bound", "none"), groups()).defaults["bound_direction"] is False
     for bad in (["--warmup-dtype", "float16"], ["--bucket-cap-mb", "x"], ["--compression-space", "signs"]):
         with pytest.raises(SystemExit):
             cfg(*bad)

@@ -130,6 +130,10 @@ class TrainConfig:
         "help": "1-bit LAMB and 0/1 Adam: what the 1-bit all-reduce compresses: the update (Adam's direction, the "
                 "momentum over the variance's root) or the momentum (the papers' and DeepSpeed's)",
         "choices": ["update", "momentum"]})
+    stage2_bound: str = field(default="adam", metadata={
+        "help": "1-bit optimizers: after the freeze each element's direction is clipped to the largest Adam's "
+                "own can take at that step (adam), or not (none: the papers' and DeepSpeed's rule)",
+        "choices": ["adam", "none"]})
     trust_ratio_after_freeze: str = field(default="frozen", metadata={
         "help": "1-bit LAMB: the layer-wise coefficient after the freeze: frozen (the paper's: the trust ratio of "
                 "the freeze times a per-layer factor) or live (LAMB's ratio, every step)", "choices": ["frozen", "live"]})

@@ -295,6 +295,7 @@ def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
                   bucket_cap_mb=cfg.bucket_cap_mb, overlap_with_backward=cfg.bucket_cap_mb is not None)
     if cfg.optimizer == "lamb":  # the exact baseline: its average stays float32
         return onebitlamb.Lamb(groups, **common)
+    common["bound_direction"] = cfg.stage2_bound == "adam"
     if cfg.optimizer == "onebitlamb":
         common.update(compression_space=cfg.compression_space, trust_ratio_after_freeze=cfg.trust_ratio_after_freeze)
     if cfg.optimizer == "zerooneadam":  # it exchanges in step() (its syncs need the step's update first)
