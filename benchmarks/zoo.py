@@ -200,14 +200,6 @@ def make_optimizer(name: str, groups: List[dict], lr: float, steps: int, freeze:
 OPTIMIZERS = ("lamb", "adamw", "onebitlamb", "onebitlamb-momentum", "onebitadam", "zerooneadam")
 
 
-def _frozen_at(opt) -> Optional[int]:
-    if isinstance(opt, onebitlamb.ZeroOneAdam):
-        return opt.defaults.get("var_freeze_step") if not hasattr(opt, "var_frozen_at") else opt.var_frozen_at
-    if hasattr(opt, "freeze_stats"):
-        return opt.freeze_stats()["frozen_at"]
-    return None
-
-
 def run_case(rank: int, world: int, family: str, optimizer: str, lr: float, steps: int, seed: int = 0,
              freeze: Optional[int] = None, weight_decay: float = 0.01) -> dict:
     """Train ``family`` with ``optimizer`` for ``steps`` steps on this rank's batches; inside a

@@ -138,18 +138,18 @@ class FixedSchedule:
         self._levels = (self._levels + [variance_levels.detach().float().cpu()])[-(AutoFreeze.window + 1):]
         spread = self._spread()
         if spread is not None:
-            self._peak = max(self._peak, spread[0])
+            self._peak = max(self._peak, spread)
 
-    def _spread(self) -> Optional[tuple]:
-        """The largest move of a layer's level over the steps seen, and that layer's index."""
+    def _spread(self) -> Optional[float]:
+        """``F.window_spread`` over the steps seen (fewer than a window in a short warm-up)."""
         if len(self._levels) < 2:
             return None
+        return F.window_spread(torch.stack(self._levels), len(self._levels))
+
+    def _least_settled_layer(self) -> int:
         rows = torch.stack(self._levels)
-        finite = torch.isfinite(rows).all(dim=0)
-        if not bool(finite.any()):
-            return None
-        moves = torch.where(finite, rows.max(dim=0).values - rows.min(dim=0).values, torch.zeros_like(rows[0]))
-        return float(moves.max()), int(moves.argmax())
+        moves = rows.max(dim=0).values - rows.min(dim=0).values
+        return int(torch.where(torch.isfinite(moves), moves, torch.zeros_like(moves)).argmax())
 
     def due(self, flat: Dict[str, Any]) -> bool:
         if flat["step"] != self.step:
@@ -159,12 +159,13 @@ class FixedSchedule:
             # AutoFreeze's own test on a short warm-up (no full window yet), and on any warm-up a
             # transient still under way (a spread AutoFreeze never freezes in); a longer warm-up that
             # merely drifts more than the tolerance is the user's informed choice
-            moving = not (F.settled(spread[0], AutoFreeze.tolerance) or F.transient_passed(
-                spread[0], self._peak, AutoFreeze.transient, AutoFreeze.transient_end))
-            if (moving and self.step <= AutoFreeze.window) or spread[0] > AutoFreeze.transient_end:
+            moving = not (F.settled(spread, AutoFreeze.tolerance) or F.transient_passed(
+                spread, self._peak, AutoFreeze.transient, AutoFreeze.transient_end))
+            if (moving and self.step <= AutoFreeze.window) or spread > AutoFreeze.transient_end:
                 warnings.warn(
                     f"{self.owner}: freeze_step={self.step} freezes a variance that has not settled: parameter "
-                    f"{spread[1]} (in the optimizer's order) moved its log ||v_hat|| by {spread[0]:.2f} over the "
+                    f"{self._least_settled_layer()} (in the optimizer's order) moved its log ||v_hat|| by "
+                    f"{spread:.2f} over the "
                     f"last {len(self._levels) - 1} warm-up steps, where AutoFreeze waits for {AutoFreeze.tolerance}. "
                     f"Stage 2 keeps this variance, and the loss may jump after the freeze. Use "
                     f"freeze_step=onebitlamb.AutoFreeze(total_steps=...) or a later step "

@@ -477,7 +477,7 @@ class StagedOptimizer(Optimizer):
         if not self.defaults.get("bound_direction", False):
             return False
         beta1, beta2 = self._betas()
-        F.clip_direction_(update, F.adam_direction_bound(beta1, beta2, step or self._flat["step"],
+        F.clip_direction_(update, F.adam_direction_bound(beta1, beta2, self._flat["step"] if step is None else step,
                                                          self.defaults["bias_correction"]))
         return True
 
@@ -585,13 +585,11 @@ class StagedOptimizer(Optimizer):
         held = derived.get("scale_source")  # the tensors themselves: they stay alive, so `is` cannot mistake them
         if held is None or any(a is not b for a, b in zip(held, source)):
             numels = torch.tensor(self._layout.numels, device=self._layout.device)
-            scale = torch.repeat_interleave(flat["momentum_scale"], numels)
-            if self._compresses_update():
-                scale.mul_(self._inverse_denominator())
+            layer_scale = torch.repeat_interleave(flat["momentum_scale"], numels)
+            scale = layer_scale * self._inverse_denominator() if self._compresses_update() else layer_scale.clone()
             mask = flat["momentum_mask"]
-            derived["layer_scale"] = torch.repeat_interleave(flat["momentum_scale"], numels).mul_(mask)
             derived["unscale"] = torch.reciprocal(scale).mul_(mask)
-            derived["scale"] = scale.mul_(mask)
+            derived["scale"], derived["layer_scale"] = scale.mul_(mask), layer_scale.mul_(mask)
             derived["scale_source"] = source
         return derived["scale"], derived["unscale"]
 
