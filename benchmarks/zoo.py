@@ -177,23 +177,31 @@ def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def make_optimizer(name: str, groups: List[dict], lr: float, steps: int, freeze: Optional[int] = None):
-    """The optimizers the zoo compares, by name; ``freeze`` a fixed step, else the automatic one."""
+def make_optimizer(name: str, groups: List[dict], lr: float, steps: int, freeze: Optional[int] = None,
+                   bound: bool = True):
+    """The optimizers the zoo compares, by name; ``freeze`` a fixed step, else the automatic one;
+    ``bound`` the 1-bit optimizers' ``bound_direction``."""
     auto = onebitlamb.AutoFreeze(total_steps=steps) if freeze is None else freeze
+    if name not in ("lamb", "adamw"):
+        return _one_bit(name, groups, lr, steps, freeze, auto, bound)
     if name == "lamb":
         return onebitlamb.Lamb(groups, lr=lr)
-    if name == "adamw":  # 1-bit Adam's and 0/1 Adam's rule never frozen (weight decay added to the update)
-        return torch.optim.AdamW(groups, lr=lr)
+    return torch.optim.AdamW(groups, lr=lr)  # 1-bit Adam's and 0/1 Adam's rule never frozen
+
+
+def _one_bit(name, groups, lr, steps, freeze, auto, bound):
     if name == "onebitlamb":
-        return onebitlamb.OneBitLamb(groups, lr=lr, freeze_step=auto)
+        return onebitlamb.OneBitLamb(groups, lr=lr, freeze_step=auto, bound_direction=bound)
     if name == "onebitlamb-momentum":
-        return onebitlamb.OneBitLamb(groups, lr=lr, freeze_step=auto, compression_space="momentum")
+        return onebitlamb.OneBitLamb(groups, lr=lr, freeze_step=auto, compression_space="momentum",
+                                     bound_direction=bound)
     if name == "onebitadam":
-        return onebitlamb.OneBitAdam(groups, lr=lr, freeze_step=auto)
+        return onebitlamb.OneBitAdam(groups, lr=lr, freeze_step=auto, bound_direction=bound)
     if name == "zerooneadam":
         var_freeze = max(2, round(0.3 * steps)) if freeze is None else freeze
         return onebitlamb.ZeroOneAdam(groups, lr=lr, var_freeze_step=var_freeze, var_update_scaler=4,
-                                      local_step_scaler=max(1, steps // 8), local_step_clipper=4)
+                                      local_step_scaler=max(1, steps // 8), local_step_clipper=4,
+                                      bound_direction=bound)
     raise ValueError(f"unknown optimizer {name!r}")
 
 
@@ -201,14 +209,14 @@ OPTIMIZERS = ("lamb", "adamw", "onebitlamb", "onebitlamb-momentum", "onebitadam"
 
 
 def run_case(rank: int, world: int, family: str, optimizer: str, lr: float, steps: int, seed: int = 0,
-             freeze: Optional[int] = None, weight_decay: float = 0.01) -> dict:
+             freeze: Optional[int] = None, weight_decay: float = 0.01, bound: bool = True) -> dict:
     """Train ``family`` with ``optimizer`` for ``steps`` steps on this rank's batches; inside a
     process group of ``world`` ranks. Returns per step the training loss (this rank's batch, then
     averaged over the ranks) and the largest absolute change of any parameter element."""
     torch.manual_seed(seed)
     fam = ZOO[family]
     model = fam.build()
-    opt = make_optimizer(optimizer, param_groups(model, weight_decay), lr, steps, freeze)
+    opt = make_optimizer(optimizer, param_groups(model, weight_decay), lr, steps, freeze, bound)
     params = [p for p in model.parameters() if p.requires_grad]
     losses, moves, stages = [], [], []
     diverged = None
@@ -244,7 +252,7 @@ def run_case(rank: int, world: int, family: str, optimizer: str, lr: float, step
         dist.all_gather_object(sums, checksum)
     else:
         sums = [checksum]
-    return {"family": family, "optimizer": optimizer, "steps": steps, "losses": mean_losses.tolist(), "moves": moves,
+    return {"family": family, "optimizer": optimizer, "steps": steps, "bound": bound, "losses": mean_losses.tolist(), "moves": moves,
             "stages": stages, "ranks_identical": len(set(sums)) == 1, "diverged": diverged,
             "finite": bool(torch.isfinite(flat).all()) and all(math.isfinite(x) for x in mean_losses.tolist())}
 
@@ -252,3 +260,56 @@ def run_case(rank: int, world: int, family: str, optimizer: str, lr: float, step
 def run_cases(rank: int, world: int, cases: List[dict]) -> List[dict]:
     """Several ``run_case`` calls in one start of the ranks (starting them is most of a test's time)."""
     return [run_case(rank, world, **case) for case in cases]
+
+
+# Each 1-bit optimizer against its uncompressed counterpart on the same data
+COUNTERPART = {"onebitlamb": "lamb", "onebitlamb-momentum": "lamb", "onebitadam": "adamw", "zerooneadam": "adamw"}
+
+
+def largest_move_after_freeze(run: dict, counterpart: dict) -> float:
+    """The largest one-step move of any element after the freeze (0/1 Adam: from its first 1-bit
+    step), over the counterpart's largest one-step move over its whole run."""
+    after = [m for m, stage in zip(run["moves"], run["stages"]) if stage != "warmup"]
+    return max(after) / max(counterpart["moves"]) if after else math.nan
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    import argparse
+
+    from benchmarks.report import command_line, heading, table_row, write_section
+    from onebitlamb.comm.launch import spawn_local
+
+    ap = argparse.ArgumentParser(description="Every optimizer on the zoo's models, with the bounded stage 2 "
+                                             "and with the paper's (bound_direction=False), into BENCHMARKS.md")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--ranks", type=int, default=2)
+    args = ap.parse_args(argv)
+    cases = [dict(family=f, optimizer=o, lr=args.lr, steps=args.steps, bound=b)
+             for f in ZOO for b in (True, False) for o in OPTIMIZERS if b or o in COUNTERPART]
+    out = spawn_local(run_cases, args.ranks, (cases,), timeout_s=3600, collective_timeout_s=300)[0]
+    runs = {(r["family"], r["optimizer"], r["bound"]): r for r in out}
+    lines = heading("Models we never tuned: the largest element step after the freeze",
+                    command_line(argv), f", {args.ranks} gloo ranks")
+    lines += [f"`benchmarks/zoo.py`'s models, {args.steps} steps at lr {args.lr}, `AutoFreeze`. Each 1-bit "
+              f"optimizer's largest one-step move of any element after its freeze (0/1 Adam: from its first 1-bit "
+              f"step) over its counterpart's largest move on the same data (LAMB for 1-bit LAMB, AdamW for 1-bit "
+              f"and 0/1 Adam), with the default bound and with `bound_direction=False`; final training losses "
+              f"(mean over the ranks' batches).", "",
+              table_row(["model", "optimizer", "move / counterpart's, bounded", "with bound_direction=False",
+                         "final loss, bounded", "with bound_direction=False", "counterpart's final loss"]),
+              table_row(["---"] * 2 + ["---:"] * 5)]
+    for family in ZOO:
+        for opt, base in COUNTERPART.items():
+            ref = runs[family, base, True]
+            cells = [family, opt]
+            for b in (True, False):
+                cells.append(f"{largest_move_after_freeze(runs[family, opt, b], ref):.3g}x")
+            cells += [f"{runs[family, opt, b]['losses'][-1]:.4g}" for b in (True, False)]
+            lines.append(table_row(cells + [f"{ref['losses'][-1]:.4g}"]))
+    write_section("zoo", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -10,8 +10,8 @@ for 1-bit Adam and 0/1 Adam: their warm-up rule never frozen), the final loss is
 
 What this caught before stage 2 was bounded (``docs/algorithm.md``, "A bounded stage 2"):
 ``OneBitLamb(compression_space="momentum")`` moved the transformer's key bias 1,960x LAMB's
-largest move, ``OneBitAdam`` 65,700x; the default ``OneBitLamb`` moved the rare-rows model's
-elements 100,000x and its loss rose to 1.6e6 (a row first seen after the freeze, its variance 0,
+largest move, ``OneBitAdam`` 126,000x AdamW's (``python -m benchmarks.zoo`` measures both
+rules); the default ``OneBitLamb`` moved the rare-rows model's elements 100,000x and its loss rose to 1.6e6 (a row first seen after the freeze, its variance 0,
 sent 1e8 times too large); ``ZeroOneAdam`` went to NaN on BERT.
 
 All cases run in one start of the 2 ranks (starting them is most of the time).
