@@ -183,6 +183,18 @@ def test_resume_refuses_every_changed_setting_but_the_output_and_display():
     assert changed(["--freeze", "0.35"], [], optimizer="zerooneadam") == set()  # read by the 1-bit optimizers only
     assert changed(["--var-freeze", "0.5"], [], optimizer="onebitlamb") == set()
     assert set(config.changed_settings(cfg(), dataclasses.asdict(cfg(optimizer="lamb")))) == {"optimizer"}
+    assert changed(["--stage2-bound", "none"], []) == {"stage2_bound"}
+    assert changed(["--stage2-bound", "none"], [], optimizer="zerooneadam") == {"stage2_bound"}
+    assert changed(["--stage2-bound", "none"], [], optimizer="lamb") == set()  # LAMB has no stage 2
+
+
+def test_a_run_saved_before_the_bound_resumes_with_its_rule_only():
+    """A config saved before ``--stage2-bound`` existed ran the unbounded rule: it resumes with
+    ``--stage2-bound none`` and is refused with the default, which would change its numbers."""
+    saved = dataclasses.asdict(cfg())
+    del saved["stage2_bound"]
+    assert set(config.changed_settings(cfg("--stage2-bound", "none"), saved)) == set()
+    assert config.changed_settings(cfg(), saved) == {"stage2_bound": ("none", "adam")}
 
 
 BAD_VALUES = [

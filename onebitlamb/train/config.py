@@ -26,7 +26,10 @@ COMPARED_BY_DEFAULT = ("lamb", "onebitlamb", "onebitadam")
 DEFAULT_LR = {"lamb": 2e-2, "onebitlamb": 2e-2, "onebitadam": 2e-3, "zerooneadam": 2e-3}
 # the flags only one optimizer reads: a resume of another ignores them, as LAMB ignores --freeze
 READ_ONLY_BY = {"freeze": ("onebitlamb", "onebitadam"), "var_freeze": ("zerooneadam",),
-                "var_update_scaler": ("zerooneadam",), "local_step_scaler": ("zerooneadam",)}
+                "var_update_scaler": ("zerooneadam",), "local_step_scaler": ("zerooneadam",),
+                "stage2_bound": ("onebitlamb", "onebitadam", "zerooneadam")}
+# settings added after runs were saved without them, at the value those runs had
+SAVED_BEFORE = {"stage2_bound": "none"}
 
 PRESETS = {
     # for the tests: a few seconds on 2 workers
@@ -326,5 +329,6 @@ def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
     than those that cannot change its numbers (RESUMABLE_CHANGES; the flags this optimizer does not
     read: READ_ONLY_BY)."""
     ignored = RESUMABLE_CHANGES | {k for k, readers in READ_ONLY_BY.items() if cfg.optimizer not in readers}
+    saved = {**SAVED_BEFORE, **saved}
     return {k: (saved.get(k), v) for k, v in dataclasses.asdict(cfg).items()
             if k not in ignored and saved.get(k) != v}
