@@ -402,3 +402,46 @@ def test_comm_stats_count_rounds_beside_bytes():
     old = {k: v for k, v in stats.state_dict().items() if k != "rounds_by_op"}  # saved before rounds_by_op
     copy.load_state_dict(old)
     assert copy.rounds == 3 and copy.rounds_by_op == {}
+
+
+def _one_refused_step(rank, n, refused):
+    """0/1 Adam on 2 ranks (freeze after step 4, syncs every step then every 2), lr 1e38 at call
+    ``refused`` (None: no such call) and 1e-2 again after. Returns what each call did, the
+    parameters, and the state after the refused call against the state before it."""
+    from onebitlamb.optim.state_format import flat_of
+    params = [torch.nn.Parameter(t.clone()) for t in initial_params()]
+    opt = onebitlamb.ZeroOneAdam(params, lr=1e-2, var_freeze_step=4, local_step_scaler=2, local_step_clipper=4)
+    outcomes, changed = [], None
+    for t in range(1, 15):
+        if t == refused:
+            before = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                      for k, v in flat_of(opt.state_dict()).items()}
+            held = [p.detach().clone() for p in params]
+        for group in opt.param_groups:
+            group["lr"] = 1e38 if t == refused else 1e-2
+        for p, g in zip(params, grads_for(params, rank, t)):
+            p.grad = g
+        try:
+            opt.step()
+            outcomes.append("ok")
+        except FloatingPointError:
+            outcomes.append("refused")
+        if t == refused:
+            now = flat_of(opt.state_dict())
+            changed = [k for k, v in before.items()
+                       if not (torch.equal(v, now[k]) if isinstance(v, torch.Tensor) else v == now[k])]
+            changed += [f"parameter {i}" for i, (a, p) in enumerate(zip(held, params)) if not torch.equal(a, p)]
+    return outcomes, changed, [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("refused", [6, 8])
+def test_a_refused_step_changes_nothing_and_the_run_goes_on(refused):
+    """An lr of 1e38 at one sync after the freeze (step 6: interval 1; step 8: interval 2): the
+    synchronized parameters are not finite, the step is refused with ``FloatingPointError`` on
+    every rank, and nothing of the state moves (not the momentum, the update sum, the errors or the
+    step count), so the run goes on at the next call. Before, the errors kept that step's
+    non-finite values and every later sync was refused."""
+    out = spawn_local(_one_refused_step, 2, (refused,), timeout_s=120, collective_timeout_s=60)
+    for outcomes, changed, _ in out:
+        assert outcomes == ["ok"] * (refused - 1) + ["refused"] + ["ok"] * (14 - refused), outcomes
+        assert changed == [], changed

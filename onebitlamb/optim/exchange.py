@@ -115,6 +115,7 @@ class Exchange:
         self._wire: Dict[int, torch.Tensor] = {}  # per bucket, the bfloat16 copy being averaged
         self._marks: Dict[int, list] = {}  # per bucket, which gradients it took (_grad_marks)
         self._overlap: Optional[BackwardOverlap] = None
+        self._exchanged_behind_backward = False  # this step's errors changed in the backward (run)
         self._group = None
         if self.overlap_with_backward and self.world_size > 1:
             # the thread's own group (its collectives never interleave with the caller's) is made at
@@ -219,9 +220,19 @@ class Exchange:
         (``exchange=False``: a local step of 0/1 Adam, which only agrees that every gradient is
         finite). Returns whether every rank's gradient was finite (else the step is skipped on
         every rank)."""
+        self._exchanged_behind_backward = False
         if self._overlap is not None and not first:
             return self._finish_overlapped(grads, compressing)
         return self._serial(grads, compressing, first, exchange)
+
+    def undo_backward_exchanges(self) -> None:
+        """The errors as they were before this step's exchanges behind the backward (a step refused
+        after them: ``StagedOptimizer._restore_state``); nothing when the step exchanged in
+        ``step()``, whose errors the optimizer's own copy holds."""
+        if self._exchanged_behind_backward:
+            for b in self.buckets:
+                self._restore_errors(b)
+            self._exchanged_behind_backward = False
 
     def _gather(self, grads: torch.Tensor, bucket: Optional[Bucket] = None) -> None:
         self._gather_ref()(grads, bucket)
@@ -330,6 +341,7 @@ class Exchange:
                 self._failures.pop(k, None)
                 self._restore_errors(b)
                 self._exchange_bucket(b, self._momentum(b), self._group)
+            self._exchanged_behind_backward = True  # every bucket's errors were kept before its exchange
             if self._failures:
                 failure = next(iter(self._failures.values()))
                 self._failures.clear()

@@ -202,6 +202,7 @@ class Scratch:
         self.device = device
         self.buffers: Dict[str, torch.Tensor] = {}
         self.derived: Dict[str, Any] = {}
+        self.copies: Dict[str, torch.Tensor] = {}  # the state before a step (StagedOptimizer._held_state)
 
     def buffer(self, name: str, numel: int) -> torch.Tensor:
         buf = self.buffers.get(name)
@@ -209,6 +210,13 @@ class Scratch:
             buf = torch.zeros(numel, dtype=torch.float32, device=self.device)
             self.buffers[name] = buf
         return buf
+
+    def copy_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` (any dtype) in a buffer kept under ``name`` for the next copy."""
+        buf = self.copies.get(name)
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype or buf.device != tensor.device:
+            buf = self.copies[name] = torch.empty_like(tensor)
+        return buf.copy_(tensor)
 
 
 # ---------------------------------------------------------------------- buckets

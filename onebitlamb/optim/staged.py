@@ -11,7 +11,7 @@ import contextlib
 import math
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -387,12 +387,18 @@ class StagedOptimizer(Optimizer):
             return loss
         grads = self._scratch.buffer("grad", self._layout.numel)
         stage = self.stage  # decided by the steps completed so far
-        self.last_step_skipped = not self.exchange.run(grads, stage != WARMUP, first, exchange=stage == COMPRESSION)
+        held = self._held_state()
+        try:
+            finite = self.exchange.run(grads, stage != WARMUP, first, exchange=stage == COMPRESSION)
+            if finite:
+                self._flat["step"] += 1
+                self._take_step(stage, grads)
+        except FloatingPointError:
+            self._restore_state(held)
+            raise
+        self.last_step_skipped = not finite
         if self.last_step_skipped:
             self._skip(warn=grad_scaler is None)
-        else:
-            self._flat["step"] += 1
-            self._take_step(stage, grads)
         if not self.last_step_skipped:
             self._flat["consecutive_skips"] = 0
         calls = self._flat["step"] + self.skipped_steps  # the same on every rank
@@ -406,6 +412,32 @@ class StagedOptimizer(Optimizer):
         for flag in found_inf.values():  # what the scaler's update() reads: the verdict of every rank
             flag.fill_(1.0 if self.last_step_skipped else 0.0)
         return loss
+
+    def _held_state(self) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Optional[torch.Tensor]]:
+        """What ``_restore_state`` needs to put the state back as it was before this step: the
+        entries (a refused step may have replaced some), and a copy of each tensor the step may
+        change in place before its last check (``_apply_``, a sync's). Why: a step is refused
+        with ``FloatingPointError`` when its update is not finite, on every rank alike; by then
+        the moments, the update sum and the compression errors have taken that step's values, and
+        one non-finite error would make every later exchange non-finite. Not copied: what never
+        changes in place before that check (the frozen variance, the last sync's parameters)."""
+        flat = self._flat
+        kept = ("sync_params",) + (("exp_avg_sq",) if flat["frozen_at"] is not None else ())
+        copies = {k: self._scratch.copy_of(k, v) for k, v in flat.items()
+                  if isinstance(v, torch.Tensor) and k not in kept}
+        return dict(flat), copies, self._last_coeff
+
+    def _restore_state(self, held: Tuple[Dict[str, Any], Dict[str, torch.Tensor], Optional[torch.Tensor]]) -> None:
+        """The state as ``_held_state`` found it: a refused step leaves nothing behind (the errors
+        of buckets exchanged behind the backward from the exchange's own copies)."""
+        entries, copies, self._last_coeff = held
+        flat = self._flat
+        flat.clear()
+        flat.update(entries)
+        for key, copy in copies.items():
+            flat[key].copy_(copy)
+        self.exchange.undo_backward_exchanges()
+        self._scratch.derived.clear()  # caches of the state (the denominators, a sync's local update)
 
     def _take_step(self, stage: str, grads: torch.Tensor) -> None:
         """The update after the step's exchange (its gradients finite on every rank): the warm-up
