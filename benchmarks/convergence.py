@@ -3,6 +3,8 @@
     python -m benchmarks.convergence                 # demo, seed 1234: a quarter of an hour on 2 cores
     python -m benchmarks.convergence --presets demo b1024 --seeds 3
     python -m benchmarks.convergence --list          # each run's state; runs nothing
+    python -m benchmarks.convergence --presets large --rows lamb onebitlamb-auto --steps 60 \
+        --torchrun 4 --section convergence-large    # on a GPU machine (.ci/gpu-check runs this)
 
 Run from the repository root. For every preset and seed, four runs of ``onebitlamb pretrain``
 (the rows of ROWS): LAMB, 1-bit LAMB and 1-bit Adam with the automatic freeze, and 0/1 Adam with
@@ -47,13 +49,15 @@ ROWS = [
 Results = Dict[Tuple[str, int, str], dict]  # (preset, seed, row name) -> the run's metrics.json
 
 
-def run_folder(out: str, preset: str, seed: int, row: Row) -> str:
-    return os.path.join(out, preset, str(seed), row.folder)
+def run_folder(out: str, preset: str, seed: int, row: Row, steps: Optional[int] = None) -> str:
+    """OUT/PRESET/SEED/ROW; OUT/PRESET-NsSTEPS/... for a run of other than the preset's steps."""
+    return os.path.join(out, preset if steps is None else f"{preset}-{steps}steps", str(seed), row.folder)
 
 
-def pretrain_args(preset: str, seed: int, row: Row) -> List[str]:
+def pretrain_args(preset: str, seed: int, row: Row, steps: Optional[int] = None) -> List[str]:
     """The arguments of ``onebitlamb pretrain`` for one run, without --out."""
-    return ["pretrain", "--preset", preset, "--seed", str(seed), *row.flags]
+    return ["pretrain", "--preset", preset, "--seed", str(seed), *row.flags,
+            *([] if steps is None else ["--steps", str(steps)])]
 
 
 def run_state(folder: str) -> str:
@@ -103,7 +107,7 @@ def rounds_cell(runs: Sequence[dict]) -> str:
     return "-" if None in rounds else f"{statistics.mean(rounds):,.0f}"
 
 
-def preset_table(preset: str, seeds: Sequence[int], results: Results) -> List[str]:
+def preset_table(preset: str, seeds: Sequence[int], results: Results, rows: Sequence[Row] = ROWS) -> List[str]:
     """The table of one preset: one line per row, means over ``seeds``."""
     lamb = [results[preset, s, ROWS[0].name] for s in seeds]
     lamb_bytes = statistics.mean(m["bytes_sent_per_rank"] for m in lamb)
@@ -116,7 +120,7 @@ def preset_table(preset: str, seeds: Sequence[int], results: Results) -> List[st
                    "LAMB's bytes / row's", "rounds per worker"]),
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in ROWS:
+    for row in rows:
         runs = [results[preset, s, row.name] for s in seeds]
         gaps = [100 * (m["final_eval_loss"] / ref["final_eval_loss"] - 1) for m, ref in zip(runs, lamb)]
         steps = [m["freeze_step"] for m in runs]
@@ -129,13 +133,14 @@ def preset_table(preset: str, seeds: Sequence[int], results: Results) -> List[st
     return lines
 
 
-def render(presets: Sequence[str], seeds: Sequence[int], results: Results, command: str) -> str:
+def render(presets: Sequence[str], seeds: Sequence[int], results: Results, command: str,
+           rows: Sequence[Row] = ROWS, machine: str = "") -> str:
     lines = [
-        *heading(TITLE, command),
+        *heading(TITLE, command, machine),
         "Each row is `onebitlamb pretrain --preset PRESET --seed SEED` with its flags, every other setting at "
         "the main job's default:",
         "",
-        *[f"- {row.name}: `{' '.join(row.flags)}`" for row in ROWS],
+        *[f"- {row.name}: `{' '.join(row.flags)}`" for row in rows],
         "",
         "Held-out loss: the masked-language-model loss on the held-out samples at the end of the run, the mean "
         "over the seeds (± their standard deviation when there are several). Gap to LAMB: the row's loss over "
@@ -145,8 +150,17 @@ def render(presets: Sequence[str], seeds: Sequence[int], results: Results, comma
         "worker made (each costs a latency on a slow link, whatever its size).",
     ]
     for preset in presets:
-        lines += ["", *preset_table(preset, seeds, results)]
+        lines += ["", *preset_table(preset, seeds, results, rows)]
     return "\n".join(lines) + "\n"
+
+
+def _devices(torchrun: Optional[int]) -> str:
+    """What trained, for the section's machine line: the GPU under torchrun when there is one."""
+    if torchrun is None:
+        return ""
+    import torch
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f", torchrun with {torchrun} ranks, {gpu}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -159,27 +173,47 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--results", default=None, help="markdown file to write the section into "
                                                         "(default: the repository's BENCHMARKS.md)")
     parser.add_argument("--list", action="store_true", help="print each run's state and run nothing")
+    folders = [row.folder for row in ROWS]
+    parser.add_argument("--rows", nargs="+", choices=folders, default=folders,
+                        help="which rows (default: all; lamb, the reference, always among them)")
+    parser.add_argument("--steps", type=int, default=None, help="every run's steps (default: the preset's)")
+    parser.add_argument("--torchrun", type=int, default=None, metavar="N",
+                        help="run each training under torchrun with N ranks on this machine (its GPUs when it "
+                             "has them) instead of the main job's local workers")
+    parser.add_argument("--section", default="convergence", help="the section of the results file (default "
+                                                                  "%(default)s)")
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    if args.torchrun is not None and args.torchrun < 1:
+        parser.error(f"--torchrun must be at least 1, got {args.torchrun}")
+    if "lamb" not in args.rows:
+        parser.error("--rows must include lamb: every gap is measured against it")
+    rows = [row for row in ROWS if row.folder in args.rows]
+    program: Sequence[str] = ("onebitlamb",) if args.torchrun is None else (
+        "torch.distributed.run", "--standalone", f"--nproc-per-node={args.torchrun}", "-m", "onebitlamb")
     seeds = list(range(FIRST_SEED, FIRST_SEED + args.seeds))
-    runs = [(p, s, row) for p in args.presets for s in seeds for row in ROWS]
+    runs = [(p, s, row) for p in args.presets for s in seeds for row in rows]
     if args.list:
         for preset, seed, row in runs:
-            folder = run_folder(args.out, preset, seed, row)
-            print(f"{folder:<50} {run_state(folder):<24} onebitlamb {shlex.join(pretrain_args(preset, seed, row))}")
+            folder = run_folder(args.out, preset, seed, row, args.steps)
+            print(f"{folder:<50} {run_state(folder):<24} onebitlamb "
+                  f"{shlex.join(pretrain_args(preset, seed, row, args.steps))}")
         return 0
     results: Results = {}
     for preset, seed, row in runs:
-        results[preset, seed, row.name] = run_one(run_folder(args.out, preset, seed, row),
-                                                  pretrain_args(preset, seed, row), os.path.join(args.out, "cache"))
+        results[preset, seed, row.name] = run_one(run_folder(args.out, preset, seed, row, args.steps),
+                                                  pretrain_args(preset, seed, row, args.steps),
+                                                  os.path.join(args.out, "cache"), program)
     if argv is None:  # from the command line
         command = command_line()
     else:             # called from Python
         command = " ".join(["python -m benchmarks.convergence", *map(shlex.quote, argv)])
-    body = render(args.presets, seeds, results, command)
+    body = render(args.presets, seeds, results, command, rows, _devices(args.torchrun))
     print("\n" + body)
-    print(f"written to {write_section('convergence', body, args.results)}")
+    print(f"written to {write_section(args.section, body, args.results)}")
     return 0
 
 

@@ -132,3 +132,36 @@ def test_a_run_that_ends_without_metrics_is_an_error(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="without metrics.json"):
         run_one(str(tmp_path / "run"), pretrain_args("tiny", 1234, ROWS[0]), str(tmp_path / "cache"))
     assert run_state(str(tmp_path / "run")) == "to run"
+
+
+def test_a_gpu_machines_rows_under_torchrun_into_their_own_section(tmp_path, monkeypatch):
+    """What .ci/gpu-check runs: two rows, other steps (their own folders), each training under
+    torchrun, the table into a section of its own (the CPU section kept)."""
+    started = []
+
+    def launch(command):
+        started.append(command)
+        folder = command[command.index("--out") + 1]
+        write_metrics(tmp_path / folder, 4.0 if "lamb" == folder.rsplit("/", 1)[1] else 4.1, 20, 1000)
+
+    monkeypatch.setattr(convergence, "launch", launch)
+    results = tmp_path / "B.md"
+    results.write_text("<!-- begin convergence -->\nCPU figures\n<!-- end convergence -->\n")
+    out = tmp_path / "runs"
+    assert main(["--presets", "large", "--rows", "lamb", "onebitlamb-auto", "--steps", "60", "--torchrun", "4",
+                 "--section", "convergence-large", "--out", str(out), "--results", str(results)]) == 0
+    assert [c[:6] for c in started] == [[sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                         "--nproc-per-node=4", "-m"]] * 2
+    assert [c[c.index("--optimizer") + 1] for c in started] == ["lamb", "onebitlamb"]
+    assert all(c[c.index("--steps") + 1] == "60" and str(out / "large-60steps" / "1234") in c[c.index("--out") + 1]
+               for c in started)
+    text = results.read_text()
+    assert "CPU figures" in text
+    large = text.split("<!-- begin convergence-large -->", 1)[1]
+    assert "torchrun with 4 ranks" in large and "1-bit Adam" not in large
+    assert "| 1-bit LAMB, automatic freeze (default) | 1 | 4.100 | +2.5% | 20 |" in large
+
+
+def test_rows_without_lamb_are_refused(tmp_path, no_training):
+    with pytest.raises(SystemExit):
+        main(["--rows", "onebitlamb-auto", "--out", str(tmp_path)])
