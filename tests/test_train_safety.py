@@ -29,11 +29,31 @@ def _write(path, text="x"):
         f.write(text)
 
 
+def _as_a_run_writes(out, name):
+    """``OUT/name`` with content of the kind a run writes there (what --overwrite recognises as the run's)."""
+    path = os.path.join(out, name)
+    saved = dataclasses.asdict(_config(out))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if name.endswith(".pt"):
+        torch.save({"w": torch.zeros(2)}, path)
+        return
+    if name.endswith(".png"):
+        with open(path, "wb") as f:
+            f.write(b"\x89PNG\r\n\x1a\n tEXtSoftware Matplotlib")
+        return
+    _write(path, {"config.json": json.dumps(saved),
+                  "checkpoint.json": json.dumps({"folder": "ckpt-0000002", "step": 2, "sha256": {}}),
+                  "metrics.json": json.dumps({"config": saved, "final_eval_loss": 5.0}),
+                  "log.csv": "step,loss,heldout_loss,bytes,collectives,lr,stage\r\n0,5.0,,0,0,0.0,warmup\r\n"
+                  }.get(name, "x"))
+
+
 def _earlier_run(out):
     """An OUT as a run leaves it, plus a user's own files among them."""
-    _write(os.path.join(out, "config.json"), json.dumps(dataclasses.asdict(_config(out))))  # as a run writes it
-    for name in ("checkpoint.json", "metrics.json", "model_final.pt", "freeze.png",
-                 "curves.png", "log.csv", "tensorboard/events.out.tfevents.1700000000.host.42.0",
+    for name in ("config.json", "checkpoint.json", "metrics.json", "model_final.pt", "freeze.png", "curves.png",
+                 "log.csv"):
+        _as_a_run_writes(out, name)
+    for name in ("tensorboard/events.out.tfevents.1700000000.host.42.0",
                  "metrics.json.tmp", "ckpt-0000002/model.pt", "ckpt-0000002/trainer.pt", "ckpt-0000002/rank0.pt",
                  "ckpt-0000002/rank1.pt", "ckpt-0000004/rank0.pt.tmp.4242",  # an interrupted write
                  "ckpt-0000006/model.pt", "ckpt-0000006/notes.txt",  # a user's file in a checkpoint folder
@@ -56,7 +76,7 @@ def test_an_earlier_run_is_refused_before_anything_starts(tmp_path, capsys):
     assert "Traceback" not in err and "preparing corpus" not in err  # refused before the data, before any worker
     assert _tree(tmp_path) == before
     for i, sign in enumerate(["metrics.json", "ckpt-0000003/model.pt", "checkpoint.json"]):
-        _write(str(tmp_path / f"only{i}" / sign))
+        _as_a_run_writes(str(tmp_path / f"only{i}"), sign)
         with pytest.raises(ValueError, match="earlier run"):
             checkpoints.prepare_out_dir(_config(tmp_path / f"only{i}"))
         assert _tree(tmp_path / f"only{i}") == [sign]
@@ -76,11 +96,40 @@ def test_overwrite_removes_the_runs_own_files_and_nothing_else(tmp_path, capsys)
     assert "cache" not in err.split("left in place")[1]  # the corpus cache is no business of the run's
 
 
+@pytest.mark.parametrize("name", ["metrics.json", "log.csv", "checkpoint.json", "freeze.png", "model_final.pt"])
+def test_a_users_file_at_a_runs_name_is_refused_never_removed(tmp_path, capsys, name):
+    """A file of the user's at one of the names a run writes (its content is not what a run writes
+    there): refused at the start by name, --overwrite too, and left as it was. Before, --overwrite
+    removed it as the earlier run's."""
+    _earlier_run(tmp_path)
+    _write(str(tmp_path / name), "my own notes\n")
+    before = _tree(tmp_path)
+    code = cli.main(["pretrain", "--preset", "tiny", "--out", str(tmp_path), "--overwrite", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{tmp_path / name} is not a file a run wrote" in err and "Traceback" not in err, err
+    assert _tree(tmp_path) == before and (tmp_path / name).read_text() == "my own notes\n"
+
+
+def test_compare_overwrite_keeps_a_users_table(tmp_path, capsys):
+    """``compare --overwrite`` over a folder holding the user's own table.md: refused by name, the
+    file kept; a comparison's own table.md is removed."""
+    _write(str(tmp_path / "table.md"), "| my | table |\n")
+    code = cli.main(["compare", "--preset", "tiny", "--out", str(tmp_path), "--overwrite", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "table.md is not a file a run wrote" in err, err
+    assert (tmp_path / "table.md").read_text() == "| my | table |\n"
+    from onebitlamb.train import compare
+    _write(str(tmp_path / "table.md"), "| optimizer |\n\ntotal 12 s for the 2 runs including start-up\n")
+    args = argparse.Namespace(out=str(tmp_path), resume=False, overwrite=True)
+    compare.check_out_dir(args, {}, remove=True)
+    assert not (tmp_path / "table.md").exists()
+
+
 def test_a_link_is_never_followed(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     _write(str(elsewhere / "model.pt"))
     out = tmp_path / "out"
-    _write(str(out / "metrics.json"))
+    _as_a_run_writes(str(out), "metrics.json")
     os.symlink(elsewhere, out / "ckpt-0000002")
     os.symlink(elsewhere / "model.pt", out / "model_final.pt")
     # a link where the run writes one of its files: refused, by name, --overwrite or not (issue 49)
@@ -105,7 +154,7 @@ def test_compare_refuses_an_earlier_comparison_before_any_run(tmp_path, capsys):
 
 def test_compare_resume_reuses_a_finished_run_only_with_the_same_settings(tmp_path, capsys):
     saved = dataclasses.asdict(_config(tmp_path / "lamb", optimizer="lamb", lr=0.5))
-    _write(str(tmp_path / "lamb" / "metrics.json"), json.dumps({"config": saved}))
+    _write(str(tmp_path / "lamb" / "metrics.json"), json.dumps({"config": saved, "final_eval_loss": 5.0}))
     code = cli.main(["compare", "--preset", "tiny", "--optimizers", "lamb", "--out", str(tmp_path), "--resume",
                      "--no-progress"])
     err = capsys.readouterr().err

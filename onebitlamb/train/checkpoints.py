@@ -20,6 +20,7 @@ import os
 import random
 import re
 import sys
+import zipfile
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -40,6 +41,7 @@ RUN_FILE = re.compile(r"(checkpoint|metrics|config)\.json(\.tmp)?|(freeze|curves
 CKPT_FILE = re.compile(r"(model|trainer|rank[0-9]+)\.pt(\.tmp\.[0-9]+)?")
 EVENTS_FILE = re.compile(r"events\.out\.tfevents\..+")  # in OUT/tensorboard (runlog.py)
 RANK_FILE = re.compile(r"rank([0-9]+)\.pt")
+TEMPORARY = re.compile(r"\.tmp(\.[0-9]+)?$")  # a file of the run's being written (files.write_json, atomic_save)
 
 
 def checkpoint_folder(step: int) -> str:
@@ -66,21 +68,80 @@ def is_run_config(path: str) -> bool:
     return isinstance(saved, dict) and {"optimizer", "out", "seed", "steps", "global_batch"} <= set(saved)
 
 
-def check_run_names(out: str) -> None:
-    """Where a run writes its own files in ``out`` there must be nothing of anybody else's: a link
-    at one of those names, or a config.json that a run did not write, is refused by name, with
-    --overwrite too (which removes the run's own files only)."""
+def _json_of(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _starts_with(path: str, prefix: bytes, also: bytes = b"", within: int = 512) -> bool:
+    """Whether the file at ``path`` starts with ``prefix`` and holds ``also`` in its first ``within`` bytes."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(within)
+    except OSError:
+        return False
+    return head.startswith(prefix) and also in head
+
+
+def _is_torch_file(path: str) -> bool:
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("/data.pkl") for n in z.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def written_by_a_run(path: str) -> bool:
+    """Whether the file at ``path``, at one of the names a run (or a comparison) writes, is what a
+    run wrote there, judged by its content: a name alone is no proof (a user's own ``metrics.json``
+    or ``log.csv`` has it too). A temporary name of the run's (``.tmp``, ``.tmp.<pid>``) is its own."""
+    name = os.path.basename(path)
+    if TEMPORARY.search(name):
+        return True
+    if name == "config.json":
+        return is_run_config(path)
+    if name == POINTER:
+        saved = _json_of(path)
+        return isinstance(saved, dict) and {"folder", "step"} <= set(saved)
+    if name == "metrics.json":  # a run's, or a comparison's
+        saved = _json_of(path)
+        return isinstance(saved, dict) and ({"config", "final_eval_loss"} <= set(saved)
+                                            or {"optimizers", "comparison", "table"} <= set(saved))
+    if name == runlog.CSV_FILE:
+        return _starts_with(path, ",".join(runlog.COLUMNS).encode() + b"\r\n")
+    if name.endswith(".png"):  # drawn by matplotlib, which names itself in the file's header
+        return _starts_with(path, b"\x89PNG\r\n\x1a\n", b"Matplotlib")
+    if name.endswith(".pt"):
+        return _is_torch_file(path)
+    if name == "table.md":  # a comparison's table ends with its total time
+        try:
+            with open(path, errors="replace") as f:
+                return re.search(r"^total \d+ s for the \d+ runs including start-up", f.read(), re.M) is not None
+        except OSError:
+            return False
+    return False
+
+
+def check_run_names(out: str, names: Optional[re.Pattern] = None) -> None:
+    """Where a run writes its own files in ``out`` (``names``: a run's, by default) there must be
+    nothing of anybody else's: a link at one of those names, or a file there that a run did not
+    write (``written_by_a_run``), is refused by name, with --overwrite too (which removes the run's
+    own files only)."""
     if not os.path.isdir(out):
         return
+    names = RUN_FILE if names is None else names
     for name in sorted(os.listdir(out)):
         path = os.path.join(out, name)
-        if (RUN_FILE.fullmatch(name) or name == files.LOCK_FILE) and os.path.islink(path):
+        if (names.fullmatch(name) or name == files.LOCK_FILE) and os.path.islink(path):
             raise SetupError(f"{path} is a link, where the run writes its own {name}: not following it; remove "
                              f"the link, or choose another --out")
-        if name == "config.json" and os.path.isfile(path) and not is_run_config(path):
-            raise SetupError(f"{path} is not a configuration a run wrote (a file of yours?): the run writes its "
-                             f"own config.json there and --overwrite removes the run's own files only; move "
-                             f"it, or choose another --out")
+        if names.fullmatch(name) and os.path.isfile(path) and not written_by_a_run(path):
+            raise SetupError(f"{path} is not a file a run wrote (a file of yours?): the run writes its own {name} "
+                             f"there and --overwrite removes the run's own files only; move it, or choose another "
+                             f"--out")
 
 
 def refuse_existing_run(cfg: TrainConfig, out: Optional[str] = None) -> List[str]:
@@ -121,7 +182,7 @@ def remove_run_files(out: str, keep=()) -> Tuple[List[str], List[str]]:
             continue
         if os.path.islink(path):
             left.append(name)
-        elif os.path.isfile(path) and RUN_FILE.fullmatch(name):
+        elif os.path.isfile(path) and RUN_FILE.fullmatch(name) and written_by_a_run(path):
             os.remove(path)
             removed.append(name)
         elif os.path.isdir(path) and (CKPT_FOLDER.fullmatch(name) or name == runlog.TENSORBOARD_DIR):

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 from typing import Dict, List
@@ -138,6 +139,8 @@ def check_out_dir(args: argparse.Namespace, configs: Dict[str, "config.TrainConf
         if os.path.islink(os.path.join(args.out, f)):
             raise config.SetupError(f"{os.path.join(args.out, f)} is a link, where the comparison writes its own "
                                     f"{f}: not following it; remove the link, or choose another --out")
+    # a file of the user's where the comparison writes its own: refused, --overwrite too
+    check_run_names(args.out, re.compile("|".join(map(re.escape, COMPARE_FILES))))
     if not args.resume:
         found = [f for f in COMPARE_FILES if os.path.isfile(os.path.join(args.out, f))] + found
     if found and not args.overwrite:
