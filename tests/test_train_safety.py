@@ -246,6 +246,56 @@ def test_a_damaged_file_is_named_at_the_start(run_copy, damage, capsys):
     assert code == 2 and name in err and "Traceback" not in err and "EOFError" not in err
 
 
+@pytest.mark.parametrize("manifest", ["removed", "not a mapping"])
+def test_a_checkpoint_without_its_manifest_is_refused(run_copy, capsys, manifest):
+    """The sha256 manifest is required: without it (or damaged) a flipped byte in model.pt cannot
+    be seen, so the checkpoint is refused at the start. Before, a pointer without ``sha256`` was
+    trusted and the run resumed from the damaged model, exit 0."""
+    out, pointer, cfg = run_copy
+    model = out / "ckpt-0000003" / "model.pt"
+    blob = bytearray(model.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    model.write_bytes(bytes(blob))
+    if manifest == "removed":
+        del pointer["sha256"]
+    else:
+        pointer["sha256"] = list(pointer["sha256"])
+    _set_pointer(out, pointer)
+    before = _tree(out)
+    with pytest.raises(ValueError, match="sha256 manifest is missing"):
+        checkpoints.check_resumable(cfg)
+    code = cli.main(["pretrain", *_flags(cfg), "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and "checkpoint.json is damaged" in err and "Traceback" not in err, err
+    assert _tree(out) == before
+
+
+def test_a_resume_removes_what_the_pointer_no_longer_names_and_only_that(run_copy, capsys):
+    """A run killed between the switch of checkpoint.json and the removal of the previous folder
+    (or during a save that never completed) leaves a ckpt-* folder, and a write cut short leaves a
+    ``*.pt.tmp.<pid>``: the next resume removes those, and nothing of the user's. Before, they
+    stayed for good."""
+    out, pointer, cfg = run_copy
+    shutil.copytree(out / "ckpt-0000003", out / "ckpt-0000001")  # the previous checkpoint, not removed
+    os.makedirs(out / "ckpt-0000005")  # a save cut short
+    _write(str(out / "ckpt-0000005" / "rank0.pt.tmp.4242"))
+    shutil.copytree(out / "ckpt-0000003", out / "ckpt-0000002")
+    _write(str(out / "ckpt-0000003" / "rank1.pt.tmp.4243"))
+    _write(str(out / "checkpoint.json.tmp"))
+    _write(str(out / "ckpt-0000002" / "notes.txt"))  # the user's file in an old folder: that folder stays
+    _write(str(out / "ckpt-notes" / "todo.txt"))
+    _write(str(out / "ckpt-0000003" / "notes.txt"))  # a user's file in the current folder stays too
+    checkpoints.check_resumable(cfg)
+    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt")) == ["ckpt-0000002", "ckpt-0000003",
+                                                                          "ckpt-notes"]
+    assert sorted(os.listdir(out / "ckpt-0000003")) == ["model.pt", "notes.txt", "rank0.pt", "rank1.pt",
+                                                         "trainer.pt"]
+    assert not (out / "checkpoint.json.tmp").exists() and (out / "ckpt-notes" / "todo.txt").exists()
+    assert len(os.listdir(out / "ckpt-0000002")) == 5
+    err = capsys.readouterr().err
+    assert "ckpt-0000001/" in err and "ckpt-0000005/" in err and "ckpt-0000002/ (also holds notes.txt)" in err
+
+
 def test_a_missing_rank_file_is_refused_at_the_start(run_copy):
     out, _, cfg = run_copy
     pointer = json.loads((out / "checkpoint.json").read_text())
@@ -292,15 +342,16 @@ def test_a_planted_trainer_pt_runs_no_code(run_copy, tmp_path, manifest, capsys)
     _plant(trainer, marker)
     if manifest == "updated":  # whoever can write the file can write the pointer too
         pointer["sha256"]["trainer.pt"] = checkpoints._sha256(str(trainer))
-    elif manifest == "absent":  # a checkpoint as written before the manifest existed
+    elif manifest == "absent":  # refused before any file is loaded (the manifest is required)
         del pointer["sha256"]
     _set_pointer(out, pointer)
-    with pytest.raises(ValueError, match="trainer.pt"):
+    named = {"updated": "trainer.pt", "stale": "trainer.pt", "absent": "manifest"}[manifest]
+    with pytest.raises(ValueError, match=named):
         checkpoints.check_resumable(cfg)
     code = cli.main(["pretrain", *_flags(cfg), "--resume"])
     err = capsys.readouterr().err
-    assert code == 2 and "trainer.pt" in err
-    assert ("weights_only" if manifest != "stale" else "damaged") in err
+    assert code == 2 and named in err
+    assert {"updated": "weights_only", "stale": "damaged", "absent": "cannot be checked"}[manifest] in err
     assert not marker.exists()
 
 

@@ -327,11 +327,13 @@ class CheckpointStore:
         return trainer["step"]
 
 
-def check_resumable(cfg: TrainConfig) -> None:
+def check_resumable(cfg: TrainConfig, remove: bool = True) -> None:
     """Before any worker starts, refuse a checkpoint that cannot be resumed: checkpoint.json naming
-    anything but a ``ckpt-<digits>`` folder inside OUT, a file missing, damaged (its sha256 is not
-    the manifest's) or not plain data, or settings that change the numbers (changed_settings). A
-    checkpoint of another number of ranks resumes, re-sharded (CheckpointStore.load)."""
+    anything but a ``ckpt-<digits>`` folder inside OUT, without its manifest, a file missing,
+    damaged (its sha256 is not the manifest's) or not plain data, or settings that change the
+    numbers (changed_settings). A checkpoint of another number of ranks resumes, re-sharded
+    (CheckpointStore.load). Then, with ``remove`` (one process: the launcher, or rank 0), what an
+    interrupted run left behind goes (``remove_leftovers``)."""
     check_run_names(cfg.out)
     pointer = read_pointer(cfg.out)
     if pointer is None:
@@ -345,12 +347,44 @@ def check_resumable(cfg: TrainConfig) -> None:
         loaded = _load_checkpoint_file(cfg.out, pointer, name, "cpu")
         if name == "trainer.pt":
             _check_settings(cfg, loaded["config"])
+    if remove:
+        remove_leftovers(cfg, pointer)
+
+
+def remove_leftovers(cfg: TrainConfig, pointer: dict) -> None:
+    """What a run stopped at the wrong moment (killed, a full disk) left in OUT besides the
+    checkpoint ``pointer`` names: the checkpoint folders it no longer names (the previous one, when
+    the run was killed between the switch of checkpoint.json and that folder's removal; a newer
+    one whose save never completed) and the temporary files of writes that never finished
+    (``*.tmp``, ``*.pt.tmp.<pid>``). Only the run's own: a folder that also holds something else
+    is left in place, and named."""
+    out, current = cfg.out, os.path.join(cfg.out, pointer["folder"])
+    removed, left = [], []
+    for folder, names in ((out, RUN_FILE), (current, CKPT_FILE)):
+        for name in sorted(os.listdir(folder)):
+            path = os.path.join(folder, name)
+            if TEMPORARY.search(name) and names.fullmatch(name) and os.path.isfile(path) and not os.path.islink(path):
+                os.remove(path)
+                removed.append(os.path.relpath(path, out))
+    for name in sorted(os.listdir(out)):
+        path = os.path.join(out, name)
+        if name == pointer["folder"] or not CKPT_FOLDER.fullmatch(name) or os.path.islink(path) \
+                or not os.path.isdir(path):
+            continue
+        others = _remove_checkpoint_folder(path)
+        if others:
+            left.append(f"{name}/ (also holds {', '.join(others)})")
+        else:
+            removed.append(name + "/")
+    if removed or left:
+        print(f"[{cfg.optimizer}] --resume: removed what an interrupted run left: {', '.join(removed) or 'nothing'}"
+              + (f"; left in place (not only the run's files): {', '.join(left)}" if left else ""),
+              file=sys.stderr, flush=True)
 
 
 def _rank_files(out: str, pointer: dict) -> List[int]:
-    """The ranks whose files the checkpoint holds (by its manifest, or its folder before manifests)."""
-    names = list(pointer["sha256"]) if "sha256" in pointer else sorted(os.listdir(os.path.join(out, pointer["folder"])))
-    return sorted(int(m.group(1)) for m in map(RANK_FILE.fullmatch, names) if m)
+    """The ranks whose files the checkpoint holds, by its manifest."""
+    return sorted(int(m.group(1)) for m in map(RANK_FILE.fullmatch, pointer["sha256"]) if m)
 
 
 def _check_settings(cfg: TrainConfig, saved: dict) -> None:
@@ -379,8 +413,9 @@ def read_pointer(out: str) -> Optional[dict]:
     if os.path.islink(full) or not os.path.isdir(full):
         raise SetupError(f"{path} names {folder!r}, which is not a folder inside {out} (missing, or a link); "
                          f"nothing was loaded or removed")
-    if "sha256" in pointer and not isinstance(pointer["sha256"], dict):
-        raise SetupError(f"{path} is damaged: its manifest is not a mapping of files to sha256")
+    if not isinstance(pointer.get("sha256"), dict):
+        raise SetupError(f"{path} is damaged: its sha256 manifest is missing or not a mapping of files to sha256, so "
+                         f"the files of {folder} cannot be checked; not resuming from them (nothing was removed)")
     return pointer
 
 
@@ -395,21 +430,20 @@ def _previous_folder(out: str) -> Optional[str]:
 
 
 def _load_checkpoint_file(out: str, pointer: dict, name: str, map_location):
-    """One file of the checkpoint ``pointer`` names: read once, checked against the manifest (a
-    checkpoint written before the manifest existed is only loaded), loaded as plain data."""
+    """One file of the checkpoint ``pointer`` names: read once, checked against the manifest
+    (required: ``read_pointer``), loaded as plain data."""
     path = os.path.join(out, pointer["folder"], name)
-    manifest = pointer.get("sha256")
+    manifest = pointer["sha256"]
     try:
         with open(path, "rb") as f:
             blob = f.read()
     except OSError as exc:
         raise SetupError(f"{path} cannot be read ({exc.strerror or exc}): the checkpoint is incomplete") from None
-    if manifest is not None:
-        if name not in manifest:
-            raise SetupError(f"{path} is not in the manifest of {os.path.join(out, POINTER)}: not loading it")
-        if hashlib.sha256(blob).hexdigest() != manifest[name]:
-            raise SetupError(f"{path} is damaged: its sha256 is not the one recorded when it was written "
-                             f"({POINTER}); not resuming from it")
+    if name not in manifest:
+        raise SetupError(f"{path} is not in the manifest of {os.path.join(out, POINTER)}: not loading it")
+    if hashlib.sha256(blob).hexdigest() != manifest[name]:
+        raise SetupError(f"{path} is damaged: its sha256 is not the one recorded when it was written "
+                         f"({POINTER}); not resuming from it")
     try:
         return torch.load(io.BytesIO(blob), map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 (unpickling raises many types)

@@ -100,7 +100,7 @@ def train(cfg: TrainConfig) -> dict:
         # start until torchrun ends them when rank 0 is refused
         with files.RunLock(cfg.out) if rank == 0 else contextlib.nullcontext():
             if cfg.resume:
-                check_resumable(cfg)
+                check_resumable(cfg, remove=rank == 0)
             else:
                 prepare_out_dir(cfg, remove=rank == 0)  # every rank refuses alike; rank 0 alone removes
             if rank == 0:
