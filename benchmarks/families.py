@@ -196,7 +196,7 @@ FAMILIES: Dict[str, Family] = {
     "demo-bert": Family("the demo BERT (2 layers, width 128, vocabulary 4096), the demo corpus, batch 64",
                         DemoBert, _demo_corpus,
                         lambda d, s, r, w, seed: _demo_batch(d, s, r, w, seed, 64),
-                        _demo_heldout, steps=200, global_batch=64,
+                        _demo_heldout, steps=120, global_batch=64,
                         # the main job's rates, tuned on this model once before (onebitlamb.train.config.DEFAULT_LR)
                         grids={"lamb": (2e-2,), "onebitadam": (2e-3,), "zerooneadam": (2e-3,)}),
 }
@@ -392,8 +392,12 @@ def report(runs, families: Sequence[str], steps_of: Dict[str, int], seeds: Seque
         rows = summarize(runs, family, chosen, seeds, steps, world)
         spread = lamb_spread(runs, family, chosen, seeds, steps, world)
         fam = FAMILIES[family]
+        edges = [NAMES[o] for o in OPTIMIZERS if o not in TAKES_LAMBS_RATE and len(grid_of(o, family)) > 1
+                 and chosen[o] in (min(grid_of(o, family)), max(grid_of(o, family)))]
+        rates = ("Rates: the main job's, tuned on this model before (no grid). " if fam.grids is not None else
+                 ("Chosen at the grid's edge: " + ", ".join(edges) + ". ") if edges else "")
         lines += [f"### {family}: {fam.title}; {steps} steps, global batch {fam.global_batch}", "",
-                  f"LAMB's own seed spread (max - min over mean): {spread:.2f}%.", "",
+                  f"{rates}LAMB's own seed spread (max - min over mean): {spread:.2f}%.", "",
                   table_row(["optimizer", "lr", "held-out loss (mean)", "gap to LAMB, mean ± 95%",
                              "gaps per seed", "first compressed step", "diverged"]),
                   table_row(["---", "---:", "---:", "---:", "---:", "---:", "---"])]

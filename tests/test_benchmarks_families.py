@@ -51,7 +51,7 @@ def test_gaps_are_paired_by_seed_with_a_t_interval_and_a_divergence_is_named():
     text = report(runs, ["lstm-prose"], {"lstm-prose": STEPS}, [1, 2], WORLD, ["--seeds", "2"])
     assert "| 1-bit LAMB (update space, default) | 0.04 | 2.12 | +1.00% ± 12.71 | +2.00%, +0.00% | 12, 14 | no |" in text
     assert "| 1-bit Adam | 0.002 | diverged | diverged | +0.00%, inf | 9, 9 | step 20: x |" in text
-    assert "LAMB's own seed spread (max - min over mean): 9.52%" in text
+    assert "Chosen at the grid's edge: 0/1 Adam. LAMB's own seed spread (max - min over mean): 9.52%" in text
     assert "| LAMB | 3 | 2.5 | **2** | 2.2 |" in text  # the chosen rate in bold
 
 
