@@ -296,6 +296,30 @@ def test_a_resume_removes_what_the_pointer_no_longer_names_and_only_that(run_cop
     assert "ckpt-0000001/" in err and "ckpt-0000005/" in err and "ckpt-0000002/ (also holds notes.txt)" in err
 
 
+@pytest.mark.parametrize("how", ["another optimizer", "swapped"])
+def test_another_runs_rank_files_are_refused_at_the_start(run_copy, capsys, how):
+    """Rank files of another optimizer's run (or of the other rank), with the manifest made to
+    match them: refused before any worker starts, in one line (exit 2). Before, both workers ended
+    in raw tracebacks of load_state_dict's ValueError."""
+    out, pointer, cfg = run_copy
+    folder = out / "ckpt-0000003"
+    blobs = {r: torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(2)}
+    for r in range(2):
+        own = blobs[r if how == "another optimizer" else 1 - r]
+        if how == "another optimizer":
+            entry = next(v for v in own["optimizer"]["state"].values() if "layer_numels" in v)
+            entry["optimizer"] = "OneBitAdam"
+        torch.save(own, folder / f"rank{r}.pt")
+        pointer["sha256"][f"rank{r}.pt"] = checkpoints._sha256(str(folder / f"rank{r}.pt"))
+    _set_pointer(out, pointer)
+    named = "state of OneBitAdam" if how == "another optimizer" else "holds rank 1's optimizer state"
+    with pytest.raises(ValueError, match=named):
+        checkpoints.check_resumable(cfg)
+    code = cli.main(["pretrain", *_flags(cfg), "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and named in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_a_missing_rank_file_is_refused_at_the_start(run_copy):
     out, _, cfg = run_copy
     pointer = json.loads((out / "checkpoint.json").read_text())

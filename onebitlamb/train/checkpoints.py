@@ -347,6 +347,8 @@ def check_resumable(cfg: TrainConfig, remove: bool = True) -> None:
         loaded = _load_checkpoint_file(cfg.out, pointer, name, "cpu")
         if name == "trainer.pt":
             _check_settings(cfg, loaded["config"])
+        elif RANK_FILE.fullmatch(name):
+            _check_rank_file(cfg, os.path.join(folder, name), int(RANK_FILE.fullmatch(name).group(1)), loaded)
     if remove:
         remove_leftovers(cfg, pointer)
 
@@ -380,6 +382,32 @@ def remove_leftovers(cfg: TrainConfig, pointer: dict) -> None:
         print(f"[{cfg.optimizer}] --resume: removed what an interrupted run left: {', '.join(removed) or 'nothing'}"
               + (f"; left in place (not only the run's files): {', '.join(left)}" if left else ""),
               file=sys.stderr, flush=True)
+
+
+OPTIMIZER_CLASSES = {"lamb": "Lamb", "onebitlamb": "OneBitLamb", "onebitadam": "OneBitAdam",
+                     "zerooneadam": "ZeroOneAdam"}
+
+
+def _check_rank_file(cfg: TrainConfig, path: str, rank: int, loaded: Any) -> None:
+    """Rank ``rank``'s file must hold a state of the optimizer this run trains with, and that rank's
+    own: what the workers' ``load_state_dict`` would refuse, refused before they start (with the
+    manifest made to match, another run's rank files pass the sha256 check)."""
+    from onebitlamb.optim.state_format import flat_of
+
+    try:
+        flat = flat_of(loaded["optimizer"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SetupError(f"{path} holds no optimizer state of this program ({type(exc).__name__}: {exc}); not "
+                         f"resuming from it") from None
+    if flat is None:
+        return
+    saved_by, expected = flat.get("optimizer"), OPTIMIZER_CLASSES[cfg.optimizer]
+    if saved_by is not None and saved_by != expected:
+        raise SetupError(f"{path} holds the state of {saved_by}, and this run trains with {expected} (--optimizer "
+                         f"{cfg.optimizer}): it is another run's file; not resuming from it")
+    if ("worker_error" in flat or "server_error" in flat) and flat.get("rank", rank) != rank:
+        raise SetupError(f"{path} holds rank {flat['rank']}'s optimizer state, not rank {rank}'s (files swapped?); "
+                         f"not resuming from it")
 
 
 def _rank_files(out: str, pointer: dict) -> List[int]:
