@@ -2,6 +2,7 @@
 import math
 
 import pytest
+import torch
 
 from benchmarks.netsim.topology import tbf_params
 from onebitlamb.comm import costmodel
@@ -120,7 +121,25 @@ def test_estimate_command_gives_the_alpha_beta_steps_by_hand(capsys):
     assert float(row[3]) == pytest.approx(1e3 * lamb, abs=0.05)  # the warm-up averages as LAMB does
     assert float(row[4]) == pytest.approx(1e3 * onebit, abs=0.05)
     assert float(row[5].rstrip("x")) == pytest.approx(lamb / onebit, abs=0.005)
-    assert float(row[6].rstrip("x")) == pytest.approx(lamb / (0.2 * lamb + 0.8 * onebit), abs=0.005)
+    assert float(row[6].rstrip("x")) == pytest.approx(lamb / (0.3 * lamb + 0.7 * onebit), abs=0.005)
+
+
+def test_estimates_default_warm_up_is_autofreezes_floor_for_1bit_lamb():
+    import onebitlamb
+
+    opt = onebitlamb.OneBitLamb([torch.nn.Parameter(torch.zeros(4))], freeze_step=onebitlamb.AutoFreeze(total_steps=1000))
+    assert opt.freeze_stats()["floor_step"] / 1000 == costmodel.WARMUP_FRACTION
+
+
+def test_rates_are_taken_as_a_list_or_comma_separated(capsys):
+    argv = ["--params", "1M", "--ranks", "2", "--compute-ms", "10"]
+    from onebitlamb.cli import main
+
+    tables = []
+    for rates in (["10M", "100M"], ["10M,100M"]):
+        assert main(["estimate", *argv, "--rates", *rates]) == 0
+        tables.append([line for line in capsys.readouterr().out.splitlines() if "Mbit/s" in line])
+    assert len(tables[0]) == 2 and tables[0] == tables[1]
 
 
 def test_estimate_on_nodes_sends_fewer_bytes_across_them_over_node_groups():

@@ -259,19 +259,25 @@ def _count(text: str) -> int:
     return int(round(float(m.group(1)) * _UNITS[m.group(2)]))
 
 
+# AutoFreeze's floor for 1-bit LAMB (onebitlamb.optim.freeze; it freezes no earlier): this layer
+# cannot import the optimizers, so tests/test_netsim_costmodel.py checks the two agree.
+WARMUP_FRACTION = 0.3
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", type=_count, required=True, help="parameters of the model (110M, 1.5G, ...)")
     parser.add_argument("--ranks", type=int, required=True, help="ranks (GPUs or processes) in all")
-    parser.add_argument("--rates", required=True,
-                        help="link rates per node, comma-separated (10G, 100G, 400mbit, inf = no limit)")
+    parser.add_argument("--rates", required=True, nargs="+",
+                        help="link rates per node, space- or comma-separated (10G 100G, 400mbit, inf = no limit)")
     parser.add_argument("--compute-ms", type=float, required=True,
                         help="one step's forward, backward and optimizer maths on one rank, without "
                              "communication (time a few steps with a world of one)")
     parser.add_argument("--ranks-per-node", type=int, default=1,
                         help="ranks sharing one node's link; above 1 the 1-bit optimizer over "
                              "node_groups(L) is estimated too (default %(default)s)")
-    parser.add_argument("--warmup-fraction", type=float, default=0.2,
-                        help="share of the steps in the uncompressed warm-up (default %(default)s)")
+    parser.add_argument("--warmup-fraction", type=float, default=WARMUP_FRACTION,
+                        help="share of the steps in the uncompressed warm-up (default %(default)s: the "
+                             "earliest that AutoFreeze freezes 1-bit LAMB)")
     parser.add_argument("--alpha-ms", type=float, default=0.2,
                         help="fixed cost of one collective: time a one-element all-reduce (default %(default)s)")
     parser.add_argument("--codec-ms", type=float, default=0.0,
@@ -287,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--params must be >= 1, got {args.params}")
         if min(args.compute_ms, args.alpha_ms, args.codec_ms) < 0:
             raise ValueError("--compute-ms, --alpha-ms and --codec-ms must be >= 0")
-        rates = [parse_rate(r) for r in args.rates.split(",") if r.strip()]
+        rates = [parse_rate(r) for given in args.rates for r in given.split(",") if r.strip()]
         rows = [(rate, name, estimate(args.params, args.ranks, rate, args.compute_ms / 1e3, ranks_per_node=L,
                                       node_groups=hier, warmup_fraction=args.warmup_fraction,
                                       alpha_s=args.alpha_ms / 1e3, codec_s=args.codec_ms / 1e3))
