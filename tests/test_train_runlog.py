@@ -123,6 +123,20 @@ def test_tensorboard_events_when_it_is_installed(tmp_path, monkeypatch):
     assert by_tag["loss/train"] == [(s, r["loss"]) for s, r in enumerate(history["steps"], 1)]
     assert by_tag["comm/bytes_sent"][-1] == (6, 6000) and by_tag["comm/collectives"][-1] == (6, 12)
     assert [s for s, _ in by_tag["lr"]] == list(range(1, 7))
+    # the stage of every step (0 warm-up, 1 compression) and the step of the freeze, once
+    assert by_tag["stage/current"] == [(1, 0), (2, 0), (3, 0), (4, 1), (5, 1), (6, 1)]
+    assert by_tag["stage/freeze_step"] == [(3, 3)]
     # resumed at step 4: the events after the checkpoint are purged, as the log's rows are rewritten
     runlog.RunLog(_cfg(tmp_path), 4, history, stream=io.StringIO()).close()
     assert _Writer.made[-1].purge_step == 5
+
+
+def test_tensorboard_scalars_of_lamb_and_of_local_steps():
+    """LAMB stays at stage 0 and never has a freeze step; 0/1 Adam's local steps are stage 2."""
+    lamb = {"step": 5, "loss": 6.0, "heldout_loss": "", "bytes": 10, "collectives": 5, "lr": 0.01, "stage": "warmup"}
+    assert runlog.scalars(lamb, frozen=False) == [("loss/train", 6.0), ("comm/bytes_sent", 10),
+                                                 ("comm/collectives", 5), ("lr", 0.01), ("stage/current", 0)]
+    assert ("stage/current", 2) in runlog.scalars({**lamb, "stage": "local"}, frozen=False)
+    before_training = dict(zip(runlog.COLUMNS, [0, "", 6.5, 0, 0, "", ""]))
+    assert runlog.scalars(before_training, frozen=False) == [("loss/heldout", 6.5), ("comm/bytes_sent", 0),
+                                                            ("comm/collectives", 0)]

@@ -20,6 +20,8 @@ from onebitlamb.train import files
 COLUMNS = ("step", "loss", "heldout_loss", "bytes", "collectives", "lr", "stage")
 CSV_FILE = "log.csv"
 TENSORBOARD_DIR = "tensorboard"
+# the stage as a TensorBoard scalar: LAMB is 0 throughout, a 1-bit optimizer steps from 0 to 1 at the freeze
+STAGE_VALUES = {"warmup": 0, "compression": 1, "local": 2}
 PLAIN_EVERY_S = 60.0  # without a bar: a line at least this often, for runs with evaluations far apart
 
 
@@ -52,12 +54,10 @@ class RunLog:
         self.csv.writerow(values)
         self.file.flush()  # `tail -f log.csv` sees every step
         record = dict(zip(COLUMNS, values))
-        if self.tensorboard is not None:
-            for tag, key in (("loss/train", "loss"), ("loss/heldout", "heldout_loss"), ("comm/bytes_sent", "bytes"),
-                             ("comm/collectives", "collectives"), ("lr", "lr")):
-                if record[key] != "":
-                    self.tensorboard.add_scalar(tag, record[key], step)
         frozen = step > 0 and _frozen_at(history["steps"][step - 1]) == step
+        if self.tensorboard is not None:
+            for tag, value in scalars(record, frozen):
+                self.tensorboard.add_scalar(tag, value, step)
         if self.bar is not None and step > self.start_step:
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", sps=f"{self._samples_per_s(step, history):.0f}",
@@ -106,6 +106,20 @@ def row(step: int, history: dict, global_batch: int) -> List:
         return [0, "", heldout, 0, 0, "", ""]
     r = history["steps"][step - 1]
     return [step, r["loss"], heldout, r["bytes"], r.get("collectives", ""), r["lr"], r["stage"]]
+
+
+def scalars(record: dict, frozen: bool) -> List[tuple]:
+    """The TensorBoard scalars of one step's log row: ``(tag, value)``. Beside the row's numbers,
+    ``stage/current`` (0 warm-up, 1 compression, 2 0/1 Adam's local steps; from step 1) and, at the
+    step the freeze happened (``frozen``), ``stage/freeze_step``, its value the step."""
+    out = [(tag, record[key]) for tag, key in (("loss/train", "loss"), ("loss/heldout", "heldout_loss"),
+                                               ("comm/bytes_sent", "bytes"), ("comm/collectives", "collectives"),
+                                               ("lr", "lr")) if record[key] != ""]
+    if record["stage"] in STAGE_VALUES:
+        out.append(("stage/current", STAGE_VALUES[record["stage"]]))
+    if frozen:
+        out.append(("stage/freeze_step", record["step"]))
+    return out
 
 
 def _frozen_at(record: dict) -> Optional[int]:
