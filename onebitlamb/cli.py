@@ -26,6 +26,24 @@ EXTRAS = {"pretrain": "example", "compare": "example"}
 EXTRA_MODULES = {"example": ("transformers", "tokenizers", "matplotlib", "tqdm")}
 
 
+def install_command(extra: str, missing: Sequence[str]) -> str:
+    """A pip command that installs ``extra``'s packages into this environment, whichever way the
+    package came (a checkout, a wheel): the extra's requirements as this installation's metadata
+    states them; the bare names when it has none (running from a source tree)."""
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("onebitlamb") or []
+    except metadata.PackageNotFoundError:
+        requires = []
+    wanted = []
+    for line in requires:
+        requirement, _, marker = line.partition(";")
+        if marker.replace(" ", "").replace("'", '"') == f'extra=="{extra}"':
+            wanted.append(requirement.replace(" ", ""))
+    return "pip install " + " ".join(f"'{r}'" for r in (wanted or missing))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="onebitlamb", description=__doc__.splitlines()[0])
@@ -38,9 +56,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     name = argv[0]
     missing = missing_extra(name)
-    if missing:  # before anything starts: a bare `pip install onebitlamb` has the optimizers only
+    if missing:  # before anything starts: an install without extras has the optimizers only
         print(f"onebitlamb {name}: error: needs the packages of the '{EXTRAS[name]}' extra (missing: "
-              f"{', '.join(missing)}); install them with: pip install 'onebitlamb[{EXTRAS[name]}]'",
+              f"{', '.join(missing)}); install them with: {install_command(EXTRAS[name], missing)}",
               file=sys.stderr, flush=True)
         return 2
     module = importlib.import_module(COMMANDS[name][0])

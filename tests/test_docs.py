@@ -32,6 +32,23 @@ def test_every_command_the_readme_names_exists():
         assert command in COMMANDS, command
 
 
+def test_the_readmes_install_route_names_real_extras_quoted_and_no_package_index():
+    """Nothing named onebitlamb is on an index: the README installs from a checkout or a wheel, each
+    extra one of pyproject's, quoted (zsh expands unquoted brackets)."""
+    import pytest
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = set(tomllib.load(f)["project"]["optional-dependencies"])
+    readme = _read("README.md")
+    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"'(?:\.|dist/onebitlamb-[\w.-]+\.whl)\[(\w+)\]'", install)
+    assert set(named) == {"example", "frameworks", "gpu"} and set(named) <= extras, named
+    assert not re.search(r"pip install (?!')[^\n]*\[", install), "an unquoted extra"
+    everywhere = readme + "".join(_read(os.path.join("docs", p)) for p in os.listdir(os.path.join(ROOT, "docs"))
+                                  if p.endswith(".md"))
+    assert "pip install onebitlamb" not in everywhere and "pip install 'onebitlamb[" not in everywhere
+
+
 def test_the_package_code_carries_no_lab_results():
     """Seed-by-seed findings (``demo seed 1238``, ``b1024 ...``) go to docs/, not to comments."""
     offenders = []

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     # it lazily, and nothing imports it for CPU tensors unless asked to, as here)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest.importorskip("triton", reason="Triton is not installed (pip install onebitlamb[gpu], or triton as pinned "
+pytest.importorskip("triton", reason="Triton is not installed (pip install '.[gpu]' in a checkout, or triton as pinned "
                                      "in requirements-dev.txt)")
 
 from codec_checks import (DTYPES, bits, check_compress, check_pack_and_unpack,  # noqa: E402

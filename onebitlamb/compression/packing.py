@@ -63,7 +63,8 @@ def fused_codec(tensor: torch.Tensor, fused: Optional[bool] = None):
     if fused is None:
         return codec
     if codec is None:
-        raise ValueError(f"fused=True: {_FUSED['reason']}; install onebitlamb[gpu], or pass fused=None or False")
+        raise ValueError(f"fused=True: {_FUSED['reason']}; install Triton (the gpu extra: pip install '.[gpu]' in "
+                         f"a checkout), or pass fused=None or False")
     if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"fused=True: the Triton kernels need CUDA tensors, got a tensor on {tensor.device} "
                          f"(pass fused=None or False)")

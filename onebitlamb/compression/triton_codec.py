@@ -1,4 +1,4 @@
-"""The 1-bit codec as fused Triton kernels, for CUDA tensors (``pip install onebitlamb[gpu]``).
+"""The 1-bit codec as fused Triton kernels, for CUDA tensors (the ``gpu`` extra: ``pip install '.[gpu]'``).
 
 Eager torch runs the compressor as one kernel per step (add, norm, compare, pack, select, subtract),
 each a full pass over memory: about 10 device copies' worth of time on an H200. Here each pass over
