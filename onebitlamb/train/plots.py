@@ -25,6 +25,43 @@ def _plt():
     return plt
 
 
+# the stages a step can run in (``metrics["stage"]``), shaded in a run's curves; the warm-up
+# (LAMB's whole run) is left blank
+STAGE_SHADES = {"compression": ("tab:purple", "compression stage (1-bit)"),
+                "local": ("tab:olive", "local steps (no exchange)")}
+
+
+def _legend(ax, **kwargs) -> None:
+    """A legend when the axes has something labelled: matplotlib warns and draws an empty box
+    otherwise."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+
+
+def stage_spans(stages: List[str]) -> List[tuple]:
+    """``(stage, first step, last step)`` for each run of consecutive steps in one stage, steps
+    1-based (``stages[0]`` is step 1's)."""
+    spans: List[list] = []
+    for step, stage in enumerate(stages, 1):
+        if spans and spans[-1][0] == stage:
+            spans[-1][2] = step
+        else:
+            spans.append([stage, step, step])
+    return [tuple(span) for span in spans]
+
+
+def _shade_stages(ax, stages: List[str]) -> None:
+    """Every step outside the warm-up shaded by its stage, step ``s`` covering ``[s - 1, s]`` (so
+    the compression stage starts at the freeze step's line); one legend entry per stage."""
+    labelled = set()
+    for stage, first, last in stage_spans(stages):
+        if stage in STAGE_SHADES:
+            color, label = STAGE_SHADES[stage]
+            ax.axvspan(first - 1, last, color=color, alpha=0.12, lw=0,
+                       label=None if stage in labelled else label)
+            labelled.add(stage)
+
+
 def plot_compare(runs: Dict[str, dict], path: str) -> None:
     """Left: held-out MLM loss vs samples. Middle: cumulative bytes sent per worker vs step. Right:
     cumulative rounds (collectives called) per worker vs step."""
@@ -38,7 +75,9 @@ def compare_figure(runs: Dict[str, dict]):
     curves that coincide are shifted against each other, each later curve is drawn above the
     earlier ones, and a curve equal to an earlier one says so in the legend."""
     plt = _plt()
-    fig, (ax_loss, ax_bytes, ax_rounds) = plt.subplots(1, 3, figsize=(17, 4.5))
+    with_rounds = any(r is not None for m in runs.values() for _, r in m.get("rounds_curve") or [])
+    fig, axes = plt.subplots(1, 3 if with_rounds else 2, figsize=(17 if with_rounds else 11.5, 4.5))
+    ax_loss, ax_bytes, ax_rounds = (*axes, None)[:3]
     drawn: Dict[str, list] = {}
     for i, (name, m) in enumerate(runs.items()):
         label, color = LABELS.get(name, name), COLORS.get(name)
@@ -53,7 +92,7 @@ def compare_figure(runs: Dict[str, dict]):
                       markevery=(i * every // len(runs), every),
                       label=label + (f" (same bytes as {' and '.join(same)})" if same else ""))
         rounds = [(step, r) for step, r in m.get("rounds_curve") or [] if r is not None]
-        if rounds:
+        if rounds and ax_rounds is not None:
             r_steps, r_cum = zip(*([(0, 0)] + rounds))
             ax_rounds.plot(r_steps, r_cum, ls=ls, marker=marker, color=color, zorder=2 + i,
                            markevery=(i * every // len(runs), every), label=label)
@@ -62,45 +101,60 @@ def compare_figure(runs: Dict[str, dict]):
     ax_loss.set(xlabel="samples", ylabel="held-out MLM loss", title="convergence (equal samples)")
     ax_bytes.set(xlabel="step", ylabel="MB sent per worker (cumulative)",
                  title="communication volume (dotted: freeze step)")
-    ax_rounds.set(xlabel="step", ylabel="rounds per worker (cumulative)",
-                  title="communication rounds (collectives called)")
-    for ax in (ax_loss, ax_bytes, ax_rounds):
+    if ax_rounds is not None:
+        ax_rounds.set(xlabel="step", ylabel="rounds per worker (cumulative)",
+                      title="communication rounds (collectives called)")
+    for ax in axes:
         ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend()
+        _legend(ax)
     fig.tight_layout()
     return fig
 
 
 def plot_run(metrics: dict, path: str) -> bool:
-    """One run's curves, from its ``metrics.json``. Left: the training loss of every step and the
-    held-out loss at each evaluation. Right: the cumulative MB this worker sent. Both against the
-    step, the freeze step dotted."""
+    """One run's curves, from its ``metrics.json``; ``run_figure`` draws them."""
+    fig = run_figure(metrics)
+    files.save_figure(fig, path, dpi=100)
+    _plt().close(fig)
+    return True
+
+
+def run_figure(metrics: dict):
+    """``plot_run``'s figure, every panel against the step: the training loss of every step and the
+    held-out loss at each evaluation; the cumulative MB this worker sent; the cumulative rounds
+    (collectives called), when the run recorded them. In each, the freeze step dotted and the steps
+    after the warm-up shaded by their stage (a LAMB run has neither)."""
     plt = _plt()
     name = metrics["optimizer"]
     label, color = LABELS.get(name, name), COLORS.get(name)
     batch = metrics["samples"] / metrics["steps"]
-    fig, (ax_loss, ax_bytes, ax_rounds) = plt.subplots(1, 3, figsize=(17, 4.5))
+    rounds = [(step, r) for step, r in metrics.get("rounds_curve") or [] if r is not None]
+    fig, axes = plt.subplots(1, 3 if rounds else 2, figsize=(17 if rounds else 11.5, 4.5))
+    ax_loss, ax_bytes = axes[:2]
     train = metrics["train_loss"]
     ax_loss.plot(range(1, len(train) + 1), train, color=color, alpha=0.45, lw=1, label="training loss (rank 0)")
     xs, ys = zip(*metrics["eval_curve"])
     ax_loss.plot([x / batch for x in xs], ys, color=color, marker="o", label="held-out loss")
     steps, cum = zip(*([[0, 0]] + list(metrics["bytes_curve"])))
-    ax_bytes.plot(steps, [b / 1e6 for b in cum], color=color)
-    freeze = metrics.get("freeze_step")
-    if freeze:
-        for ax in (ax_loss, ax_bytes):
-            ax.axvline(freeze, color="0.4", ls=":", lw=1.2, label=f"freeze (step {freeze})")
+    ax_bytes.plot(steps, [b / 1e6 for b in cum], color=color, label="MB sent by this worker")
     ax_loss.set(xlabel="step", ylabel="MLM loss", title=f"{label}: loss")
     ax_bytes.set(xlabel="step", ylabel="MB sent per worker (cumulative)",
                  title=f"{label}: communication volume ({metrics['world_size']} workers)")
-    for ax in (ax_loss, ax_bytes):
+    if rounds:
+        ax_rounds = axes[2]
+        ax_rounds.plot(*zip(*([(0, 0)] + rounds)), color=color, label="collectives called by this worker")
+        ax_rounds.set(xlabel="step", ylabel="rounds per worker (cumulative)", title=f"{label}: communication rounds")
+    freeze = metrics.get("freeze_step")
+    for ax in axes:
+        _shade_stages(ax, metrics.get("stage") or [])
+        if freeze:
+            ax.axvline(freeze, color="0.3", ls=":", lw=1.2, label=f"freeze (step {freeze})")
         ax.grid(alpha=0.3)
-        ax.legend()
+        _legend(ax, fontsize=8)
+    if not freeze and set(metrics.get("stage") or []) <= {"warmup"}:
+        ax_loss.set_title(f"{label}: loss (full precision every step, no freeze)")
     fig.tight_layout()
-    files.save_figure(fig, path, dpi=100)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def _pick_layers(names: List[str], k: int = 3) -> List[str]:
@@ -128,18 +182,30 @@ def _coefficient(layer: dict) -> Optional[float]:
 
 
 def plot_diagnostics(runs: Dict[str, dict], path: str) -> None:
+    """Per-layer diagnostics (``diagnostics_figure``); nothing when no run has any."""
+    fig = diagnostics_figure(runs)
+    if fig is not None:
+        files.save_figure(fig, path, dpi=100)
+        _plt().close(fig)
+
+
+def diagnostics_figure(runs: Dict[str, dict]):
     """Top: per-layer coefficient over steps (LAMB's live trust ratio vs 1-bit LAMB's frozen
-    coefficient times factor). Bottom: relative step size |dx|/|x| per layer, for every optimizer.
-    Last column: every layer at the last diagnostic step."""
+    coefficient times factor), when a LAMB-type optimizer is among the runs (Adam's is 1). Bottom:
+    relative step size |dx|/|x| per layer, for every optimizer. Last column: every layer at the last
+    diagnostic step. None when no run has diagnostics."""
     runs = {n: m for n, m in runs.items() if m.get("diagnostics")}
     if not runs:
-        return
+        return None
     plt = _plt()
     any_run = next(iter(runs.values()))
     names = [l["name"] for l in any_run["diagnostics"][0]["layers"]]
     chosen = _pick_layers(names)
     cols = len(chosen) + 1
-    fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 7.5), squeeze=False)
+    with_coeff = any(name not in ADAMS for name in runs)
+    fig, axes = plt.subplots(2 if with_coeff else 1, cols, figsize=(4.2 * cols, 7.5 if with_coeff else 4),
+                             squeeze=False)
+    coeff_row, rel_row = (axes[0] if with_coeff else None), axes[-1]
     for j, lname in enumerate(chosen):
         for name, m in runs.items():
             steps, coeff, rel = [], [], []
@@ -151,50 +217,65 @@ def plot_diagnostics(runs: Dict[str, dict], path: str) -> None:
                     rel.append(layer["rel_step"])
             color, label = COLORS.get(name), LABELS.get(name, name)
             if name not in ADAMS:  # Adam has no layer-wise coefficient (it is 1)
-                axes[0][j].plot(steps, coeff, marker=".", color=color,
-                                ls="--" if name == "onebitlamb" else "-", label=label)
-            axes[1][j].plot(steps, rel, marker=".", color=color, label=label)
+                coeff_row[j].plot(steps, coeff, marker=".", color=color,
+                                  ls="--" if name == "onebitlamb" else "-", label=label)
+            rel_row[j].plot(steps, rel, marker=".", color=color, label=label)
             if m.get("freeze_step"):
                 for ax in axes[:, j]:
                     ax.axvline(m["freeze_step"], color=color, ls=":", lw=1)
         short = lname.replace("bert.", "").replace(".weight", "")
-        axes[0][j].set(title=f"{short}\ncoefficient (trust ratio / frozen x factor)", xlabel="step")
-        axes[1][j].set(title=f"{short}\nrelative step |dx|/|x|", xlabel="step", yscale="log")
+        xlabel = "step (dotted: the freeze)" if any(m.get("freeze_step") for m in runs.values()) else "step"
+        if with_coeff:
+            coeff_row[j].set(title=f"{short}\ncoefficient (trust ratio / frozen x factor)", xlabel=xlabel)
+        rel_row[j].set(title=f"{short}\nrelative step |dx|/|x|", xlabel=xlabel, yscale="log")
     # every layer at the last diagnostic point
     for name, m in runs.items():
         last = m["diagnostics"][-1]
         color, label = COLORS.get(name), LABELS.get(name, name)
         idx = list(range(len(last["layers"])))
         if name not in ADAMS:
-            axes[0][-1].plot(idx, [_coefficient(l) for l in last["layers"]], marker=".", color=color,
-                             ls="--" if name == "onebitlamb" else "-", label=label)
-        axes[1][-1].plot(idx, [l["rel_step"] for l in last["layers"]], marker=".", color=color, label=label)
+            coeff_row[-1].plot(idx, [_coefficient(l) for l in last["layers"]], marker=".", color=color,
+                               ls="--" if name == "onebitlamb" else "-", label=label)
+        rel_row[-1].plot(idx, [l["rel_step"] for l in last["layers"]], marker=".", color=color, label=label)
     step = any_run["diagnostics"][-1]["step"]
-    axes[0][-1].set(title=f"all layers at step {step}\ncoefficient", xlabel="layer (optimizer order)", yscale="log")
-    axes[1][-1].set(title=f"all layers at step {step}\nrelative step |dx|/|x|", xlabel="layer (optimizer order)",
+    if with_coeff:
+        coeff_row[-1].set(title=f"all layers at step {step}\ncoefficient", xlabel="layer (optimizer order)",
+                          yscale="log")
+    rel_row[-1].set(title=f"all layers at step {step}\nrelative step |dx|/|x|", xlabel="layer (optimizer order)",
                     yscale="log")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax, fontsize=8)
     fig.tight_layout()
-    files.save_figure(fig, path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
+    """How an automatic freeze decided (``freeze_figure``). Returns False (and draws nothing) for a
+    run without the automatic freeze."""
+    fig = freeze_figure(metrics, highlighted)
+    if fig is None:
+        return False
+    files.save_figure(fig, path, dpi=100)
+    _plt().close(fig)
+    return True
+
+
+def freeze_figure(metrics: dict, highlighted: int = 4):
     """How an automatic freeze decided, from the run's per-step ``freeze`` records. Top: every
     layer's ``log ||v_hat||`` over the warm-up, the layers that rose most in colour (on a plateau a
     layer sits low and flat; its exit is the rise). Bottom: the spread the criterion watches (the
     least settled layer's movement over the window) against AutoFreeze's thresholds; for 1-bit LAMB,
     on its own scale, the median layer's trust-ratio rise, which the freeze waits to reach 0 from the
-    step the criterion held. Returns False (and draws nothing) for a run without the automatic freeze."""
+    step the criterion held. A run whose warm-up ended before a window had passed (a short run) has
+    no spread: the top alone. None for a run without the automatic freeze."""
     records = metrics.get("freeze") or []
     if metrics.get("config", {}).get("freeze") != "auto":
-        return False
+        return None
     rows = [(i + 1, r["levels"]) for i, r in enumerate(records)
             if r and r.get("levels") is not None and metrics["stage"][i] == "warmup"]
     if not rows:
-        return False
+        return None
     import onebitlamb
 
     policy = onebitlamb.AutoFreeze(total_steps=metrics["steps"])  # the main job runs it with its defaults
@@ -208,22 +289,30 @@ def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
         return seen[-1] - min(seen) if seen else 0.0
 
     top = sorted(range(len(names)), key=rise, reverse=True)[:highlighted]
+    spread = [(s, records[s - 1]["spread"]) for s in steps if records[s - 1].get("spread") is not None]
+    trust = [records[s - 1].get("trust_rise") for s in steps]
+    has_trust = any(v is not None for v in trust)
     plt = _plt()
-    fig, (ax_levels, ax_spread) = plt.subplots(2, 1, figsize=(10, 8), sharex=True)
+    if spread or has_trust:
+        fig, (ax_levels, ax_spread) = plt.subplots(2, 1, figsize=(10, 8), sharex=True)
+    else:  # no window filled before the freeze (a run shorter than a few windows): nothing to draw below
+        fig, ax_levels = plt.subplots(1, 1, figsize=(12, 4.8))
+        ax_spread = None
     for j in range(len(names)):
         if j not in top:
             ax_levels.plot(steps, series[j], color="0.75", lw=0.8)
     for j in top:
         ax_levels.plot(steps, series[j], lw=1.8, label=names[j].replace("bert.", ""))
-    spread = [(s, records[s - 1]["spread"]) for s in steps if records[s - 1].get("spread") is not None]
-    if spread:
-        ax_spread.plot(*zip(*spread), color="black", label=f"spread over the window ({policy.window} steps)")
-    for value, text, style in ((policy.transient, "transient", "--"), (policy.transient_end, "transient end", "-."),
-                               (policy.tolerance, "tolerance", ":")):
-        ax_spread.axhline(value, color="tab:red", ls=style, lw=1, label=f"{text} ({value:g})")
-    # NaN where no window was in: a gap, not a line across it
-    trust = [records[s - 1].get("trust_rise") for s in steps]
-    if any(v is not None for v in trust):
+    # the step markers go below, beside the criterion, or on the levels when there is no panel below
+    marks = ax_levels if ax_spread is None else ax_spread
+    if ax_spread is not None:
+        if spread:
+            ax_spread.plot(*zip(*spread), color="black", label=f"spread over the window ({policy.window} steps)")
+        for value, text, style in ((policy.transient, "transient", "--"),
+                                   (policy.transient_end, "transient end", "-."), (policy.tolerance, "tolerance", ":")):
+            ax_spread.axhline(value, color="tab:red", ls=style, lw=1, label=f"{text} ({value:g})")
+    if ax_spread is not None and has_trust:
+        # NaN where no window was in: a gap, not a line across it
         ax_trust = ax_spread.twinx()
         ax_trust.plot(steps, [float("nan") if v is None else v for v in trust], color="tab:green", lw=1.2,
                       label="median trust-ratio rise (right scale)")
@@ -232,22 +321,28 @@ def plot_freeze(metrics: dict, path: str, highlighted: int = 4) -> bool:
         ax_trust.legend(fontsize=8, loc="lower right")
     for step, text, style in ((last.get("floor_step"), "floor", "--"), (last.get("cap_step"), "cap", "-.")):
         if step:
-            ax_spread.axvline(step, color="0.5", ls=style, lw=1, label=f"{text} (step {step})")
+            marks.axvline(step, color="0.5", ls=style, lw=1, label=f"{text} (step {step})")
     ready, waited, freeze = last.get("ready_step"), last.get("trust_peak_step"), metrics.get("freeze_step")
     if ready and ready != freeze:
-        ax_spread.axvline(ready, color="tab:green", ls="--", lw=1.2, label=f"criterion held (step {ready})")
+        marks.axvline(ready, color="tab:green", ls="--", lw=1.2, label=f"criterion held (step {ready})")
     if waited and waited != freeze:  # the freeze came later, at the floor
-        ax_spread.axvline(waited, color="tab:green", ls="-.", lw=1.2, label=f"the wait ended (step {waited})")
+        marks.axvline(waited, color="tab:green", ls="-.", lw=1.2, label=f"the wait ended (step {waited})")
+    panels = [ax for ax in (ax_levels, ax_spread) if ax is not None]
     if freeze:
-        for ax in (ax_levels, ax_spread):
+        for ax in panels:
             ax.axvline(freeze, color="tab:orange", ls=":", lw=1.5, label=f"freeze (step {freeze})")
     ax_levels.set(ylabel="log ||v_hat|| per layer", title="the automatic freeze: each layer's variance level")
-    ax_spread.set(xlabel="step", ylabel="max - min over the window (log)",
-                  title="the least settled layer's movement over the window")
-    for ax in (ax_levels, ax_spread):
+    if ax_spread is None:
+        ax_levels.set(xlabel="step", title="the automatic freeze: each layer's variance level\n"
+                      f"(no spread to show: the warm-up ended before a window of {policy.window} steps had passed)")
+    else:
+        ax_spread.set(xlabel="step", ylabel="max - min over the window (log)",
+                      title="the least settled layer's movement over the window")
+    for ax in panels:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax_spread is None:  # beside the panel: over the levels it would hide some
+            _legend(ax, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+        else:
+            _legend(ax, fontsize=8)
     fig.tight_layout()
-    files.save_figure(fig, path, dpi=100)
-    plt.close(fig)
-    return True
+    return fig
