@@ -144,6 +144,36 @@ def test_compare_png_tells_the_one_bit_curves_apart(compared):
         plt.close(fig)
 
 
+def test_every_figure_of_the_tiny_runs_has_no_holes(compared):
+    """Each run's curves (three panels with data, the freeze and the compression stage in each of a
+    1-bit run's), compare.png's and diagnostics.png's figures: no empty panel or legend, no warning."""
+    import warnings
+
+    import matplotlib.pyplot as plt
+    from test_train_plots import assert_no_holes
+
+    from onebitlamb.train import plots
+
+    out, _, _ = compared
+    runs = {}
+    for name in ("lamb", "onebitlamb", "onebitadam"):
+        with open(out / name / "metrics.json") as f:
+            runs[name] = json.load(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name, m in runs.items():
+            fig = plots.run_figure(m)
+            assert len(fig.axes) == 3
+            assert_no_holes(fig)
+            for ax in fig.axes:
+                labels = ax.get_legend_handles_labels()[1]
+                assert ("freeze (step 3)" in labels and "compression stage (1-bit)" in labels) == (name != "lamb")
+            plt.close(fig)
+        for fig in (plots.compare_figure(runs), plots.diagnostics_figure(runs)):
+            assert_no_holes(fig)
+            plt.close(fig)
+
+
 def test_resume_is_bit_identical(compared, tmp_path, corpus_dir):
     out, cache, _ = compared
     common = ["--preset", "tiny", "--optimizer", "onebitlamb", "--freeze", "0.35", "--out", str(tmp_path),
@@ -250,6 +280,15 @@ def test_the_automatic_freeze_records_every_step_and_plots_its_decision(main_job
                  "trust_peak_step", "unfrozen_at"):
         assert gone not in m
     assert (main_job_runs["auto"] / "freeze.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.pyplot as plt
+    from test_train_plots import assert_no_holes
+
+    from onebitlamb.train import plots
+
+    fig = plots.freeze_figure(m)  # 60 steps: a window passed, the spread has its panel
+    assert len(fig.axes) >= 2
+    assert_no_holes(fig)
+    plt.close(fig)
     assert not (main_job_runs["fixed"] / "freeze.png").exists()  # nothing to explain for a fixed freeze
 
 
