@@ -112,7 +112,7 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
     }
     atomic_save(model.state_dict(), os.path.join(cfg.out, "model_final.pt"))
     files.write_json(os.path.join(cfg.out, "metrics.json"), metrics)
-    for png, draw, what in (("curves.png", plots.plot_run, "loss, bytes and rounds by step, the freeze marked"),
+    for png, draw, what in (("curves.png", plots.plot_run, "loss, bytes and rounds by step"),
                             ("freeze.png", plots.plot_freeze, "how the automatic freeze decided")):
         try:  # after the metrics are safe: a figure that fails to draw must not fail the run
             if draw(metrics, os.path.join(cfg.out, png)):
