@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -318,6 +319,53 @@ def test_another_runs_rank_files_are_refused_at_the_start(run_copy, capsys, how)
     code = cli.main(["pretrain", *_flags(cfg), "--resume"])
     err = capsys.readouterr().err
     assert code == 2 and named in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_write_that_fails_leaves_no_temporary_file_and_says_what_is_missing(tmp_path, monkeypatch):
+    """A full disk under a checkpoint file: one sentence naming the file and the missing space, and
+    no ``*.pt.tmp.<pid>`` left behind (before: the raw OSError, the temporary file left)."""
+    import errno
+    from onebitlamb.train import data, files
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(files.WriteError, match=r"rank0\.pt could not be written: no space left on the disk"):
+        data.atomic_save({"w": torch.zeros(4)}, str(tmp_path / "rank0.pt"))
+    with pytest.raises(files.WriteError, match=r"metrics\.json could not be written: no space left"):
+        files.write_json(str(tmp_path / "metrics.json"), {"a": 1})
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 320 KiB tmpfs (room for the run's first files, not for its first checkpoint): a real full disk."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=320k", "tmpfs", str(disk)]).returncode != 0:
+        pytest.skip("tmpfs cannot be mounted here")
+    yield disk
+    subprocess.run(["umount", str(disk)])
+
+
+def test_a_full_disk_is_one_line_on_every_rank_naming_the_rank_and_the_file(small_disk, common):
+    """The checkpoint of step 1 does not fit on OUT's disk: every rank stops with the sentence of the
+    rank that could not write (its rank, its file, no space left), exit 1, nothing half-written left.
+    Before, a 50-line traceback, or only rank 1's gloo "Connection closed by peer", and a
+    ``rank0.pt.tmp.<pid>`` left in the checkpoint folder."""
+    out = small_disk / "run"
+    proc = _cli("pretrain", *common, "--optimizer", "onebitlamb", "--out", str(out), "--ckpt-every", "1",
+                "--steps", "3")
+    err = proc.stderr
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err and "Connection closed" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert re.search(r"error: checkpoint of step 1: rank [01]: \S+ could not be written: no space left on the disk",
+                     last), last
+    assert not [n for _, _, names in os.walk(out) for n in names if ".tmp" in n]
 
 
 def test_a_missing_rank_file_is_refused_at_the_start(run_copy):

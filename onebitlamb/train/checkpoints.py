@@ -139,7 +139,8 @@ def check_run_names(out: str, names: Optional[re.Pattern] = None) -> None:
             raise SetupError(f"{path} is a link, where the run writes its own {name}: not following it; remove "
                              f"the link, or choose another --out")
         if names.fullmatch(name) and os.path.isfile(path) and not written_by_a_run(path):
-            raise SetupError(f"{path} is not a file a run wrote (a file of yours?): the run writes its own {name} "
+            what = "a configuration" if name == "config.json" else "a file"
+            raise SetupError(f"{path} is not {what} a run wrote (a file of yours?): the run writes its own {name} "
                              f"there and --overwrite removes the run's own files only; move it, or choose another "
                              f"--out")
 
@@ -263,8 +264,8 @@ class CheckpointStore:
                     _check_plain(trainer, "trainer.pt")
                     written = {"model.pt": atomic_save(state.model.state_dict(), os.path.join(folder, "model.pt")),
                                "trainer.pt": atomic_save(trainer, os.path.join(folder, "trainer.pt"))}
-            except files.OutError as exc:
-                problem = str(exc)
+            except files.OutError as exc:  # a link planted there; a full disk (files.WriteError)
+                problem = f"rank {rank}: {exc}" if isinstance(exc, files.WriteError) else str(exc)
             digests = gather_digests(digest, rank, world, device)  # every rank has written its file
             if rank == 0 and problem is None:
                 written.update({f"rank{r}.pt": d for r, d in enumerate(digests)})
@@ -288,7 +289,7 @@ class CheckpointStore:
             files.write_json(os.path.join(cfg.out, POINTER),
                              {"folder": name, "step": step, "world_size": self.world, "sha256": written})
         except files.OutError as exc:
-            return str(exc)
+            return f"rank 0: {exc}" if isinstance(exc, files.WriteError) else str(exc)
         if previous and previous != name:  # keep only the latest, removed after the switch
             others = _remove_checkpoint_folder(os.path.join(cfg.out, previous))
             if others:
@@ -337,6 +338,8 @@ def check_resumable(cfg: TrainConfig, remove: bool = True) -> None:
     check_run_names(cfg.out)
     pointer = read_pointer(cfg.out)
     if pointer is None:
+        if remove:
+            remove_leftovers(cfg, None)
         return
     folder = os.path.join(cfg.out, pointer["folder"])
     ranks = _rank_files(cfg.out, pointer)
@@ -353,16 +356,17 @@ def check_resumable(cfg: TrainConfig, remove: bool = True) -> None:
         remove_leftovers(cfg, pointer)
 
 
-def remove_leftovers(cfg: TrainConfig, pointer: dict) -> None:
+def remove_leftovers(cfg: TrainConfig, pointer: Optional[dict]) -> None:
     """What a run stopped at the wrong moment (killed, a full disk) left in OUT besides the
-    checkpoint ``pointer`` names: the checkpoint folders it no longer names (the previous one, when
-    the run was killed between the switch of checkpoint.json and that folder's removal; a newer
-    one whose save never completed) and the temporary files of writes that never finished
-    (``*.tmp``, ``*.pt.tmp.<pid>``). Only the run's own: a folder that also holds something else
-    is left in place, and named."""
-    out, current = cfg.out, os.path.join(cfg.out, pointer["folder"])
+    checkpoint ``pointer`` names (None: there is none): the checkpoint folders it no longer names
+    (the previous one, when the run was killed between the switch of checkpoint.json and that
+    folder's removal; a newer one whose save never completed) and the temporary files of writes
+    that never finished (``*.tmp``, ``*.pt.tmp.<pid>``). Only the run's own: a folder that also
+    holds something else is left in place, and named."""
+    out = cfg.out
+    named = None if pointer is None else pointer["folder"]
     removed, left = [], []
-    for folder, names in ((out, RUN_FILE), (current, CKPT_FILE)):
+    for folder, names in ((out, RUN_FILE), *(((os.path.join(out, named), CKPT_FILE),) if named else ())):
         for name in sorted(os.listdir(folder)):
             path = os.path.join(folder, name)
             if TEMPORARY.search(name) and names.fullmatch(name) and os.path.isfile(path) and not os.path.islink(path):
@@ -370,7 +374,7 @@ def remove_leftovers(cfg: TrainConfig, pointer: dict) -> None:
                 removed.append(os.path.relpath(path, out))
     for name in sorted(os.listdir(out)):
         path = os.path.join(out, name)
-        if name == pointer["folder"] or not CKPT_FOLDER.fullmatch(name) or os.path.islink(path) \
+        if name == named or not CKPT_FOLDER.fullmatch(name) or os.path.islink(path) \
                 or not os.path.isdir(path):
             continue
         others = _remove_checkpoint_folder(path)

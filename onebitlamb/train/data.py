@@ -350,11 +350,12 @@ def atomic_save(obj, path: str) -> str:
     torch.save(obj, buffer)
     blob = buffer.getbuffer()
     tmp = f"{path}.tmp.{os.getpid()}"
-    with files.create(tmp) as f:  # never through a link (files.py); the rename replaces one
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with files.writing(path, tmp):  # a full disk: the temporary file removed, one sentence
+        with files.create(tmp) as f:  # never through a link (files.py); the rename replaces one
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     return hashlib.sha256(blob).hexdigest()
 
 

@@ -6,7 +6,8 @@ link, and OUT is locked for the run's life.
   removed first; a link or a folder there is refused, naming it. So no file outside OUT is written
   through a link planted inside it, and what the run replaces it has written itself.
 - ``write_json`` and ``data.atomic_save``: a temporary name made by ``create``, then a rename, which
-  replaces a link rather than following it.
+  replaces a link rather than following it. A write that fails (a full disk) removes its temporary
+  file and raises ``WriteError``, one sentence naming the file and what is missing (``writing``).
 - ``make_folder(path)``: a folder of the run (a checkpoint's): made, or reused when it is a real
   folder; a link or a file there is refused.
 - ``RunLock(out)``: ``fcntl.flock`` on ``OUT/.onebitlamb.lock``, held by the launcher (rank 0 under
@@ -18,11 +19,12 @@ Only the last part of a path is checked: OUT itself, and the folders above it, a
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import stat
-from typing import IO, Optional
+from typing import IO, Iterator, Optional
 
 LOCK_FILE = ".onebitlamb.lock"
 
@@ -31,6 +33,37 @@ class OutError(ValueError):
     """OUT, or a name the run writes in it, cannot be used safely: a link or a folder where a file
     of the run goes, another run holding OUT, a folder that cannot be written. The command prints
     the message alone."""
+
+
+class WriteError(OutError):
+    """A file of the run could not be written (a full disk, a quota, an I/O error): its message
+    names the file and what is missing; the temporary file was removed."""
+
+
+# what an OSError of a write means for the user, by errno
+_WRITE_FAILURES = {errno.ENOSPC: "no space left on the disk that holds it",
+                   errno.EDQUOT: "the disk quota of this user is used up",
+                   errno.EFBIG: "the file would be larger than this file system allows",
+                   errno.EROFS: "the file system is read-only",
+                   errno.EIO: "an I/O error of the disk"}
+
+
+def write_failed(path: str, exc: OSError) -> WriteError:
+    """The one sentence for an OSError raised while writing ``path``."""
+    what = _WRITE_FAILURES.get(exc.errno, exc.strerror or str(exc))
+    return WriteError(f"{path} could not be written: {what}")
+
+
+@contextlib.contextmanager
+def writing(path: str, tmp: str) -> Iterator[None]:
+    """Around the write of ``tmp`` and its rename to ``path``: an OSError (a full disk) removes
+    ``tmp`` and becomes a ``WriteError`` naming ``path``, so nothing half-written is left behind."""
+    try:
+        yield
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise write_failed(path, exc) from None
 
 
 def create(path: str, binary: bool = True, newline: Optional[str] = None) -> IO:
@@ -57,16 +90,18 @@ def create(path: str, binary: bool = True, newline: Optional[str] = None) -> IO:
 def write_json(path: str, obj, indent: Optional[int] = None) -> None:
     """``obj`` as JSON at ``path``: a temporary file made by ``create``, flushed, then renamed."""
     tmp = path + ".tmp"
-    with create(tmp, binary=False) as f:
-        json.dump(obj, f, indent=indent)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with writing(path, tmp):
+        with create(tmp, binary=False) as f:
+            json.dump(obj, f, indent=indent)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
 
 def write_text(path: str, text: str) -> None:
-    with create(path, binary=False) as f:
-        f.write(text)
+    with writing(path, path):
+        with create(path, binary=False) as f:
+            f.write(text)
 
 
 def save_figure(fig, path: str, **kwargs) -> None:

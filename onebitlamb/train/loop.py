@@ -42,6 +42,10 @@ class _Phase:
 MAX_SKIPPED_FRACTION = 0.1
 
 
+# what gloo says on a rank whose peer left the group (that rank's process ended, with its own error)
+PEER_GONE = ("connection closed by peer", "connection reset by peer")
+
+
 class RankTimeout(RunError):
     """A collective timed out: another rank died, hung or was paused."""
 
@@ -52,8 +56,15 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
     phase = _Phase()
     try:
         return _train_rank(rank, world, cfg, phase)
+    except files.WriteError as exc:  # a full disk under a file of the run's (log.csv, metrics.json)
+        raise RunError(f"rank {rank}: {exc}, in {phase.now}. The last checkpoint in {cfg.out} is complete: continue "
+                       f"with --resume once that is fixed") from None
     except RuntimeError as exc:  # torch.distributed's DistBackendError is one
-        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+        said = str(exc).lower()
+        if any(m in said for m in PEER_GONE):
+            raise RunError(f"rank {rank}: another rank left the run in {phase.now} (its own error says why). The "
+                           f"last checkpoint in {cfg.out} is complete: continue with --resume") from None
+        if "timed out" not in said and "timeout" not in said:
             raise
         raise RankTimeout(f"rank {rank} waited {cfg.timeout:g} s for the other ranks in {phase.now} and gave up: "
                            f"another rank has died, hung or been paused. The last checkpoint in {cfg.out} is "
@@ -302,9 +313,9 @@ def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
         return onebitlamb.ZeroOneAdam(groups, **{**common, "overlap_with_backward": False}, total_steps=cfg.steps,
                                       var_freeze_step=cfg.var_freeze, var_update_scaler=cfg.var_update_scaler,
                                       local_step_scaler=cfg.local_step_scaler,
-                                      compression_space=cfg.compression_space, warmup_dtype=getattr(torch, cfg.warmup_dtype))
+                                      compression_space=cfg.compression_space, warmup_dtype=cfg.warmup_dtype)
     cls = onebitlamb.OneBitLamb if cfg.optimizer == "onebitlamb" else onebitlamb.OneBitAdam
-    return cls(groups, **common, freeze_step=cfg.freeze_step(), warmup_dtype=getattr(torch, cfg.warmup_dtype))
+    return cls(groups, **common, freeze_step=cfg.freeze_step(), warmup_dtype=cfg.warmup_dtype)
 
 
 def _freeze_banner(optimizer) -> str:

@@ -81,7 +81,8 @@ def first_problem(problem: Optional[str], world: int) -> Optional[str]:
         return problem
     problems: List[Optional[str]] = [None] * world
     dist.all_gather_object(problems, problem)
-    return next((p if r == 0 else f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None), None)
+    return next((p if r == 0 or p.startswith(f"rank {r}: ") else f"rank {r}: {p}"
+                 for r, p in enumerate(problems) if p is not None), None)
 
 
 def ranks_flagged(flag: bool, rank: int, world: int, device) -> List[int]:

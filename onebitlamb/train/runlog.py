@@ -51,8 +51,11 @@ class RunLog:
     def report(self, step: int, history: dict) -> None:
         """Step ``step`` is done (its record, and its evaluation if there was one, in ``history``)."""
         values = row(step, history, self.global_batch)
-        self.csv.writerow(values)
-        self.file.flush()  # `tail -f log.csv` sees every step
+        try:
+            self.csv.writerow(values)
+            self.file.flush()  # `tail -f log.csv` sees every step
+        except OSError as exc:  # a full disk: one sentence naming the file (files.write_failed)
+            raise files.write_failed(os.path.join(self.out, CSV_FILE), exc) from None
         record = dict(zip(COLUMNS, values))
         frozen = step > 0 and _frozen_at(history["steps"][step - 1]) == step
         if self.tensorboard is not None:
