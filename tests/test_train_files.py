@@ -175,6 +175,25 @@ def test_sigterm_to_the_local_launcher_checkpoints_the_current_step(tmp_path, co
     assert step >= 1 and f"after step {step}; continue with --resume" in rest
 
 
+def test_a_second_sigterm_kills_the_workers_with_one_line(tmp_path, common):
+    """SIGTERM twice, the second while the first is being handled: the workers are killed, one
+    line says so and what stays, exit 130 (before: a raw KeyboardInterrupt traceback)."""
+    first = _start(sys.executable, "-m", "onebitlamb", "pretrain", *common, *LONG, "--ckpt-every", "100000",
+                   "--out", str(tmp_path))
+    try:
+        _until(first, "step 0: held-out loss")
+        first.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        first.send_signal(signal.SIGTERM)
+        rest = first.stderr.read()
+        assert first.wait(timeout=60) == 130, rest[-3000:]
+    finally:
+        first.kill()
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest[-3000:]
+    assert rest.strip().splitlines()[-1].startswith("onebitlamb pretrain: error: SIGTERM again: the workers were "
+                                                    "killed"), rest[-3000:]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_workers_stop_when_their_torchrun_agent_is_killed(tmp_path, common):
     from onebitlamb.comm.launch import free_port

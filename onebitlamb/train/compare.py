@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except (config.RunError, WorkerError) as exc:
         return pretrain.report_stop(exc, "onebitlamb compare")
+    except pretrain.StoppedTwice as exc:
+        print(f"onebitlamb compare: error: {exc}", file=sys.stderr, flush=True)
+        return 130
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except (RunError, WorkerError) as exc:
         return report_stop(exc, "onebitlamb pretrain")
+    except StoppedTwice as exc:
+        print(f"onebitlamb pretrain: error: {exc}", file=sys.stderr, flush=True)
+        return 130
     return exit_code(result)
 
 
@@ -159,6 +162,11 @@ def _exit_with_agent() -> None:
                             f"continue with --resume")
 
 
+class StoppedTwice(KeyboardInterrupt):
+    """A second Ctrl-C or SIGTERM while the workers checkpoint: they are killed; the message says
+    what stays (the command prints it alone, exit 130)."""
+
+
 class _forward_stops:
     """While local workers run, Ctrl-C or SIGTERM asks them to checkpoint and stop at the end of the
     step instead of killing them; a second one kills them (the last periodic checkpoint remains)."""
@@ -178,8 +186,13 @@ class _forward_stops:
         self.count += 1
         name = signal.Signals(signum).name
         if self.count > 1:
-            self._restore()
-            raise KeyboardInterrupt
+            for s in self.SIGNALS:  # a third one, while the workers are killed, must not interrupt that
+                signal.signal(s, signal.SIG_IGN)
+            if self.count == 2:  # (a signal raised inside the first one's handling comes here too)
+                raise StoppedTwice(f"{'Ctrl-C' if signum == signal.SIGINT else name} again: the workers were "
+                                   f"killed before their checkpoint of this step; the last complete checkpoint "
+                                   f"stays: continue with --resume")
+            return
         print(f"\n{'interrupt' if signum == signal.SIGINT else name}: checkpointing at the end of this step "
               f"({'Ctrl-C' if signum == signal.SIGINT else name} again to kill)", file=sys.stderr, flush=True)
         for child in multiprocessing.active_children():  # the workers may not share our terminal
