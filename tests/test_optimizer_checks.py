@@ -147,6 +147,32 @@ def test_a_setting_of_one_rank_only_is_an_error_on_every_rank_not_a_wait(what, n
         assert message is not None and "built different optimizers" in message and named in message, message
 
 
+def _one_rank_refused_at_construction(rank, n):
+    """Rank 0's constructor refuses an argument it alone was given; rank 1 steps."""
+    import time
+    p = torch.nn.Parameter(torch.ones(8))
+    started = time.monotonic()
+    try:
+        opt = onebitlamb.ZeroOneAdam([p], var_freeze_step=4, overlap_with_backward=rank == 0)
+        p.grad = torch.ones(8)
+        opt.step()
+    except (ValueError, RuntimeError) as e:
+        return type(e).__name__, str(e), time.monotonic() - started
+    return None
+
+
+def test_a_constructor_error_on_one_rank_is_named_by_the_rank_left_waiting():
+    """Rank 0's constructor raises; rank 1, built fine, waits in its first step's agreement. Its
+    error, when the other rank's process is gone or the wait times out, names the first step's
+    agreement and the likely cause (a constructor that refused an argument on another rank), not
+    only gloo's words."""
+    (kind0, said0, _), (kind1, said1, waited) = spawn_local(_one_rank_refused_at_construction, 2, (),
+                                                            timeout_s=60, collective_timeout_s=4)
+    assert kind0 == "ValueError" and "overlap_with_backward" in said0
+    assert kind1 == "RuntimeError" and "rank 1 waited in the first step's agreement" in said1, said1
+    assert "constructor refused an argument given on that rank only" in said1 and waited < 30
+
+
 def _drifting_run(rank, n, kind, what):
     """Rank 1 alone changes its lr or its model after step 1; the ranks compare every 3 steps."""
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from onebitlamb.comm import CommStats, world_size_of
+from onebitlamb.comm import CommStats, rank_of, world_size_of
 from onebitlamb.comm.stats import allreduce_bytes
 
 # Hyper-parameters that may differ between param groups; the others are the optimizer's own.
@@ -137,7 +137,16 @@ def agree_on_setup(setup: Dict[str, Any], group: Optional[dist.ProcessGroup], de
     names = sorted(setup)
     mine = torch.tensor([_crc(setup[k]) for k in names], dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(n)]
-    dist.all_gather(rows, mine, group=group)
+    try:
+        dist.all_gather(rows, mine, group=group)
+    except RuntimeError as exc:  # (DistBackendError) a rank never came: the timeout, or its process gone
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        when = (f"the agreement after step {after_step} (agree_every)" if after_step is not None
+                else "the first step's agreement on the optimizer's settings")
+        raise RuntimeError(f"{setup.get('optimizer', 'the optimizer')}: rank {rank_of(group)} waited in {when}, and "
+                           f"some rank never came ({said}): that rank stopped before it, most often because its "
+                           f"optimizer's constructor refused an argument given on that rank only (its own error "
+                           f"says which), or it died or hung") from exc
     differing = [k for i, k in enumerate(names) if len({int(r[i]) for r in rows}) > 1]
     if not differing:
         return
