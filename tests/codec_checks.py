@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from onebitlamb.comm.collectives import _add_signs_, _add_signs_bits_, _compress_, _compress_torch_
+from onebitlamb.compression.onebit import add_signs_, add_signs_bits_, compress_, compress_torch_
 from onebitlamb.compression.packing import expand_bits, pack_signs, unpack_signs
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -43,8 +43,8 @@ def check_compress(e: torch.Tensor, b):
     e_torch, e_fused = e.clone(), e.clone()
     p_torch = torch.empty((n + 7) // 8, dtype=torch.uint8, device=e.device)
     p_fused = torch.full_like(p_torch, 0xAA)
-    s_torch = float(_compress_torch_(e_torch, b, p_torch, torch.empty(n, dtype=torch.bool, device=e.device)))
-    s_fused = _compress_(e_fused, b, p_fused, {}, fused=True)
+    s_torch = float(compress_torch_(e_torch, b, p_torch, torch.empty(n, dtype=torch.bool, device=e.device)))
+    s_fused = compress_(e_fused, b, p_fused, {}, fused=True)
     assert s_fused.dtype == torch.float32 and s_fused.shape == (1,) and s_fused.device == e.device
     assert torch.equal(p_fused, p_torch)
     exact = exact_scale(y)
@@ -66,11 +66,11 @@ def check_server_sum_and_expansion(dtype: torch.dtype, chunk: int, device: str) 
     scales = (torch.tensor([0.5, 1e-30, 3.0]) / ranks).to(device)  # 1e-30: 0 in float16, added as ±0
     target = torch.randn(chunk, generator=g).to(dtype).to(device)
     expected, got = target.clone(), target.clone()
-    _add_signs_bits_(expected, rows[:, :-4], scales)
-    partials = _add_signs_(got, rows[:, :-4], scales, fused=True)
+    add_signs_bits_(expected, rows[:, :-4], scales)
+    partials = add_signs_(got, rows[:, :-4], scales, fused=True)
     assert torch.equal(bits(got), bits(expected))
     packed = torch.empty(chunk // 8, dtype=torch.uint8, device=device)
-    scale = _compress_(got, None, packed, {}, partials, fused=True)
+    scale = compress_(got, None, packed, {}, partials, fused=True)
     exact = exact_scale(expected)
     assert abs(float(scale) - exact) <= ULP * exact
     assert torch.equal(packed, pack_signs(expected, fused=False))

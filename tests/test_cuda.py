@@ -32,7 +32,7 @@ def test_packing_on_cuda_matches_cpu(dtype):
 
 
 def test_compressor_and_server_sum_on_cuda_match_cpu():
-    from onebitlamb.comm.collectives import _add_signs_, _compress_cpu_, _compress_torch_
+    from onebitlamb.compression.onebit import add_signs_, compress_cpu_, compress_torch_
 
     n = 1_000_000 + 8 * 4
     gen = torch.Generator().manual_seed(0)
@@ -41,8 +41,8 @@ def test_compressor_and_server_sum_on_cuda_match_cpu():
     e_gpu = e_cpu.clone().cuda()
     p_cpu = torch.empty(n // 8, dtype=torch.uint8)
     p_gpu = torch.empty(n // 8, dtype=torch.uint8, device="cuda")
-    s_cpu = _compress_cpu_(e_cpu, addend, p_cpu)
-    s_gpu = float(_compress_torch_(e_gpu, addend.cuda(), p_gpu, torch.empty(n, dtype=torch.bool, device="cuda")))
+    s_cpu = compress_cpu_(e_cpu, addend, p_cpu)
+    s_gpu = float(compress_torch_(e_gpu, addend.cuda(), p_gpu, torch.empty(n, dtype=torch.bool, device="cuda")))
     assert torch.equal(p_gpu.cpu(), p_cpu)
     assert abs(s_cpu - s_gpu) <= 1e-4 * s_cpu  # float32 reduction against float64 on the CPU
     assert torch.allclose(e_gpu.cpu(), e_cpu, rtol=0, atol=1e-4 * s_cpu)
@@ -51,8 +51,8 @@ def test_compressor_and_server_sum_on_cuda_match_cpu():
     scales = torch.tensor([0.5, 0.25, 2.0, 1.0])
     target_cpu = torch.randn(n // 4, generator=gen)
     target_gpu = target_cpu.clone().cuda()
-    _add_signs_(target_cpu, rows, scales)
-    _add_signs_(target_gpu, rows.cuda(), scales.cuda())
+    add_signs_(target_cpu, rows, scales)
+    add_signs_(target_gpu, rows.cuda(), scales.cuda())
     assert torch.allclose(target_gpu.cpu(), target_cpu, rtol=1e-6, atol=1e-6)
 
 

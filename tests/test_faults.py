@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import onebitlamb
-from onebitlamb.comm import collectives
 from onebitlamb.comm.launch import spawn_local
+from onebitlamb.compression import onebit
 from onebitlamb.compression.packing import unpack_signs
 from reference import Reference
 
@@ -190,7 +190,7 @@ def test_half_precision_compressor_error_feedback_against_float64(dtype, device)
         q = _sign64(y)
         e_new = y - s * q
         # the library
-        scale = collectives._compress_(error, b, packed, workspace)
+        scale = onebit.compress_(error, b, packed, workspace)
         out = unpack_signs(packed, D, scale, dtype=dtype)
         assert error.dtype == dtype and out.dtype == dtype
         bits = 1 - 2 * torch.from_numpy(np.unpackbits(packed.cpu().numpy()).astype(np.float64))

@@ -200,7 +200,7 @@ def test_device_path_packs_like_the_cpu_path():
 def test_device_path_compressor_matches_the_cpu_compressor():
     """The compressor's torch path (CUDA, bf16) and its numpy path agree: same bits, same scale,
     same error, for a buffer larger than one CPU slice."""
-    from onebitlamb.comm.collectives import _compress_cpu_, _compress_torch_
+    from onebitlamb.compression.onebit import compress_cpu_, compress_torch_
 
     n = 200_000 + 8
     gen = torch.Generator().manual_seed(0)
@@ -209,8 +209,8 @@ def test_device_path_compressor_matches_the_cpu_compressor():
     e_torch = e_cpu.clone()
     p_cpu = torch.empty(n // 8, dtype=torch.uint8)
     p_torch = torch.empty(n // 8, dtype=torch.uint8)
-    s_cpu = _compress_cpu_(e_cpu, addend, p_cpu)
-    s_torch = float(_compress_torch_(e_torch, addend, p_torch, torch.empty(n, dtype=torch.bool)))
+    s_cpu = compress_cpu_(e_cpu, addend, p_cpu)
+    s_torch = float(compress_torch_(e_torch, addend, p_torch, torch.empty(n, dtype=torch.bool)))
     assert torch.equal(p_cpu, p_torch)
     assert abs(s_cpu - s_torch) <= 1e-5 * s_cpu  # float32 vs float64 accumulation of the norm
     assert torch.allclose(e_cpu, e_torch, rtol=0, atol=1e-5 * s_cpu)
@@ -220,7 +220,7 @@ def test_device_path_compressor_matches_the_cpu_compressor():
 def test_device_path_expansion_and_server_sum_match_the_cpu_tables(dtype):
     """The bit-testing expansion and server sum that CUDA uses agree with the CPU's table
     lookups (run here on CPU tensors)."""
-    from onebitlamb.comm.collectives import _add_signs_bits_, _add_signs_table_
+    from onebitlamb.compression.onebit import add_signs_bits_, add_signs_table_
     from onebitlamb.compression.packing import expand_bits
 
     gen = torch.Generator().manual_seed(3)
@@ -233,8 +233,8 @@ def test_device_path_expansion_and_server_sum_match_the_cpu_tables(dtype):
     scales = torch.tensor([0.5, 0.25, 2.0, 1.0])
     base = torch.randn(8000, generator=gen).to(dtype)
     by_table, by_bits = base.clone(), base.clone()
-    _add_signs_table_(by_table, packed, scales)
-    _add_signs_bits_(by_bits, packed, scales)
+    add_signs_table_(by_table, packed, scales)
+    add_signs_bits_(by_bits, packed, scales)
     # the table sums the ranks' signed scales first, the bits add them one by one: rounding only
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     assert torch.allclose(by_bits.float(), by_table.float(), rtol=tol, atol=tol)
@@ -246,7 +246,7 @@ def test_device_path_expansion_and_server_sum_match_the_cpu_tables(dtype):
 def test_compiled_loops_match_the_numpy_path(monkeypatch):
     """The fused C loops (used when gcc is there) and the numpy path give the same bits, the same
     expansion and, up to float rounding, the same errors, scales and server sums."""
-    from onebitlamb.comm import collectives
+    from onebitlamb.compression import onebit
     from onebitlamb.compression import native
 
     lib = native.load()
@@ -263,10 +263,10 @@ def test_compiled_loops_match_the_numpy_path(monkeypatch):
         if path == "numpy":
             monkeypatch.setattr(native, "load", lambda: None)
         e, p = error.clone(), torch.empty(n // 8, dtype=torch.uint8)
-        s = collectives._compress_cpu_(e, addend, p)
+        s = onebit.compress_cpu_(e, addend, p)
         out = unpack_signs(p, n, s)
         target = torch.randn(n // 4, generator=torch.Generator().manual_seed(9))
-        sum_sq = collectives._add_signs_(target, p.view(4, -1), torch.tensor([0.5, -0.25, 2.0, 1e-3]))
+        sum_sq = onebit.add_signs_(target, p.view(4, -1), torch.tensor([0.5, -0.25, 2.0, 1e-3]))
         runs[path] = (e, p, s, out, target, sum_sq)
     e1, p1, s1, out1, t1, sq1 = runs["native"]
     e2, p2, s2, out2, t2, sq2 = runs["numpy"]

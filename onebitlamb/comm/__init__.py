@@ -1,9 +1,9 @@
 """The compressed collective and the communication accounting. Never imports an optimizer."""
 from onebitlamb.comm.collectives import padded_size
-from onebitlamb.comm.groups import (allreduce_mean_, compressed_allreduce, duplicate_group, rank_of, spanning_group,
+from onebitlamb.comm.groups import (allreduce_mean_, average_, compressed_allreduce, duplicate_group, rank_of, spanning_group,
                                     world_size_of)
 from onebitlamb.comm.hierarchy import NodeGroups, error_sizes, node_groups
 from onebitlamb.comm.stats import GLOBAL_STATS, CommStats
 
-__all__ = ["CommStats", "GLOBAL_STATS", "NodeGroups", "allreduce_mean_", "compressed_allreduce", "duplicate_group",
+__all__ = ["CommStats", "GLOBAL_STATS", "NodeGroups", "allreduce_mean_", "average_", "compressed_allreduce", "duplicate_group",
            "error_sizes", "node_groups", "padded_size", "rank_of", "spanning_group", "world_size_of"]

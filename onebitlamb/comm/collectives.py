@@ -18,26 +18,19 @@ bias of the 1-bit code does not accumulate.
 """
 from __future__ import annotations
 
-import math
 import threading
 from typing import Any, Dict, Optional, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from onebitlamb.comm.stats import (GLOBAL_STATS, CommStats, all_gather_bytes, all_to_all_bytes,
                                    allreduce_bytes)
-from onebitlamb.compression import native
-from onebitlamb.compression.packing import (FLOAT_DTYPES, fused_codec, negative_bits, pack_signs, sign_table,
-                                             signed_scales, unpack_signs)
+from onebitlamb.compression.onebit import add_signs_, compress_
+from onebitlamb.compression.packing import FLOAT_DTYPES, fused_codec, unpack_signs
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-# Elements per slice of the numpy compressor: small enough that the passes over one slice stay
-# in a core's L2 cache, large enough that Python's per-slice overhead is a few percent.
-_CPU_SLICE = 131072
-_SIGN_BIT = np.uint32(0x80000000)
 _SCALE_BYTES = 4  # a float32 scale rides at the end of each sign message
 
 
@@ -93,15 +86,21 @@ def padded_size(numel: int, world_size: int) -> int:
 
 
 def allreduce_mean_(buffer: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
-                    stats: Optional[CommStats] = None) -> torch.Tensor:
-    """Average ``buffer`` over the group in place with one all-reduce (a no-op on one rank)."""
+                    stats: Optional[CommStats] = None, async_op: bool = False):
+    """Average ``buffer`` over the group in place with one all-reduce (a no-op on one rank).
+    Returns ``buffer``; with ``async_op``, a future of it (DDP's comm hooks return one)."""
     n = world_size_of(group)
     if n == 1 or buffer.numel() == 0:
-        return buffer
-    dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
-    buffer.div_(n)
+        if not async_op:
+            return buffer
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(buffer)
+        return done
     (stats or GLOBAL_STATS).record("all_reduce", allreduce_bytes(buffer.numel() * buffer.element_size(), n))
-    return buffer
+    work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    if async_op:
+        return work.get_future().then(lambda fut: fut.value()[0].div_(n))
+    return buffer.div_(n)
 
 
 class _Workspace:
@@ -132,131 +131,6 @@ class _Workspace:
                 cls._cache.clear()
             cls._cache[key] = ws
         return ws
-
-
-def _compress_cpu_(error: torch.Tensor, addend: Optional[torch.Tensor], packed: torch.Tensor,
-                   sum_sq: Optional[float] = None) -> float:
-    """``error += addend``; pack sign(error) into ``packed``; ``error -= s * sign(error)``; return s.
-
-    float32 on CPU. ``sum_sq``: the sum of squares of ``error`` when the caller already has it
-    (then ``addend`` must be None). With the compiled loops (``compression.native``): two fused
-    passes. Without: numpy, sliced so each slice's passes run from cache, the sum of squares
-    accumulated in float64 across slices. Either way the error update takes its sign from the same
-    comparison that is packed, so the error matches what was sent exactly, -0.0 included.
-    """
-    y_all = error.numpy()
-    b_all = addend.numpy() if addend is not None else None
-    out = packed.numpy()
-    numel = y_all.size
-    lib = native.load() if numel % 8 == 0 else None  # the compiled loops work a byte at a time
-    if sum_sq is None:
-        sum_sq = native.add_sumsq(lib, y_all, b_all) if lib is not None else _add_sumsq_numpy(y_all, b_all)
-    scale = np.float32(math.sqrt(sum_sq / numel))
-    if lib is not None:
-        native.sign_pack_update(lib, y_all, out, float(scale))
-        return float(scale)
-    scale_bits = np.array([scale], dtype=np.float32).view(np.uint32)[0]
-    mask = np.empty(min(_CPU_SLICE, numel), dtype=bool)
-    signed_scale = np.empty(min(_CPU_SLICE, numel), dtype=np.uint32)
-    for i in range(0, numel, _CPU_SLICE):
-        y = y_all[i:i + _CPU_SLICE]
-        m = np.less(y, 0, out=mask[: y.size])
-        out[i // 8:(i + y.size) // 8] = np.packbits(m)
-        q = signed_scale[: y.size]
-        np.multiply(m.view(np.uint8), _SIGN_BIT, out=q)   # sign bit where negative
-        np.bitwise_or(q, scale_bits, out=q)               # ... on top of +scale: q = ±scale
-        np.subtract(y, q.view(np.float32), out=y)
-    return float(scale)
-
-
-def _add_sumsq_numpy(y_all: np.ndarray, b_all: Optional[np.ndarray]) -> float:
-    """``y += b`` (if given) a slice at a time; the sum of squares, accumulated in float64."""
-    sum_sq = 0.0
-    for i in range(0, y_all.size, _CPU_SLICE):
-        y = y_all[i:i + _CPU_SLICE]
-        if b_all is not None:
-            np.add(b_all[i:i + _CPU_SLICE], y, out=y)
-        sum_sq += float(np.dot(y, y))
-    return sum_sq
-
-
-def _compress_torch_(error: torch.Tensor, addend: Optional[torch.Tensor], packed: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:
-    """The same as ``_compress_cpu_`` in plain torch ops (CUDA, or dtypes numpy lacks); returns a
-    0-d float32 tensor on the device, so no host synchronisation is forced."""
-    if addend is not None:
-        error.add_(addend)
-    numel = error.numel()
-    scale = torch.linalg.vector_norm(error, dtype=torch.float32) / math.sqrt(numel)
-    # the error update reads the comparison the packing wrote into ``mask``: the torch packing's,
-    # never the fused kernel's, which writes no mask
-    pack_signs(error, out=packed, workspace=mask, fused=False)
-    negative = mask[:numel]
-    s = scale.to(error.dtype)
-    error.sub_(torch.where(negative, -s, s))
-    return scale
-
-
-def _compress_(error, addend, packed, workspace, sum_sq=None, fused: Optional[bool] = None):
-    """Compress ``error (+ addend)`` into ``packed``; the scale as a 1-element float32 tensor.
-    ``sum_sq``: what ``_add_signs_`` returned with the same ``fused``, when not None."""
-    codec = fused_codec(error, fused)
-    if codec is not None:
-        return codec.compress_(error, addend, packed, sum_sq)
-    if error.device.type == "cpu" and error.dtype == torch.float32:
-        return torch.tensor([_compress_cpu_(error, addend, packed, sum_sq)], dtype=torch.float32)
-    mask = workspace.get("mask")
-    if mask is None or mask.numel() < error.numel():  # only the torch path needs this scratch
-        mask = workspace["mask"] = torch.empty(error.numel(), dtype=torch.bool, device=error.device)
-    return _compress_torch_(error, addend, packed, mask).reshape(1)
-
-
-def _add_signs_(target: torch.Tensor, packed_rows: torch.Tensor, scales: torch.Tensor,
-                fused: Optional[bool] = None):
-    """``target += sum_i scales[i] * signs(packed_rows[i])``: the server's sum over ranks. Returns
-    the sum of squares of the new target where it comes for free (the compiled loop computes it
-    while the values are in registers: a float; the Triton kernel: its partial sums, a tensor),
-    else None; ``_compress_`` takes it as ``sum_sq``."""
-    codec = fused_codec(target, fused)
-    if codec is not None:
-        return codec.add_signs_(target, packed_rows, scales)
-    if target.device.type != "cpu":
-        _add_signs_bits_(target, packed_rows, scales)
-        return None
-    lib = native.load() if target.dtype == torch.float32 else None
-    if lib is not None:
-        return native.add_signs_sumsq(lib, target.numpy(), packed_rows.numpy(), scales.numpy())
-    _add_signs_table_(target, packed_rows, scales)
-    return None
-
-
-def _add_signs_table_(target: torch.Tensor, packed_rows: torch.Tensor, scales: torch.Tensor) -> None:
-    """The CPU path: one ``embedding_bag`` does it 8 elements at a time. For each byte position the
-    bag holds every rank's byte (offset into that rank's 256-row table of ``scale_i * ±1``) and
-    sums their rows, so the n expansions are gathered and added in one fused pass instead of n
-    decodes each written out and read back; a cache-sized slice at a time."""
-    n, nbytes = packed_rows.shape
-    device = target.device
-    table = torch.cat([sign_table(s, target.dtype, device) for s in scales.tolist()])
-    offsets = (torch.arange(n, device=device) * 256).view(1, n)
-    step = _CPU_SLICE // 8
-    index = torch.empty(min(step, nbytes), n, dtype=torch.long, device=device)
-    rows = target.view(-1, 8)
-    for start in range(0, nbytes, step):
-        stop = min(start + step, nbytes)
-        idx = index[: stop - start]
-        idx.copy_(packed_rows[:, start:stop].t())
-        idx.add_(offsets)
-        rows[start:stop].add_(torch.nn.functional.embedding_bag(idx, table, mode="sum"))
-
-
-def _add_signs_bits_(target: torch.Tensor, packed_rows: torch.Tensor, scales: torch.Tensor) -> None:
-    """The device path: per rank, test each bit and add ``±scale_i`` (elementwise kernels, which a
-    GPU runs far faster than the gather of table rows)."""
-    rows = target.view(-1, 8)
-    for i in range(packed_rows.shape[0]):
-        negative, positive = signed_scales(scales[i], target.dtype, target.device)
-        rows.add_(torch.where(negative_bits(packed_rows[i]), negative, positive))
 
 
 def check_tensors(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
@@ -344,7 +218,7 @@ def compressed_allreduce(
 
     # Worker: compress the error-compensated buffer; chunk j of the packed signs goes to rank j.
     fused = codec is not None
-    scale = _compress_(worker_error, buffer, ws["signs"], ws, fused=fused)
+    scale = compress_(worker_error, buffer, ws["signs"], ws, fused=fused)
     send[:, :row_signs].copy_(ws["signs"].view(n, row_signs))
     send[:, row_signs:].copy_(_scale_bytes(scale, buffer.device))
     dist.all_to_all_single(recv, send, group=group)
@@ -357,8 +231,8 @@ def compressed_allreduce(
                                  f"values, or magnitudes above ~1e19 whose squares overflow float32")
 
     # Server: average this rank's chunk of everyone's signs, add the server error, compress again.
-    server_sum_sq = _add_signs_(server_error, recv[:, :row_signs], worker_scales / n, fused)
-    server_scale = _compress_(server_error, None, server[:row_signs], ws, server_sum_sq, fused)
+    server_sum_sq = add_signs_(server_error, recv[:, :row_signs], worker_scales / n, fused)
+    server_scale = compress_(server_error, None, server[:row_signs], ws, server_sum_sq, fused)
     server[row_signs:].copy_(_scale_bytes(server_scale, buffer.device))
     _all_gather_single(result.view(-1), server, group=group)
     stats.record("all_gather", all_gather_bytes(server.numel(), n))

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from onebitlamb.comm import collectives as flat
 from onebitlamb.comm.hierarchy import NodeGroups
 from onebitlamb.comm.stats import CommStats
+from onebitlamb.compression.wire import FLOAT32, WireFormat
 
 Group = Union[dist.ProcessGroup, NodeGroups, None]
 
@@ -57,6 +58,22 @@ def allreduce_mean_(buffer: torch.Tensor, group: Group = None, stats: Optional[C
     if isinstance(group, NodeGroups):
         return group.allreduce_mean_(buffer, stats)
     return flat.allreduce_mean_(buffer, group, stats)
+
+
+def average_(values: torch.Tensor, group: Group = None, stats: Optional[CommStats] = None,
+             wire: WireFormat = FLOAT32, async_op: bool = False):
+    """The warm-up's average, as every path takes it (the optimizer's exchange in ``step()`` and
+    behind the backward, and DDP's comm hook under ``register_ddp``): ``values`` encoded in
+    ``wire``'s format, averaged over the group (``allreduce_mean_``), decoded back into
+    ``values``, which is returned (with ``async_op``, over a process group: a future of it)."""
+    sent = wire.encode(values)
+    if async_op:
+        if isinstance(group, NodeGroups):
+            raise ValueError("average_(async_op=True) runs over a process group, not node groups")
+        return flat.allreduce_mean_(sent, group, stats, async_op=True).then(
+            lambda fut: wire.decode_(fut.value(), values))
+    allreduce_mean_(sent, group, stats)
+    return wire.decode_(sent, values)
 
 
 def compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,

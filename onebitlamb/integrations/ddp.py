@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from onebitlamb.comm import spanning_group, world_size_of
-from onebitlamb.comm.stats import allreduce_bytes
+from onebitlamb.comm import average_, spanning_group, world_size_of
 from onebitlamb.optim.staged import WARMUP, StagedOptimizer
 
 
@@ -48,14 +47,8 @@ def _stage_hook(link: DDPLink, bucket: dist.GradBucket) -> torch.futures.Future[
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(buffer)
         return done
-    n = world_size_of(link.process_group)
-    exchange = link.optimizer.exchange
-    wire = buffer if exchange.warmup_dtype == torch.float32 else buffer.to(exchange.warmup_dtype)  # as the optimizer sends
-    exchange.comm_stats.record("all_reduce", allreduce_bytes(wire.numel() * wire.element_size(), n))
-    work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=link.process_group, async_op=True)
-    if wire is buffer:
-        return work.get_future().then(lambda fut: fut.value()[0].div_(n))
-    return work.get_future().then(lambda fut: buffer.copy_(fut.value()[0].div_(n)))
+    exchange = link.optimizer.exchange  # the warm-up's average, as the optimizer itself takes it
+    return average_(buffer, link.process_group, exchange.comm_stats, exchange.wire, async_op=True)
 
 
 def register_ddp(ddp_model: DistributedDataParallel, optimizer: StagedOptimizer) -> DDPLink:

@@ -24,24 +24,15 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from onebitlamb.comm import (CommStats, NodeGroups, allreduce_mean_, compressed_allreduce, duplicate_group,
-                             spanning_group, world_size_of)
+from onebitlamb.comm import (CommStats, NodeGroups, average_, compressed_allreduce, duplicate_group, spanning_group,
+                             world_size_of)
 from onebitlamb.comm.groups import check_spans_world
+from onebitlamb.compression.wire import WireFormat, wire_format
 from onebitlamb.optim.checks import agreed_finite, any_rank, locally_finite, refuse_averaged_gradients
 from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, bucket_ranges, buffer_sizes, plan_buckets
 from onebitlamb.optim.overlap import BackwardOverlap
 
 ProcessGroupLike = Union[dist.ProcessGroup, NodeGroups, None]
-
-WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def wire_dtype_name(value: Union[str, torch.dtype]) -> str:
-    """``warmup_dtype`` as saved in ``defaults``: its name (a string survives every checkpoint format)."""
-    for name, dtype in WIRE_DTYPES.items():
-        if value in (name, dtype):
-            return name
-    raise ValueError(f"Invalid warmup_dtype: {value!r} (must be torch.float32 or torch.bfloat16)")
 
 
 def check_bucket_cap(bucket_cap_mb: Optional[float]) -> None:
@@ -77,7 +68,7 @@ class Exchange:
     """The communication of one optimizer (its ``exchange`` attribute).
 
     Built by the optimizer from its keyword-only options; read it, do not change it. Public:
-    ``process_group``, ``warmup_dtype``, ``bucket_cap_mb``, ``overlap_with_backward``,
+    ``process_group``, ``wire`` (and its ``warmup_dtype``), ``bucket_cap_mb``, ``overlap_with_backward``,
     ``comm_stats`` (bytes and rounds so far), ``buckets`` (after the first step), ``ddp_link``
     and :meth:`no_sync`.
 
@@ -87,7 +78,7 @@ class Exchange:
     once and the hooks on its parameters fall silent.
     """
 
-    def __init__(self, owner: str, process_group: ProcessGroupLike, *, warmup_dtype: str,
+    def __init__(self, owner: str, process_group: ProcessGroupLike, *, warmup_dtype: Union[str, WireFormat],
                  bucket_cap_mb: Optional[float], overlap_with_backward: bool, agree_every: Optional[int]) -> None:
         if not isinstance(overlap_with_backward, bool):
             raise ValueError(f"Invalid overlap_with_backward: {overlap_with_backward!r} (must be True or False)")
@@ -97,7 +88,7 @@ class Exchange:
         self.agree_every = agree_every
         self.owner = owner
         self.process_group = process_group
-        self.warmup_dtype = WIRE_DTYPES[wire_dtype_name(warmup_dtype)]
+        self.wire = wire_format(warmup_dtype)
         self.bucket_cap_mb = bucket_cap_mb
         self.overlap_with_backward = overlap_with_backward
         self.comm_stats = CommStats()
@@ -112,7 +103,6 @@ class Exchange:
         self._flat: Optional[Dict[str, Any]] = None
         self._scratch: Optional[Scratch] = None
         self._failures: Dict[int, FloatingPointError] = {}  # per bucket, from the exchange thread
-        self._wire: Dict[int, torch.Tensor] = {}  # per bucket, the bfloat16 copy being averaged
         self._marks: Dict[int, list] = {}  # per bucket, which gradients it took (_grad_marks)
         self._overlap: Optional[BackwardOverlap] = None
         self._exchanged_behind_backward = False  # this step's errors changed in the backward (run)
@@ -130,13 +120,20 @@ class Exchange:
         PowerSGD's state it drops the process group (a copy uses the default one), and with it the
         thread, the hooks and the DDP link: a copy exchanges in ``step()``, with the same buckets,
         so it steps as the original would."""
-        keep = ("owner", "warmup_dtype", "bucket_cap_mb", "agree_every", "comm_stats", "buckets")
+        keep = ("owner", "wire", "bucket_cap_mb", "agree_every", "comm_stats", "buckets")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        if "warmup_dtype" in state:  # pickled before the wire format was an object
+            state = {**state, "wire": wire_format(state.pop("warmup_dtype"))}
         self.__dict__.update(state)
         self.process_group, self.overlap_with_backward, self.ddp_link = None, False, None
         self._init_runtime()
+
+    @property
+    def warmup_dtype(self) -> torch.dtype:
+        """The dtype the warm-up's average travels in (``wire``, a ``compression.wire.WireFormat``)."""
+        return self.wire.dtype
 
     # ------------------------------------------------------------------ topology
     @property
@@ -247,7 +244,7 @@ class Exchange:
             if first:
                 refuse_averaged_gradients(self.owner, grads, self._layout.params, spanning)
             if not compressing:
-                self._average(grads, self.process_group)
+                average_(grads, self.process_group, self.comm_stats, self.wire)
         elif not compressing and not self.ddp_link.averages_this_step():
             raise RuntimeError(f"{self.owner} is registered with a DDP model (register_ddp) but DDP averaged no "
                                f"gradient since the last step: the backward did not run through the registered "
@@ -258,13 +255,6 @@ class Exchange:
             for b in self.buckets:
                 self._exchange_bucket(b, self._momentum(b), self.process_group)
         return finite
-
-    def _average(self, values: torch.Tensor, group: ProcessGroupLike) -> None:
-        """The warm-up's mean over the ranks, in place, sent as ``warmup_dtype``."""
-        if self.warmup_dtype == torch.float32:
-            allreduce_mean_(values, group, self.comm_stats)
-        else:
-            values.copy_(allreduce_mean_(values.to(self.warmup_dtype), group, self.comm_stats))
 
     def _exchange_bucket(self, b: Bucket, momentum: torch.Tensor, group: ProcessGroupLike) -> None:
         """The compressed all-reduce of bucket ``b``'s momentum over ``group``, with the bucket's
@@ -293,12 +283,8 @@ class Exchange:
                 except FloatingPointError as e:  # on every rank alike; step() skips or raises it
                     failures[k] = e
             return exchange
-        wire = grads[b.start:b.end]
-        if self.warmup_dtype != torch.float32:
-            wire = self._wire[k] = wire.to(self.warmup_dtype)
-
         def average() -> None:
-            allreduce_mean_(wire, self._group, self.comm_stats)
+            average_(grads[b.start:b.end], self._group, self.comm_stats, self.wire)
         return average
 
     def _restore_errors(self, b: Bucket) -> None:
@@ -349,7 +335,4 @@ class Exchange:
             return True
         for k in stale:  # the warm-up: the average overwrote the gradients; gather them again
             self._prepare_bucket(k)()
-        if self.warmup_dtype != torch.float32:
-            for k, b in enumerate(self.buckets):
-                grads[b.start:b.end].copy_(self._wire.pop(k))
         return agreed_finite(grads, spanning, self.comm_stats, averaged=True)

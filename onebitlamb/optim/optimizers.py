@@ -7,7 +7,8 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
-from onebitlamb.optim.exchange import ProcessGroupLike, check_bucket_cap, wire_dtype_name
+from onebitlamb.compression.wire import wire_format
+from onebitlamb.optim.exchange import ProcessGroupLike, check_bucket_cap
 from onebitlamb.optim.freeze import FreezeStep, schedule_for
 from onebitlamb.optim.staged import COMPRESSION_SPACES, TRUST_RATIOS_AFTER_FREEZE, StagedOptimizer, validate_common
 
@@ -71,7 +72,7 @@ _EXCHANGE_DOC = """How the ranks talk (keyword-only; ``optimizer.exchange`` hold
         process_group (ProcessGroup or NodeGroups, default None: the world): the group to average
             over, or ``onebitlamb.comm.node_groups()`` for several ranks per node
             (``docs/hierarchy.md``).
-        warmup_dtype (torch.dtype, default {warmup_dtype}): the wire dtype of the warm-up's
+        warmup_dtype (torch.dtype or its name, default {warmup_dtype}): the wire dtype of the warm-up's
             gradient average: ``torch.bfloat16`` sends half the bytes and rounds the average
             (``docs/optimizers.md`` has the measurements). Part of the state: a resume with another
             is refused.
@@ -101,7 +102,7 @@ def _checked_bound_direction(bound_direction: bool) -> bool:
 def _exchange_defaults(warmup_dtype: Union[str, torch.dtype], bucket_cap_mb: Optional[float]) -> Dict[str, Any]:
     """The exchange's settings that change the numbers, as hyper-parameters (``defaults``, saved)."""
     check_bucket_cap(bucket_cap_mb)
-    return dict(warmup_dtype=wire_dtype_name(warmup_dtype), bucket_cap_mb=bucket_cap_mb)
+    return dict(warmup_dtype=wire_format(warmup_dtype).name, bucket_cap_mb=bucket_cap_mb)
 
 
 class Lamb(StagedOptimizer):
@@ -110,7 +111,7 @@ class Lamb(StagedOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, maximize: bool = False, *,
-                 process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
+                 process_group: ProcessGroupLike = None, warmup_dtype: Union[torch.dtype, str] = torch.float32,
                  bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
                  agree_every: Optional[int] = 1000) -> None:
         validate_common(lr, betas, eps, weight_decay, maximize)
@@ -149,7 +150,7 @@ class OneBitLamb(_OneBit):
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                  factor_threshold: float = 0.1, compression_space: str = "update",
                  trust_ratio_after_freeze: str = "frozen", bound_direction: bool = True, maximize: bool = False,
-                 process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
+                 process_group: ProcessGroupLike = None, warmup_dtype: Union[torch.dtype, str] = torch.float32,
                  bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
                  agree_every: Optional[int] = 1000) -> None:
         schedule = schedule_for(type(self).__name__, freeze_step, waits_for_trust_peak=True)
@@ -232,7 +233,7 @@ class OneBitAdam(_OneBit):
     def __init__(self, params: Iterable, lr: float = 1e-3, *, freeze_step: FreezeStep,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  bias_correction: bool = True, bound_direction: bool = True, maximize: bool = False,
-                 process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
+                 process_group: ProcessGroupLike = None, warmup_dtype: Union[torch.dtype, str] = torch.float32,
                  bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
                  agree_every: Optional[int] = 1000) -> None:
         schedule = schedule_for(type(self).__name__, freeze_step, waits_for_trust_peak=False)

@@ -72,7 +72,7 @@ class ZeroOneAdam(LocalSteps, StagedOptimizer):
                  local_step_scaler: StepsOrFraction = 32678, local_step_clipper: int = 16,
                  total_steps: Optional[int] = None, compression_space: str = "update", bound_direction: bool = True,
                  maximize: bool = False,
-                 process_group: ProcessGroupLike = None, warmup_dtype: torch.dtype = torch.float32,
+                 process_group: ProcessGroupLike = None, warmup_dtype: Union[torch.dtype, str] = torch.float32,
                  bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
                  agree_every: Optional[int] = 1000) -> None:
         validate_common(lr, betas, eps, weight_decay, maximize)

@@ -313,9 +313,9 @@ def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
         return onebitlamb.ZeroOneAdam(groups, **{**common, "overlap_with_backward": False}, total_steps=cfg.steps,
                                       var_freeze_step=cfg.var_freeze, var_update_scaler=cfg.var_update_scaler,
                                       local_step_scaler=cfg.local_step_scaler,
-                                      compression_space=cfg.compression_space, warmup_dtype=getattr(torch, cfg.warmup_dtype))
+                                      compression_space=cfg.compression_space, warmup_dtype=cfg.warmup_dtype)
     cls = onebitlamb.OneBitLamb if cfg.optimizer == "onebitlamb" else onebitlamb.OneBitAdam
-    return cls(groups, **common, freeze_step=cfg.freeze_step(), warmup_dtype=getattr(torch, cfg.warmup_dtype))
+    return cls(groups, **common, freeze_step=cfg.freeze_step(), warmup_dtype=cfg.warmup_dtype)
 
 
 def _freeze_banner(optimizer) -> str:
