@@ -13,7 +13,7 @@ from onebitlamb.train.model import ModelConfig
 PRETRAIN_FLAGS = {"--preset", "--optimizer", "--out", "--resume", "--overwrite", "--seed", "--steps", "--global-batch",
                   "--micro-batch", "--workers", "--lr", "--warmup-frac", "--weight-decay", "--clip", "--freeze",
                   "--var-freeze", "--var-update-scaler", "--local-step-scaler", "--warmup-dtype", "--compression-space",
-                  "--stage2-bound", "--trust-ratio-after-freeze", "--bucket-cap-mb", "--local-size",
+                  "--stage2-bound", "--trust-ratio-after-freeze", "--bucket-cap-mb", "--local-size", "--agree-every",
                   "--eval-every", "--eval-samples", "--ckpt-every", "--corpus", "--stdlib-tests", "--cache-dir",
                   "--threads", "--no-progress", "--stop-after-steps", "--timeout",
                   "--vocab-size", "--seq-len", "--hidden", "--layers", "--heads", "--intermediate"}
@@ -188,6 +188,46 @@ def test_resume_refuses_every_changed_setting_but_the_output_and_display():
     assert changed(["--stage2-bound", "none"], [], optimizer="lamb") == set()  # LAMB has no stage 2
 
 
+# each optimizer-specific flag with a value other than its default
+OPTIMIZER_FLAGS = {"warmup_dtype": "bfloat16", "compression_space": "momentum", "trust_ratio_after_freeze": "live",
+                   "freeze": 0.35, "var_freeze": 0.5, "var_update_scaler": 8, "local_step_scaler": 0.5,
+                   "stage2_bound": "none"}
+
+
+@pytest.mark.parametrize("optimizer", config.OPTIMIZERS)
+def test_a_resume_refuses_a_flag_exactly_when_the_optimizer_reads_it(optimizer):
+    """Whether an optimizer reads a flag is found by building it (the main job's make_optimizer)
+    with and without the change; a resume with the flag changed is refused exactly then (a LAMB
+    run resumed with another --warmup-dtype was refused, although LAMB never reads it)."""
+    from onebitlamb.train.loop import make_optimizer
+
+    assert set(config.READ_ONLY_BY) <= set(OPTIMIZER_FLAGS)
+
+    def built(c):
+        p = torch.nn.Parameter(torch.zeros(4))
+        opt = make_optimizer(c, [{"params": [p], "weight_decay": 0.0}])
+        return repr(sorted(opt.defaults.items())), repr(getattr(opt, "_schedule", None)), \
+            repr({k: v for k, v in vars(opt).items() if k.startswith("_") and isinstance(v, (int, float, str))})
+
+    base = cfg(optimizer=optimizer)
+    for flag, value in OPTIMIZER_FLAGS.items():
+        other = dataclasses.replace(base, **{flag: value})
+        reads = built(other) != built(base)
+        refused = flag in config.changed_settings(other, dataclasses.asdict(base))
+        assert refused == reads, (flag, "read" if reads else "not read", "refused" if refused else "accepted")
+
+
+def test_agree_every_reaches_the_optimizer_and_a_resume_may_change_it():
+    from onebitlamb.train.loop import make_optimizer
+
+    def exchange_of(*flags):
+        return make_optimizer(cfg(*flags), [{"params": [torch.nn.Parameter(torch.zeros(4))]}]).exchange
+    assert exchange_of().agree_every == 1000
+    assert exchange_of("--agree-every", "5").agree_every == 5
+    assert exchange_of("--agree-every", "0").agree_every is None  # the first step only
+    assert config.changed_settings(cfg("--agree-every", "5"), dataclasses.asdict(cfg())) == {}
+
+
 def test_a_run_saved_before_the_bound_resumes_with_its_rule_only():
     """A config saved before ``--stage2-bound`` existed ran the unbounded rule: it resumes with
     ``--stage2-bound none`` and is refused with the default, which would change its numbers."""
@@ -201,7 +241,7 @@ BAD_VALUES = [
     ("--steps", "0", ">= 1"), ("--steps", "-3", ">= 1"), ("--global-batch", "0", ">= 1"),
     ("--micro-batch", "0", ">= 1"), ("--micro-batch", "-4", ">= 1"), ("--workers", "0", ">= 1"),
     ("--eval-every", "0", ">= 1"), ("--eval-samples", "0", ">= 1"), ("--ckpt-every", "-1", ">= 1"),
-    ("--threads", "0", ">= 1"), ("--stop-after-steps", "-1", ">= 0"),
+    ("--threads", "0", ">= 1"), ("--stop-after-steps", "-1", ">= 0"), ("--agree-every", "-1", ">= 0"),
     ("--warmup-frac", "1", r"in \[0, 1\)"), ("--warmup-frac", "1.5", r"in \[0, 1\)"),
     ("--warmup-frac", "-0.1", r"in \[0, 1\)"), ("--clip", "-1", ">= 0"), ("--weight-decay", "-0.01", ">= 0"),
     ("--lr", "-0.02", ">= 0"),

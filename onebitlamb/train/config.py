@@ -27,7 +27,9 @@ DEFAULT_LR = {"lamb": 2e-2, "onebitlamb": 2e-2, "onebitadam": 2e-3, "zerooneadam
 # the flags only one optimizer reads: a resume of another ignores them, as LAMB ignores --freeze
 READ_ONLY_BY = {"freeze": ("onebitlamb", "onebitadam"), "var_freeze": ("zerooneadam",),
                 "var_update_scaler": ("zerooneadam",), "local_step_scaler": ("zerooneadam",),
-                "stage2_bound": ("onebitlamb", "onebitadam", "zerooneadam")}
+                "stage2_bound": ("onebitlamb", "onebitadam", "zerooneadam"),
+                "warmup_dtype": ("onebitlamb", "onebitadam", "zerooneadam"),  # LAMB's average stays float32
+                "compression_space": ("onebitlamb", "zerooneadam"), "trust_ratio_after_freeze": ("onebitlamb",)}
 # settings added after runs were saved without them, at the value those runs had
 SAVED_BEFORE = {"stage2_bound": "none"}
 
@@ -51,7 +53,7 @@ PRESETS = {
 # only in the last bits: threads (the order of float sums), workers (each step's global batch is
 # the same, split over other ranks, and the compression errors are re-sharded).
 RESUMABLE_CHANGES = {"out", "cache_dir", "resume", "overwrite", "stop_after_steps", "progress", "threads", "workers",
-                     "timeout"}
+                     "timeout", "agree_every"}
 
 
 class SetupError(ValueError):
@@ -146,6 +148,9 @@ class TrainConfig:
     local_size: Optional[int] = field(default=None, metadata={
         "help": "ranks per node: the exchange runs over onebitlamb.comm.node_groups(N), exact inside a node and "
                 "1-bit across nodes (default: one flat group)"})
+    agree_every: int = field(default=1000, metadata={
+        "help": "steps between the ranks' checks that they still train alike (hyper-parameters, a checksum of "
+                "every parameter); 0 = at the first step only"})
     eval_every: int = field(default=32, metadata={"help": "steps between held-out evaluations and diagnostics"})
     eval_samples: int = field(default=512, metadata={"help": "held-out samples per evaluation"})
     ckpt_every: int = field(default=64, metadata={"help": "steps between checkpoints"})
@@ -225,7 +230,7 @@ class TrainConfig:
             refuse("heads", f"a divisor of --hidden ({self.hidden})")
         if not self.timeout > 0:
             refuse("timeout", "> 0")
-        for name in ("stop_after_steps", "lr", "weight_decay", "clip"):
+        for name in ("stop_after_steps", "lr", "weight_decay", "clip", "agree_every"):
             if getattr(self, name) < 0:
                 refuse(name, ">= 0")
         for name in ("warmup_frac", "dropout", "beta1", "beta2"):

@@ -303,7 +303,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float):
 def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
     common = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
                   process_group=None if cfg.local_size is None else onebitlamb.comm.node_groups(cfg.local_size),
-                  bucket_cap_mb=cfg.bucket_cap_mb, overlap_with_backward=cfg.bucket_cap_mb is not None)
+                  bucket_cap_mb=cfg.bucket_cap_mb, overlap_with_backward=cfg.bucket_cap_mb is not None,
+                  agree_every=cfg.agree_every or None)
     if cfg.optimizer == "lamb":  # the exact baseline: its average stays float32
         return onebitlamb.Lamb(groups, **common)
     common["bound_direction"] = cfg.stage2_bound == "adam"
