@@ -97,15 +97,18 @@ def test_a_copy_on_several_ranks_uses_the_default_group_and_steps_like_the_origi
 
 
 # ---------------------------------------------------------------- state-dict hooks
-@pytest.mark.parametrize("kind", ["lamb", "onebitlamb"])
+@pytest.mark.parametrize("kind", ["lamb", "onebitlamb", "zerooneadam"])
 def test_state_dict_hooks_see_what_the_caller_sees(kind):
     model = _model()
     opt = _make(kind, model.parameters())
     _train(model, opt, range(4))
     seen = {}
 
+    first = next(model.parameters())  # the parameter under whose index the optimizer's state is saved
+
     def pre(optimizer):
         optimizer.state["test"] = 1  # torch's own hook test does this
+        optimizer.state[first]["hook_entry"] = torch.full((2,), 7.0)  # beside a parameter's state
 
     def post(optimizer, state_dict):
         seen["post"] = copy.deepcopy(state_dict)
@@ -117,6 +120,19 @@ def test_state_dict_hooks_see_what_the_caller_sees(kind):
     assert sd["state"]["test"] == 1 and sd["post_hook_ran"]
     assert sorted(k for k in seen["post"]["state"] if k != "test") == [0, 1, 2, 3]
     assert "flat" not in seen["post"]["state"] and seen["post"]["state"][0]["step"] == 4
+
+    # an entry put beside a parameter's state comes back under that parameter, as with AdamW, not
+    # inside the optimizer's own state, and is saved again from there
+    plain = _make(kind, model.parameters())
+    plain.load_state_dict(sd)
+    assert torch.equal(plain.state[first]["hook_entry"], torch.full((2,), 7.0))
+    assert "hook_entry" not in plain.state["flat"] and "hook_entry" in plain.state_dict()["state"][0]
+    adamw = torch.optim.AdamW(model.parameters())
+    _train(model, adamw, range(1))
+    adamw.register_state_dict_pre_hook(pre)
+    adamw_fresh = torch.optim.AdamW(model.parameters())
+    adamw_fresh.load_state_dict(adamw.state_dict())
+    assert torch.equal(adamw_fresh.state[first]["hook_entry"], plain.state[first]["hook_entry"])
 
     # a load pre-hook may change the state dict, or return another: what it returns is loaded
     later = _make(kind, model.parameters())

@@ -26,7 +26,7 @@ from onebitlamb.optim.exchange import Exchange, ProcessGroupLike
 from onebitlamb.optim.freeze import AutomaticSchedule, FixedSchedule
 from onebitlamb.optim.layout import (Bucket, FlatLayout, Scratch, buffer_sizes, check_loaded_state, check_saved_by,
                                       new_flat_state)
-from onebitlamb.optim.state_format import split_state, to_saved
+from onebitlamb.optim.state_format import beside, split_state, to_saved
 
 WARMUP, COMPRESSION = "warmup", "compression"
 # 0/1 Adam's local steps: no exchange but the agreed non-finite check (zero_one.py)
@@ -199,8 +199,9 @@ class StagedOptimizer(Optimizer):
         """``torch.optim``'s form: ``{"state": {i: ...}, "param_groups": [...]}``, the whole state
         under the index of the first trainable parameter and an empty entry for each other one
         (``state_format.py``): what ``torch.distributed.checkpoint`` and the frameworks expect.
-        What a state-dict pre-hook adds to ``optimizer.state`` is kept, and the post-hooks see
-        this form, as with any torch optimizer."""
+        What a state-dict pre-hook adds to ``optimizer.state`` is kept (and loaded back where it
+        was put, beside a parameter or not), and the post-hooks see this form, as with any torch
+        optimizer."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         with _torch_hooks_paused(self, "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks"):
@@ -212,12 +213,13 @@ class StagedOptimizer(Optimizer):
         every = [p for g in self.param_groups for p in g["params"]]
         indices = [i for i, p in enumerate(every) if id(p) in held]
         if indices:
-            ours = {i: {} for i in indices}
-            ours[indices[0]] = to_saved(flat, self._schedule is not None,
-                                        self._fresh_variance and self._schedule is not None)
-            # entries someone else put in optimizer.state (a hook, a framework) stay beside ours
-            state_dict["state"] = {**{i: {**packed.get(i, {}), **entry} for i, entry in ours.items()},
-                                   **{k: v for k, v in packed.items() if k not in ours}}
+            # entries someone else put in optimizer.state (a hook, a framework) stay beside ours,
+            # named where they share the flat state's entry (a load gives them back to the parameter)
+            ours = {i: dict(packed.get(i, {})) for i in indices}
+            ours[indices[0]] = beside(to_saved(flat, self._schedule is not None,
+                                               self._fresh_variance and self._schedule is not None),
+                                      ours[indices[0]])
+            state_dict["state"] = {**ours, **{k: v for k, v in packed.items() if k not in ours}}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:

@@ -11,7 +11,10 @@ state dict it is the state of the first trainable parameter, in the form that
   (DCP loads only the entries, and the shapes, its template has);
 - this rank's compression errors sit under ``"rank<r>"``: they differ between ranks, and DCP
   keeps one copy of an entry that has the same name on every rank (0/1 Adam's local momentum
-  and update sum too, which differ between its syncs: ``"rank_local"``).
+  and update sum too, which differ between its syncs: ``"rank_local"``);
+- what others (a state-dict hook, a framework) put in ``optimizer.state`` beside that parameter
+  shares its entry, named in ``"others_entries"``, so that a load gives it back to the parameter
+  (as torch.optim does) rather than to the flat state.
 
 State dicts of the earlier form (a ``"flat"`` entry) still load.
 """
@@ -28,6 +31,8 @@ PER_RANK = ("worker_error", "server_error")
 # what the freeze creates (exp_avg_sq_fresh: 1-bit LAMB's only)
 FROZEN = ("momentum_mask", "frozen_coeff", "prev_factor", "momentum_scale", "exp_avg_sq_fresh")
 _RANK_KEY = re.compile(r"rank(\d+)")
+# the names, in the saved entry, of what others put beside the parameter it is saved under
+OTHERS = "others_entries"
 
 
 def _frozen_templates(flat: Dict[str, Any], fresh_variance: bool) -> Dict[str, torch.Tensor]:
@@ -70,8 +75,25 @@ def to_saved(flat: Dict[str, Any], compresses: bool, fresh_variance: bool) -> Di
     return saved
 
 
+def beside(saved: Dict[str, Any], others: Dict[Any, Any]) -> Dict[str, Any]:
+    """The saved entry with ``others`` (what others put in ``optimizer.state`` for the parameter it
+    is saved under) beside it, their names kept so that ``from_saved`` can tell them apart; on a
+    name both use, the optimizer's own entry wins."""
+    names = [k for k in others if k not in saved and k != OTHERS]
+    if not names:
+        return saved
+    return {**{k: others[k] for k in names}, **saved, OTHERS: names}
+
+
+def others_of(saved: Dict[str, Any]) -> Dict[Any, Any]:
+    """What others put beside the parameter the entry ``saved`` is saved under (``beside``)."""
+    return {k: saved[k] for k in saved.get(OTHERS, ()) if k in saved}
+
+
 def from_saved(saved: Dict[str, Any]) -> Dict[str, Any]:
-    """The flat state from its saved form."""
+    """The flat state from its saved form (without what others put beside it: ``others_of``)."""
+    names = set(saved.get(OTHERS, ()))
+    saved = {k: v for k, v in saved.items() if k != OTHERS and k not in names}
     ranks = [k for k in saved if isinstance(k, str) and _RANK_KEY.fullmatch(k)]
     if len(ranks) != 1:
         raise ValueError(f"an optimizer state holds the compression errors of exactly one rank, this one holds "
@@ -104,12 +126,15 @@ def _saved_key(state: Dict[Any, Any]) -> Any:
 def split_state(state_dict: Dict[str, Any]) -> Tuple[Optional[Dict[str, Any]], Dict[Any, Any]]:
     """The flat state a state dict holds, in either form, as own copies (the caller's dict must not
     alias the live state; None before any state), and the other non-empty entries, which
-    ``load_state_dict`` hands to torch.optim as they are."""
+    ``load_state_dict`` hands to torch.optim as they are (what others put beside the flat state's
+    parameter among them, under that parameter's index)."""
     state = state_dict["state"]
     key = "flat" if "flat" in state else _saved_key(state)
     others = {k: v for k, v in state.items() if k != key and not (isinstance(v, dict) and not v)}
     if key is None:
         return None, others
+    if key != "flat" and others_of(state[key]):
+        others[key] = others_of(state[key])
     flat = state["flat"] if key == "flat" else from_saved(state[key])
     return {k: (v.clone() if isinstance(v, torch.Tensor) else list(v) if isinstance(v, list) else v)
             for k, v in flat.items()}, others
