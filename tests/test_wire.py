@@ -30,3 +30,21 @@ def test_the_command_lines_name_reaches_the_optimizer_as_the_dtype_would():
     by_dtype = onebitlamb.OneBitLamb([p], freeze_step=5, warmup_dtype=torch.bfloat16)
     assert by_name.defaults == by_dtype.defaults and by_name.defaults["warmup_dtype"] == "bfloat16"
     assert by_name.exchange.wire is BFLOAT16 and by_name.exchange.warmup_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("cls", [onebitlamb.OneBitLamb, onebitlamb.OneBitAdam, onebitlamb.ZeroOneAdam])
+def test_fused_reaches_the_exchange_and_is_refused_at_construction_where_it_cannot_run(cls, monkeypatch):
+    """``fused`` picks the 1-bit codec's kernels; on CPU parameters the Triton kernels cannot run
+    (outside Triton's interpreter, which the suite turns on), which is said at construction, not
+    at the freeze hundreds of steps later."""
+    import copy
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kw = {"var_freeze_step": 5} if cls is onebitlamb.ZeroOneAdam else {"freeze_step": 5}
+    with pytest.raises(ValueError, match="fused=True"):
+        cls([torch.nn.Parameter(torch.zeros(8))], **kw, fused=True)
+    with pytest.raises(ValueError, match="Invalid fused: 'yes'"):
+        cls([torch.nn.Parameter(torch.zeros(8))], **kw, fused="yes")
+    opt = cls([torch.nn.Parameter(torch.zeros(8))], **kw, fused=False)
+    assert opt.exchange.fused is False and copy.deepcopy(opt).exchange.fused is False
+    assert cls([torch.nn.Parameter(torch.zeros(8))], **kw).exchange.fused is None

@@ -85,5 +85,5 @@ def compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor, serve
     the flat 1-bit all-reduce across nodes, node all-gather), whose errors have
     ``error_sizes(D, group)`` elements."""
     if isinstance(group, NodeGroups):
-        return group.compressed_allreduce(buffer, worker_error, server_error, stats)
+        return group.compressed_allreduce(buffer, worker_error, server_error, stats, fused=fused)
     return flat.compressed_allreduce(buffer, worker_error, server_error, group, stats, fused=fused)

@@ -83,8 +83,8 @@ class NodeGroups:
         return allreduce_mean_(buffer, self, stats)
 
     def compressed_allreduce(self, buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                             stats: Optional[CommStats] = None) -> torch.Tensor:
-        return compressed_allreduce(buffer, worker_error, server_error, self, stats)
+                             stats: Optional[CommStats] = None, *, fused: Optional[bool] = None) -> torch.Tensor:
+        return compressed_allreduce(buffer, worker_error, server_error, self, stats, fused=fused)
 
     def __repr__(self) -> str:
         return (f"NodeGroups(nodes={self.nodes}, local_size={self.local_size}, rank={self.rank}: "
@@ -235,7 +235,8 @@ def _check(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch
 
 
 def compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                         groups: NodeGroups, stats: Optional[CommStats] = None) -> torch.Tensor:
+                         groups: NodeGroups, stats: Optional[CommStats] = None, *,
+                         fused: Optional[bool] = None) -> torch.Tensor:
     """The hierarchical error-compensated 1-bit average of ``buffer``, written into ``buffer``
     (the module's docstring). ``buffer``: ``D = padded_size(d, n)`` elements; ``worker_error``:
     ``D/L``, ``server_error``: ``D/n`` (``error_sizes``), both this rank's, updated in place.
@@ -252,13 +253,13 @@ def compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor, serve
         return buffer
     stats = stats or GLOBAL_STATS
     if L == 1:
-        return flat.compressed_allreduce(buffer, worker_error, server_error, groups.inter, stats)
+        return flat.compressed_allreduce(buffer, worker_error, server_error, groups.inter, stats, fused=fused)
     ws = _Workspace.get(D, L, buffer.dtype, buffer.device)
     mine = _node_mean_(buffer, groups, ws, stats)
     failure: Optional[FloatingPointError] = None
     if N > 1:
         try:
-            flat.compressed_allreduce(mine, worker_error, server_error, groups.inter, stats)
+            flat.compressed_allreduce(mine, worker_error, server_error, groups.inter, stats, fused=fused)
         except FloatingPointError as exc:  # every rank of this local index raised; tell the node
             failure = exc
             mine.fill_(float("nan"))

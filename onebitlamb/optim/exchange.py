@@ -27,6 +27,7 @@ import torch.distributed as dist
 from onebitlamb.comm import (CommStats, NodeGroups, average_, compressed_allreduce, duplicate_group, spanning_group,
                              world_size_of)
 from onebitlamb.comm.groups import check_spans_world
+from onebitlamb.compression.packing import fused_codec
 from onebitlamb.compression.wire import WireFormat, wire_format
 from onebitlamb.optim.checks import agreed_finite, any_rank, locally_finite, refuse_averaged_gradients
 from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, bucket_ranges, buffer_sizes, plan_buckets
@@ -68,7 +69,7 @@ class Exchange:
     """The communication of one optimizer (its ``exchange`` attribute).
 
     Built by the optimizer from its keyword-only options; read it, do not change it. Public:
-    ``process_group``, ``wire`` (and its ``warmup_dtype``), ``bucket_cap_mb``, ``overlap_with_backward``,
+    ``process_group``, ``wire`` (and its ``warmup_dtype``), ``bucket_cap_mb``, ``overlap_with_backward``, ``fused``,
     ``comm_stats`` (bytes and rounds so far), ``buckets`` (after the first step), ``ddp_link``
     and :meth:`no_sync`.
 
@@ -79,12 +80,18 @@ class Exchange:
     """
 
     def __init__(self, owner: str, process_group: ProcessGroupLike, *, warmup_dtype: Union[str, WireFormat],
-                 bucket_cap_mb: Optional[float], overlap_with_backward: bool, agree_every: Optional[int]) -> None:
+                 bucket_cap_mb: Optional[float], overlap_with_backward: bool, agree_every: Optional[int],
+                 fused: Optional[bool] = None, device: Optional[torch.device] = None) -> None:
         if not isinstance(overlap_with_backward, bool):
             raise ValueError(f"Invalid overlap_with_backward: {overlap_with_backward!r} (must be True or False)")
         if agree_every is not None and (isinstance(agree_every, bool) or not isinstance(agree_every, int)
                                         or agree_every < 1):
             raise ValueError(f"Invalid agree_every: {agree_every!r} (must be None or a number of steps >= 1)")
+        if fused not in (None, True, False):
+            raise ValueError(f"Invalid fused: {fused!r} (must be None, True or False)")
+        if fused and device is not None:  # where the kernels cannot run, say so now, not at the freeze
+            fused_codec(torch.empty(0, device=device), fused)
+        self.fused = fused
         self.agree_every = agree_every
         self.owner = owner
         self.process_group = process_group
@@ -120,12 +127,13 @@ class Exchange:
         PowerSGD's state it drops the process group (a copy uses the default one), and with it the
         thread, the hooks and the DDP link: a copy exchanges in ``step()``, with the same buckets,
         so it steps as the original would."""
-        keep = ("owner", "wire", "bucket_cap_mb", "agree_every", "comm_stats", "buckets")
+        keep = ("owner", "wire", "fused", "bucket_cap_mb", "agree_every", "comm_stats", "buckets")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         if "warmup_dtype" in state:  # pickled before the wire format was an object
             state = {**state, "wire": wire_format(state.pop("warmup_dtype"))}
+        state.setdefault("fused", None)
         self.__dict__.update(state)
         self.process_group, self.overlap_with_backward, self.ddp_link = None, False, None
         self._init_runtime()
@@ -260,7 +268,7 @@ class Exchange:
         """The compressed all-reduce of bucket ``b``'s momentum over ``group``, with the bucket's
         regions of the error buffers."""
         compressed_allreduce(momentum, self._flat["worker_error"][b.worker], self._flat["server_error"][b.server],
-                             group, self.comm_stats)
+                             group, self.comm_stats, fused=self.fused)
 
     # ------------------------------------------------------------------ behind the backward
     def _prepare_bucket(self, k: int) -> Callable[[], None]:

@@ -93,6 +93,13 @@ _EXCHANGE_DOC = """How the ranks talk (keyword-only; ``optimizer.exchange`` hold
             changed alone; None: at the first step only."""
 
 
+FUSED_DOC = """fused (bool or None, default None): the 1-bit codec's kernels. None: the fused Triton
+            kernels on CUDA parameters when Triton imports (the ``gpu`` extra), else torch ops
+            (CPU: compiled loops or numpy); True: the Triton kernels (ValueError here where they
+            cannot run); False: never. Same signs either way, scales equal up to rounding
+            (``onebitlamb.compression.triton_codec``), so a run may resume with another."""
+
+
 def _checked_bound_direction(bound_direction: bool) -> bool:
     if not isinstance(bound_direction, bool):
         raise ValueError(f"Invalid bound_direction: {bound_direction!r} (must be True or False)")
@@ -152,7 +159,7 @@ class OneBitLamb(_OneBit):
                  trust_ratio_after_freeze: str = "frozen", bound_direction: bool = True, maximize: bool = False,
                  process_group: ProcessGroupLike = None, warmup_dtype: Union[torch.dtype, str] = torch.float32,
                  bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
-                 agree_every: Optional[int] = 1000) -> None:
+                 agree_every: Optional[int] = 1000, fused: Optional[bool] = None) -> None:
         schedule = schedule_for(type(self).__name__, freeze_step, waits_for_trust_peak=True)
         validate_common(lr, betas, eps, weight_decay, maximize)
         _validate_trust_bounds(min_coeff, max_coeff)
@@ -178,7 +185,7 @@ class OneBitLamb(_OneBit):
         # the live ratio needs no fresh variance and no factor
         self._fresh_variance = trust_ratio_after_freeze == "frozen"
         super().__init__(params, defaults, schedule=schedule, process_group=process_group,
-                         overlap_with_backward=overlap_with_backward, agree_every=agree_every)
+                         overlap_with_backward=overlap_with_backward, agree_every=agree_every, fused=fused)
 
 
 OneBitLamb.__doc__ = fr"""1-bit LAMB (Li et al., "1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training
@@ -218,6 +225,7 @@ OneBitLamb.__doc__ = fr"""1-bit LAMB (Li et al., "1-bit LAMB: Communication Effi
         {_MAXIMIZE_DOC}
 
     {_EXCHANGE_DOC.format(warmup_dtype="torch.float32")}
+        {FUSED_DOC}
 
     Deviations from the paper and from DeepSpeed's ``OnebitLamb``: no discarded first step;
     ``bias_correction`` honoured; the trust ratio's running average is bias-corrected; each
@@ -235,14 +243,14 @@ class OneBitAdam(_OneBit):
                  bias_correction: bool = True, bound_direction: bool = True, maximize: bool = False,
                  process_group: ProcessGroupLike = None, warmup_dtype: Union[torch.dtype, str] = torch.float32,
                  bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
-                 agree_every: Optional[int] = 1000) -> None:
+                 agree_every: Optional[int] = 1000, fused: Optional[bool] = None) -> None:
         schedule = schedule_for(type(self).__name__, freeze_step, waits_for_trust_peak=False)
         validate_common(lr, betas, eps, weight_decay, maximize)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, bound_direction=_checked_bound_direction(bound_direction),
                         maximize=maximize, **_exchange_defaults(warmup_dtype, bucket_cap_mb))
         super().__init__(params, defaults, schedule=schedule, process_group=process_group,
-                         overlap_with_backward=overlap_with_backward, agree_every=agree_every)
+                         overlap_with_backward=overlap_with_backward, agree_every=agree_every, fused=fused)
 
 
 OneBitAdam.__doc__ = fr"""1-bit Adam (Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with
@@ -259,6 +267,7 @@ OneBitAdam.__doc__ = fr"""1-bit Adam (Tang et al., "1-bit Adam: Communication Ef
         {_MAXIMIZE_DOC}
 
     {_EXCHANGE_DOC.format(warmup_dtype="torch.float32")}
+        {FUSED_DOC}
 
     Deviations from the paper: those of ``OneBitLamb`` that apply (no discarded step, per-layer
     momentum scaling, masking, saved error buffers, fp32 state, automatic freeze).

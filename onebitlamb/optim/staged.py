@@ -102,13 +102,14 @@ class StagedOptimizer(Optimizer):
 
     def __init__(self, params: Iterable, defaults: Dict[str, Any],
                  schedule: "FixedSchedule | AutomaticSchedule | None", process_group: ProcessGroupLike,
-                 overlap_with_backward: bool, agree_every: Optional[int] = None) -> None:
+                 overlap_with_backward: bool, agree_every: Optional[int] = None, fused: Optional[bool] = None) -> None:
         super().__init__(params, defaults)
         check_param_groups(type(self).__name__, self.param_groups, defaults)
         self._schedule = schedule
         self.exchange = Exchange(type(self).__name__, process_group, warmup_dtype=defaults["warmup_dtype"],
                                  bucket_cap_mb=defaults["bucket_cap_mb"], overlap_with_backward=overlap_with_backward,
-                                 agree_every=agree_every)
+                                 agree_every=agree_every, fused=fused,
+                                 device=next((p.device for g in self.param_groups for p in g["params"]), None))
         self.last_step_bytes = 0
         self._bytes_after_last_step = 0
         self._layout: Optional[FlatLayout] = None

@@ -31,7 +31,7 @@ from onebitlamb.optim import functional as F
 from onebitlamb.optim.exchange import ProcessGroupLike
 from onebitlamb.optim.layout import Bucket, FlatLayout
 from onebitlamb.optim.local_steps import LocalSteps
-from onebitlamb.optim.optimizers import (_ADAM_DOC, _BOUND_DOC, _EXCHANGE_DOC, _MAXIMIZE_DOC, _PARAMS_DOC,
+from onebitlamb.optim.optimizers import (_ADAM_DOC, _BOUND_DOC, _EXCHANGE_DOC, _MAXIMIZE_DOC, _PARAMS_DOC, FUSED_DOC,
                                          _checked_bound_direction, _exchange_defaults)
 from onebitlamb.optim.staged import (COMPRESSION, COMPRESSION_SPACES, WARMUP, StagedOptimizer,
                                      validate_common)
@@ -74,7 +74,7 @@ class ZeroOneAdam(LocalSteps, StagedOptimizer):
                  maximize: bool = False,
                  process_group: ProcessGroupLike = None, warmup_dtype: Union[torch.dtype, str] = torch.float32,
                  bucket_cap_mb: Optional[float] = None, overlap_with_backward: bool = False,
-                 agree_every: Optional[int] = 1000) -> None:
+                 agree_every: Optional[int] = 1000, fused: Optional[bool] = None) -> None:
         validate_common(lr, betas, eps, weight_decay, maximize)
         if not isinstance(bias_correction, bool):
             raise ValueError(f"Invalid bias_correction: {bias_correction!r} (must be True or False)")
@@ -100,7 +100,7 @@ class ZeroOneAdam(LocalSteps, StagedOptimizer):
                         bound_direction=_checked_bound_direction(bound_direction), maximize=maximize,
                         **_exchange_defaults(warmup_dtype, bucket_cap_mb))
         super().__init__(params, defaults, schedule=None, process_group=process_group,
-                         overlap_with_backward=overlap_with_backward, agree_every=agree_every)
+                         overlap_with_backward=overlap_with_backward, agree_every=agree_every, fused=fused)
 
     # ------------------------------------------------------------------ state
     def _new_state(self, layout: FlatLayout) -> None:
@@ -347,5 +347,6 @@ ZeroOneAdam.__doc__ = fr"""0/1 Adam (Lu et al., "Maximizing Communication Effici
         {_MAXIMIZE_DOC}
 
     {_EXCHANGE_DOC.format(warmup_dtype="torch.float32")}
+        {FUSED_DOC}
         ``overlap_with_backward=True`` is refused: a sync needs the step's update first.
     """
