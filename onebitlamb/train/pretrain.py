@@ -96,18 +96,10 @@ def train(cfg: TrainConfig) -> dict:
     missing on --resume, a file, read-only, used by another run; an earlier run in it)."""
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        cfg.check(world)
         _exit_with_agent()
-        files.usable_out(cfg.out, cfg.resume)
         # rank 0 holds OUT for the run's life; the other ranks of a second run wait in the group's
         # start until torchrun ends them when rank 0 is refused
-        with files.RunLock(cfg.out) if rank == 0 else contextlib.nullcontext():
-            if cfg.resume:
-                check_resumable(cfg, remove=rank == 0)
-            else:
-                prepare_out_dir(cfg, remove=rank == 0)  # every rank refuses alike; rank 0 alone removes
-            if rank == 0:
-                prepare_corpus(cfg)
+        with _started(cfg, world, leader=rank == 0):
             if not dist.is_initialized():  # once per process: `compare` trains three times in it
                 if torch.cuda.is_available():
                     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
@@ -120,20 +112,30 @@ def train(cfg: TrainConfig) -> dict:
 
     from onebitlamb.comm.launch import spawn_local
 
-    cfg.check(cfg.workers)
-    # fail here, before starting anything
-    files.usable_out(cfg.out, cfg.resume)
-    with files.RunLock(cfg.out):  # this process holds OUT until its workers are done
-        if cfg.resume:
-            check_resumable(cfg)
-        else:
-            prepare_out_dir(cfg)
-        # the slow part of a first run, done once here instead of once per worker
-        prepare_corpus(cfg)
-        with _forward_stops():
-            results = spawn_local(_local_worker, cfg.workers, args=(cfg,), timeout_s=7 * 24 * 3600,
-                                  collective_timeout_s=cfg.timeout, threads_per_worker=cfg.threads)
+    with _started(cfg, cfg.workers, leader=True), _forward_stops():  # this process holds OUT until its workers are done
+        results = spawn_local(_local_worker, cfg.workers, args=(cfg,), timeout_s=7 * 24 * 3600,
+                              collective_timeout_s=cfg.timeout, threads_per_worker=cfg.threads)
     return results[0]
+
+
+@contextlib.contextmanager
+def _started(cfg: TrainConfig, world: int, leader: bool):
+    """What every launch does before its ranks train, in this order, whichever the launcher:
+    the settings checked against the world, OUT usable, OUT held (by the leader: the local
+    launcher, or rank 0 under torchrun) for the run's life, the earlier run refused or the
+    checkpoint checked (only the leader removes anything; every rank refuses alike), and the
+    corpus prepared once, by the leader: the slow part of a first run, which must not run once
+    per rank. Refusals raise SetupError or files.OutError before anything starts."""
+    cfg.check(world)
+    files.usable_out(cfg.out, cfg.resume)
+    with files.RunLock(cfg.out) if leader else contextlib.nullcontext():
+        if cfg.resume:
+            check_resumable(cfg, remove=leader)
+        else:
+            prepare_out_dir(cfg, remove=leader)
+        if leader:
+            prepare_corpus(cfg)
+        yield
 
 
 def _local_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
