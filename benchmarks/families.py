@@ -411,6 +411,13 @@ def report(runs, families: Sequence[str], steps_of: Dict[str, int], seeds: Seque
             lines.append(table_row([NAMES[r["optimizer"]], f"{r['lr']:g}",
                                     _fmt(statistics.fmean(finite)) if len(finite) == len(r["losses"]) else "diverged",
                                     gap, per, freeze, "; ".join(r["diverged"]) or "no"]))
+        by = {r["optimizer"]: r for r in rows}
+        spaces = [u - m for u, m in zip(by["onebitlamb"]["gaps"], by["onebitlamb-momentum"]["gaps"])]
+        if all(math.isfinite(x) for x in spaces):
+            half = (t95(len(spaces)) * statistics.stdev(spaces) / math.sqrt(len(spaces))) if len(spaces) > 1 else math.nan
+            lines += ["", f"1-bit LAMB's two compression spaces, paired by seed (update's gap minus momentum's): "
+                          f"{statistics.fmean(spaces):+.2f} points" + (f" ± {half:.2f}" if math.isfinite(half) else "")
+                      + "."]
         lines += ["", f"The grid (seed {GRID_SEED}, held-out loss; the chosen rate in bold):", "",
                   table_row(["optimizer"] + [f"lr {x:g}" for x in LAMB_GRID] + [f"lr {x:g}" for x in ADAM_GRID]),
                   table_row(["---"] + ["---:"] * (len(LAMB_GRID) + len(ADAM_GRID)))]

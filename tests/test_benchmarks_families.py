@@ -53,6 +53,8 @@ def test_gaps_are_paired_by_seed_with_a_t_interval_and_a_divergence_is_named():
     assert "| 1-bit Adam | 0.002 | diverged | diverged | +0.00%, inf | 9, 9 | step 20: x |" in text
     assert "Chosen at the grid's edge: 0/1 Adam. LAMB's own seed spread (max - min over mean): 9.52%" in text
     assert "| LAMB | 3 | 2.5 | **2** | 2.2 |" in text  # the chosen rate in bold
+    # the spaces paired: (2 - 10, 0 - 20) = (-8, -20): mean -14, stdev 8.485, t 12.706 / sqrt 2
+    assert "update's gap minus momentum's): -14.00 points ± 76.24." in text
 
 
 def test_the_prose_is_english_not_code():
