@@ -445,3 +445,102 @@ def test_a_refused_step_changes_nothing_and_the_run_goes_on(refused):
     for outcomes, changed, _ in out:
         assert outcomes == ["ok"] * (refused - 1) + ["refused"] + ["ok"] * (14 - refused), outcomes
         assert changed == [], changed
+
+
+# ---------------------------------------------------------------- checkpoints of one model
+def _copied(obj):
+    """``obj`` through bytes, as a checkpoint file holds it (a state dict's tensors are the live ones)."""
+    import io
+    blob = io.BytesIO()
+    torch.save(obj, blob)
+    blob.seek(0)
+    return torch.load(blob, weights_only=False)
+
+
+def _resumed_from(rank, n, saved_at, own_model, strip_checksum=False):
+    """The run of ``_run`` saved after step ``saved_at`` and resumed to the end, each rank with its
+    own optimizer state and either its own parameters or rank 0's (the usual script: the model saved
+    from rank 0, loaded on every rank); its final parameters, or the ValueError's message."""
+    import torch.distributed as dist
+
+    def run(params, opt, start, stop):
+        for t in range(start, stop + 1):
+            for p, g in zip(params, grads_for(params, rank, t)):
+                p.grad = g
+            opt.step()
+
+    params = [torch.nn.Parameter(t.clone()) for t in initial_params()]
+    opt = make(params)
+    run(params, opt, 1, saved_at)
+    model, state, synchronized = _copied([p.detach() for p in params]), _copied(opt.state_dict()), \
+        opt.parameters_synchronized
+    run(params, opt, saved_at + 1, STEPS)
+    uninterrupted = [p.detach().clone() for p in params]
+    if not own_model:
+        for t in model:
+            dist.broadcast(t, 0)
+    if strip_checksum:  # a state saved before the checksum was recorded
+        state["state"][0][f"rank{rank}"].pop("parameters_crc32", None)
+    params = [torch.nn.Parameter(t.clone()) for t in model]
+    opt = make(params)
+    opt.load_state_dict(state)
+    try:
+        run(params, opt, saved_at + 1, STEPS)
+    except ValueError as e:
+        return synchronized, str(e), None
+    return synchronized, None, all(torch.equal(p.detach(), u) for p, u in zip(params, uninterrupted))
+
+
+def _checkpoint_patterns(rank, n):
+    return {"own model between syncs": _resumed_from(rank, n, 21, own_model=True),
+            "rank 0's model between syncs": _resumed_from(rank, n, 21, own_model=False),
+            "rank 0's model at a sync": _resumed_from(rank, n, 20, own_model=False),
+            "an earlier state, rank 0's model": _resumed_from(rank, n, 21, own_model=False, strip_checksum=True)}
+
+
+def test_a_resume_with_rank_0s_model_between_syncs_is_refused_on_every_rank():
+    """The usual checkpoint (the model saved from rank 0, loaded on every rank, each rank's own
+    optimizer state) taken between two syncs, where each rank's parameters are its own: before,
+    rank 1 silently went on from rank 0's parameters (another run); now the first step refuses it on
+    both ranks, naming the rank and the two fixes. Each rank's own model resumes bit for bit, and so
+    does rank 0's model at a sync, where the ranks' parameters agree. A state saved before the
+    check (no checksum) still loads and is not checked."""
+    out = spawn_local(_checkpoint_patterns, 2, (), timeout_s=180, collective_timeout_s=60)
+    for rank, result in enumerate(out):
+        assert result["own model between syncs"] == (False, None, True)
+        synchronized, message, _ = result["rank 0's model between syncs"]
+        assert not synchronized and message is not None
+        assert "the parameters of rank 1 are not the ones held when the optimizer state was saved" in message
+        for fix in ("each rank's own model", "parameters_synchronized", "docs/optimizers.md"):
+            assert fix in message, message
+        assert result["rank 0's model at a sync"] == (True, None, True)
+        _, message, same = result["an earlier state, rank 0's model"]
+        assert message is None and same is False  # another run (rank 1's updates reach rank 0 at the syncs)
+
+
+def test_another_model_after_the_freeze_is_refused_and_the_1bit_optimizers_accept_it():
+    """On one process too: after the freeze 0/1 Adam's state holds its last sync's parameters (the
+    next sync would put them back), so a model other than the one saved with the state is refused;
+    before the freeze it holds nothing of them. 1-bit LAMB's and 1-bit Adam's states never do, and
+    a model loaded from elsewhere is the caller's choice, as with torch.optim."""
+    def resumed(kind, steps, other_model):
+        params = [torch.nn.Parameter(t.clone()) for t in initial_params()]
+        opt = make(params) if kind is None else kind(params, freeze_step=2)
+        for t in range(1, steps + 1):
+            for p, g in zip(params, grads_for(params, 0, t)):
+                p.grad = g
+            opt.step()
+        state = _copied(opt.state_dict())
+        params = [torch.nn.Parameter(p.detach() + (0.1 if other_model else 0.0)) for p in params]
+        opt = make(params) if kind is None else kind(params, freeze_step=2)
+        opt.load_state_dict(state)
+        for p, g in zip(params, grads_for(params, 0, steps + 1)):
+            p.grad = g
+        opt.step()
+
+    resumed(None, 17, other_model=False)
+    resumed(None, 5, other_model=True)  # the variance phase
+    with pytest.raises(ValueError, match="the parameters of every rank are not the ones held"):
+        resumed(None, 17, other_model=True)
+    for kind in (onebitlamb.OneBitLamb, onebitlamb.OneBitAdam):
+        resumed(kind, 4, other_model=True)

@@ -125,6 +125,46 @@ def parameter_checksum(p: torch.Tensor) -> int:
     return zlib.crc32(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
 
 
+def parameters_checksum(params: Sequence[torch.Tensor]) -> int:
+    """CRC-32 of the tensors' bytes one after another: what a saved state records of the parameters
+    it was taken with (``check_resumed_parameters``)."""
+    value = 0
+    for p in params:
+        value = zlib.crc32(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy(), value)
+    return value
+
+
+def check_resumed_parameters(owner: str, saved: int, params: Sequence[torch.Tensor],
+                             group: Optional[dist.ProcessGroup], device: torch.device, step: int) -> None:
+    """At the first step after a load: this rank's parameters must be those it held when its state
+    was saved (``saved``: their ``parameters_checksum``), where the state holds what they were
+    moved by since they last agreed (0/1 Adam between its syncs: each rank's parameters are its
+    own). The usual script saves the model from rank 0 only and loads it on every rank; the other
+    ranks would then silently continue another run. One all-gather of a flag per rank, so that
+    every rank raises, naming the ranks whose parameters differ, or none does."""
+    n = world_size_of(group)
+    mine = torch.tensor([int(parameters_checksum(params) != saved)], dtype=torch.int64, device=device)
+    rows = [mine] if n == 1 else [torch.empty_like(mine) for _ in range(n)]
+    if n > 1:
+        dist.all_gather(rows, mine, group=group)
+    differing = [r for r, row in enumerate(rows) if int(row[0])]
+    if not differing:
+        return
+    which = ("every rank" if len(differing) == n else
+             "rank " + ", ".join(map(str, differing)) if len(differing) == 1 else
+             "ranks " + ", ".join(map(str, differing)))
+    cause = ("the model was most likely saved from rank 0 only (or by a tool that keeps one copy of it, as "
+             "DCP does) and loaded on every rank" if len(differing) < n else
+             "the model loaded is not the one saved with this optimizer state")
+    raise ValueError(f"{owner}: the parameters of {which} are not the ones held when the optimizer state was "
+                     f"saved (after step {step}), and the state holds what each rank moved its own parameters by "
+                     f"since the last sync; {cause}. Going on would silently continue another run (the next sync "
+                     f"would also put back the state's parameters). Save each rank's own model beside its "
+                     f"optimizer state and load each rank's own, or checkpoint where "
+                     f"opt.parameters_synchronized is True (right after a sync), where one copy of the model "
+                     f"serves every rank (docs/optimizers.md, 'State and checkpoints')")
+
+
 def agree_on_setup(setup: Dict[str, Any], group: Optional[dist.ProcessGroup], device: torch.device,
                    after_step: Optional[int] = None) -> None:
     """Every rank must have built the same optimizer: compare a fingerprint of ``setup`` (name:

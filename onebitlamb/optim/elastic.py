@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from onebitlamb.optim.layout import Bucket, buffer_sizes, check_bucket_ranges, plan_buckets
-from onebitlamb.optim.state_format import flat_of, to_saved
+from onebitlamb.optim.state_format import PARAMETERS, flat_of, to_saved
 
 
 def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int,
@@ -70,7 +70,8 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int,
     out = []
     for rank in range(world_size):
         sd = copy.deepcopy({k: v for k, v in state_dicts[0].items() if k != "state"})
-        flat = {k: v for k, v in flats[0].items() if k not in ("worker_error", "server_error")}
+        # (rank 0's checksum of its parameters is no new rank's: a re-sharded state is not checked)
+        flat = {k: v for k, v in flats[0].items() if k not in ("worker_error", "server_error", PARAMETERS)}
         flat = copy.deepcopy(flat)
         flat["world_size"], flat["rank"], flat["local_size"] = world_size, rank, local_size
         for key in flats[0].get("rank_local", ()):  # 0/1 Adam between syncs: what the next sync averages

@@ -22,9 +22,10 @@ import torch
 
 from onebitlamb.comm import world_size_of
 from onebitlamb.optim import functional as F
-from onebitlamb.optim.checks import parameter_checksum
+from onebitlamb.optim.checks import parameter_checksum, parameters_checksum
 from onebitlamb.optim.layout import Bucket, FlatLayout
 from onebitlamb.optim.staged import COMPRESSION, LOCAL
+from onebitlamb.optim.state_format import PARAMETERS
 
 
 class LocalSteps:
@@ -52,6 +53,16 @@ class LocalSteps:
         if flat["frozen_at"] is not None:
             setup["parameter values (crc32 of each tensor)"] = [parameter_checksum(flat["sync_params"][s])
                                                                 for s in layout.slices]
+
+    def _rank_entries(self, params: List[torch.Tensor]) -> Dict[str, Any]:
+        """After the freeze the state holds the last sync's parameters and what this rank moved its
+        own by since, so it records a checksum of them (``PARAMETERS``), for the first step after a
+        load to check that the rank has its own back: between syncs a model saved from rank 0 only is
+        another run on the other ranks, and any other model would be put back at the next sync.
+        Before the freeze the ranks' parameters agree and the state holds nothing of them, as the
+        1-bit optimizers'; the entry is there (None), so that a template for DCP has it."""
+        frozen = self._flat["frozen_at"] is not None
+        return {PARAMETERS: parameters_checksum(params) if frozen else None}
 
     def _local_stage(self) -> str:
         """The next step's stage after the freeze: a sync or a local step."""

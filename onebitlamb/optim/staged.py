@@ -21,12 +21,12 @@ from torch.optim import Optimizer
 from onebitlamb.comm import CommStats, rank_of, spanning_group, world_size_of
 from onebitlamb.optim import functional as F
 from onebitlamb.optim.checks import (agree_on_setup, check_finite_nonneg, check_layout_unchanged, check_param_groups,
-                                     parameter_checksum)
+                                     check_resumed_parameters, parameter_checksum)
 from onebitlamb.optim.exchange import Exchange, ProcessGroupLike
 from onebitlamb.optim.freeze import AutomaticSchedule, FixedSchedule
 from onebitlamb.optim.layout import (Bucket, FlatLayout, Scratch, buffer_sizes, check_loaded_state, check_saved_by,
                                       new_flat_state)
-from onebitlamb.optim.state_format import beside, split_state, to_saved
+from onebitlamb.optim.state_format import PARAMETERS, beside, split_state, to_saved
 
 WARMUP, COMPRESSION = "warmup", "compression"
 # 0/1 Adam's local steps: no exchange but the agreed non-finite check (zero_one.py)
@@ -116,6 +116,8 @@ class StagedOptimizer(Optimizer):
         self._scratch: Optional[Scratch] = None
         self._last_coeff: Optional[torch.Tensor] = None
         self.last_step_skipped = False
+        # a loaded state's checksum of this rank's parameters, for the next step to check
+        self._resumed_parameters: Optional[int] = None
         # the state exists from the start, like the layout it follows, so that a state dict taken
         # before the first step is a complete template (DCP loads into one); rebuilt at the first
         # step if the parameters changed until then
@@ -176,6 +178,10 @@ class StagedOptimizer(Optimizer):
             if has_errors and "worker_error" not in self._flat:
                 self.exchange.new_error_buffers(self._flat, layout.device)  # saved on one process, resumed on several
         agree_on_setup(self._setup(layout), spanning_group(self.process_group), layout.device)
+        if getattr(self, "_resumed_parameters", None) is not None:  # (agreed: every rank checks, or none)
+            check_resumed_parameters(owner, self._resumed_parameters, layout.params,
+                                     spanning_group(self.process_group), layout.device, self._flat["step"])
+            self._resumed_parameters = None
         self._layout, self._scratch = layout, Scratch(layout.device)
         self.exchange.bind(layout, self._flat, self._scratch, self._gather, self._bucket_momentum)
 
@@ -189,7 +195,15 @@ class StagedOptimizer(Optimizer):
                 **self.exchange.setup(),
                 **({"buckets of the state": self._flat["buckets"]} if self._flat["frozen_at"] is not None else {}),
                 "state (step, frozen_at)": (self._flat["step"], self._flat["frozen_at"]),
+                "parameters checked against the loaded state": getattr(self, "_resumed_parameters", None) is not None,
                 "parameter values (crc32 of each tensor)": [parameter_checksum(p) for p in layout.params]}
+
+    def _rank_entries(self, params: List[torch.Tensor]) -> Dict[str, Any]:
+        """What the saved state keeps of this rank beside its compression errors: nothing here. The
+        state of LAMB and the 1-bit optimizers holds nothing of the parameters, which are alike on
+        every rank: a model saved from rank 0 is right on every rank, and another model loaded with
+        the state is the caller's choice, as with torch.optim (``LocalSteps`` records them)."""
+        return {}
 
     @property
     def skipped_steps(self) -> int:
@@ -209,8 +223,8 @@ class StagedOptimizer(Optimizer):
             state_dict = super().state_dict()
         packed = state_dict["state"]
         flat = packed.pop("flat")
-        held = {id(p) for p in (self._layout.params if self._layout is not None
-                                else FlatLayout.of(self.param_groups).params)}
+        params = self._layout.params if self._layout is not None else FlatLayout.of(self.param_groups).params
+        held = {id(p) for p in params}
         every = [p for g in self.param_groups for p in g["params"]]
         indices = [i for i, p in enumerate(every) if id(p) in held]
         if indices:
@@ -218,7 +232,8 @@ class StagedOptimizer(Optimizer):
             # named where they share the flat state's entry (a load gives them back to the parameter)
             ours = {i: dict(packed.get(i, {})) for i in indices}
             ours[indices[0]] = beside(to_saved(flat, self._schedule is not None,
-                                               self._fresh_variance and self._schedule is not None),
+                                               self._fresh_variance and self._schedule is not None,
+                                               self._rank_entries(params)),
                                       ours[indices[0]])
             state_dict["state"] = {**ours, **{k: v for k, v in packed.items() if k not in ours}}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -240,6 +255,9 @@ class StagedOptimizer(Optimizer):
                 state_dict = result
         flat, others = split_state(state_dict)  # first: another optimizer's state is named as such
         owner = type(self).__name__
+        # this rank's parameters as the state was saved, where it records them (``_rank_entries``):
+        # checked at the next step, when the caller has loaded the model too
+        resumed = None if flat is None else flat.pop(PARAMETERS, None)
         if flat is not None:
             check_saved_by(flat, owner)
         state_dict["param_groups"] = self._exchange_settings_checked(state_dict["param_groups"])
@@ -254,7 +272,7 @@ class StagedOptimizer(Optimizer):
             super().load_state_dict({**state_dict, "state": others if flat is None else {**others, "flat": flat}})
         if flat is None:
             self._new_state(FlatLayout.of(self.param_groups))
-        self._layout = None
+        self._layout, self._resumed_parameters = None, resumed
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

@@ -12,6 +12,10 @@ state dict it is the state of the first trainable parameter, in the form that
 - this rank's compression errors sit under ``"rank<r>"``: they differ between ranks, and DCP
   keeps one copy of an entry that has the same name on every rank (0/1 Adam's local momentum
   and update sum too, which differ between its syncs: ``"rank_local"``);
+- where the state holds what this rank's parameters moved by since the ranks last agreed (0/1
+  Adam between its syncs), a checksum of them, ``"parameters_crc32"`` under ``"rank<r>"``: the
+  first step after a load checks that the rank has them back (``checks.check_resumed_parameters``);
+  states without it load unchecked;
 - what others (a state-dict hook, a framework) put in ``optimizer.state`` beside that parameter
   shares its entry, named in ``"others_entries"``, so that a load gives it back to the parameter
   (as torch.optim does) rather than to the flat state.
@@ -33,6 +37,8 @@ FROZEN = ("momentum_mask", "frozen_coeff", "prev_factor", "momentum_scale", "exp
 _RANK_KEY = re.compile(r"rank(\d+)")
 # the names, in the saved entry, of what others put beside the parameter it is saved under
 OTHERS = "others_entries"
+# this rank's parameters when the state was taken (``parameters_checksum``), where the state records them
+PARAMETERS = "parameters_crc32"
 
 
 def _frozen_templates(flat: Dict[str, Any], fresh_variance: bool) -> Dict[str, torch.Tensor]:
@@ -62,16 +68,18 @@ def per_rank_keys(flat: Dict[str, Any]) -> tuple:
     return PER_RANK + tuple(flat.get("rank_local", ()))
 
 
-def to_saved(flat: Dict[str, Any], compresses: bool, fresh_variance: bool) -> Dict[str, Any]:
-    """The flat state as the state dict holds it (its tensors are the live ones, as torch.optim's)."""
+def to_saved(flat: Dict[str, Any], compresses: bool, fresh_variance: bool,
+             rank_entries: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The flat state as the state dict holds it (its tensors are the live ones, as torch.optim's);
+    ``rank_entries``: more of this rank's own (``PARAMETERS``)."""
     own = per_rank_keys(flat)
-    saved = {k: v for k, v in flat.items() if k not in own and k != "rank"}
+    saved = {k: v for k, v in flat.items() if k not in own and k not in ("rank", PARAMETERS)}
     errors = {k: flat[k] for k in own if k in flat}
     if compresses and flat["frozen_at"] is None:
         saved.update(_frozen_templates(flat, fresh_variance))
         if flat["world_size"] > 1:
             errors = _error_templates(flat)
-    saved[f"rank{flat['rank']}"] = errors
+    saved[f"rank{flat['rank']}"] = {**errors, **(rank_entries or {})}
     return saved
 
 
@@ -104,6 +112,8 @@ def from_saved(saved: Dict[str, Any]) -> Dict[str, Any]:
         flat = {k: v for k, v in flat.items() if k not in FROZEN}
     else:  # 0/1 Adam (``rank_local``) holds its whole state, errors included, from the first step
         flat.update(saved[ranks[0]])
+    if PARAMETERS in saved[ranks[0]]:
+        flat[PARAMETERS] = saved[ranks[0]][PARAMETERS]
     return flat
 
 
