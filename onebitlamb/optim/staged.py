@@ -620,7 +620,9 @@ class StagedOptimizer(Optimizer):
         return self._frozen_denominators()[1]
 
     def _compresses_update(self) -> bool:
-        return self.defaults.get("compression_space", "momentum") == "update"
+        """Whether stage 2 sends ``m / den`` (``compression_space="update"``, OneBitLamb's and
+        ZeroOneAdam's default); optimizers without the setting (OneBitAdam) send the momentum."""
+        return self.defaults.get("compression_space") == "update"
 
     def _compression_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per element, what the local momentum is multiplied by before compression: ``k_l`` (each
