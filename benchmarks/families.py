@@ -48,7 +48,7 @@ OPTIMIZERS = ("lamb", "onebitlamb", "onebitlamb-momentum", "onebitadam", "zeroon
 NAMES = {"lamb": "LAMB", "onebitlamb": "1-bit LAMB (update space, default)",
          "onebitlamb-momentum": "1-bit LAMB (momentum space)", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam"}
 LAMB_GRID = (1e-2, 2e-2, 4e-2, 8e-2)
-ADAM_GRID = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
+ADAM_GRID = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2)
 TAKES_LAMBS_RATE = ("onebitlamb", "onebitlamb-momentum")
 GRID_SEED = 0
 

@@ -19,9 +19,11 @@ def record(family, optimizer, lr, seed, heldout, freeze=None, diverged=None):
 
 def hand_written_runs(family="lstm-prose"):
     """LAMB best at 4e-2, 1-bit Adam best at 2e-3, 0/1 Adam best at 1.6e-2 (seed 0); then seeds 1-2."""
-    grid = {"lamb": dict(zip(LAMB_GRID, (3.0, 2.5, 2.0, 2.2))),
-            "onebitadam": dict(zip(ADAM_GRID, (2.4, 2.1, 2.3, math.inf, math.inf))),
-            "zerooneadam": dict(zip(ADAM_GRID, (2.6, 2.5, 2.4, 2.35, 2.3)))}
+    assert 3e-2 > 1.6e-2 in ADAM_GRID and 4e-2 in LAMB_GRID
+    worse = dict.fromkeys(ADAM_GRID, 9.0)  # the grid's other rates
+    grid = {"lamb": {**dict.fromkeys(LAMB_GRID, 9.0), 1e-2: 3.0, 2e-2: 2.5, 4e-2: 2.0, 8e-2: 2.2},
+            "onebitadam": {**worse, 1e-3: 2.4, 2e-3: 2.1, 4e-3: 2.3, 8e-3: math.inf},
+            "zerooneadam": {**worse, 4e-3: 2.4, 8e-3: 2.35, 1.6e-2: 2.3}}
     runs = [record(family, opt, lr, GRID_SEED, loss) for opt, losses in grid.items() for lr, loss in losses.items()]
     runs += [record(family, "lamb", 4e-2, 1, 2.0), record(family, "lamb", 4e-2, 2, 2.2),
              # paired gaps: +2% and 0%, then +10% and +20%
@@ -51,7 +53,7 @@ def test_gaps_are_paired_by_seed_with_a_t_interval_and_a_divergence_is_named():
     text = report(runs, ["lstm-prose"], {"lstm-prose": STEPS}, [1, 2], WORLD, ["--seeds", "2"])
     assert "| 1-bit LAMB (update space, default) | 0.04 | 2.12 | +1.00% ± 12.71 | +2.00%, +0.00% | 12, 14 | no |" in text
     assert "| 1-bit Adam | 0.002 | diverged | diverged | +0.00%, inf | 9, 9 | step 20: x |" in text
-    assert "Chosen at the grid's edge: 0/1 Adam. LAMB's own seed spread (max - min over mean): 9.52%" in text
+    assert "LAMB's own seed spread (max - min over mean): 9.52%" in text and "grid's edge" not in text
     assert "| LAMB | 3 | 2.5 | **2** | 2.2 |" in text  # the chosen rate in bold
     # the spaces paired: (2 - 10, 0 - 20) = (-8, -20): mean -14, stdev 8.485, t 12.706 / sqrt 2
     assert "update's gap minus momentum's): -14.00 points ± 76.24." in text
@@ -89,3 +91,14 @@ def test_real_ranks_train_record_each_run_and_a_second_start_reuses_them(tmp_pat
 def test_bad_arguments_are_refused_by_name(tmp_path):
     with pytest.raises(SystemExit, match="--steps"):
         main(["--steps", "3", "--out", str(tmp_path)])
+
+
+def test_a_rate_chosen_at_the_grids_edge_is_said():
+    runs = {}
+    for r in hand_written_runs().values():
+        if r["optimizer"] == "zerooneadam":
+            r = {**r, "heldout": 1.0 if r["lr"] == ADAM_GRID[-1] else r["heldout"]}
+            r = {**r, "lr": ADAM_GRID[-1]} if r["seed"] != GRID_SEED else r
+        runs[families.key(r)] = r
+    text = report(runs, ["lstm-prose"], {"lstm-prose": STEPS}, [1, 2], WORLD, [])
+    assert "Chosen at the grid's edge: 0/1 Adam. LAMB's own seed spread" in text
