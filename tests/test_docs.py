@@ -49,6 +49,17 @@ def test_the_readmes_install_route_names_real_extras_quoted_and_no_package_index
     assert "pip install onebitlamb" not in everywhere and "pip install 'onebitlamb[" not in everywhere
 
 
+def test_user_pages_and_messages_name_no_tracker_entry():
+    """Users cannot see the project's tracker: the README, the docs (but the lab notes) and the
+    package's code and messages never cite an issue by number."""
+    pages = ["README.md"] + [os.path.join("docs", p) for p in os.listdir(os.path.join(ROOT, "docs")) if p.endswith(".md")]
+    code = [os.path.join(d, f)[len(ROOT) + 1:] for d, _, fs in os.walk(os.path.join(ROOT, "onebitlamb"))
+            for f in fs if f.endswith(".py")]
+    cited = [f"{path}:{n}" for path in pages + code for n, line in enumerate(_read(path).splitlines(), 1)
+             if re.search(r"(?i)\bissues? \d+", line)]
+    assert not cited, cited
+
+
 def test_the_package_code_carries_no_lab_results():
     """Seed-by-seed findings (``demo seed 1238``, ``b1024 ...``) go to docs/, not to comments."""
     offenders = []

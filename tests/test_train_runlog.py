@@ -19,8 +19,9 @@ class Terminal(io.StringIO):
         return True
 
 
-def _cfg(out, progress=True):
-    return SimpleNamespace(optimizer="onebitlamb", out=str(out), steps=6, global_batch=16, progress=progress)
+def _cfg(out, progress=True, compression_space="update", optimizer="onebitlamb"):
+    return SimpleNamespace(optimizer=optimizer, out=str(out), steps=6, global_batch=16, progress=progress,
+                           compression_space=compression_space)
 
 
 def _history(steps=6, freeze=3):
@@ -54,11 +55,21 @@ def test_on_a_terminal_the_freeze_is_announced_with_and_without_the_bar(tmp_path
     text = stream.getvalue()
     assert ("\r" in text) == progress  # the bar redraws itself with carriage returns
     lines = [line.split("\r")[-1] for line in text.split("\n")]
-    assert "[onebitlamb] step 3: the freeze: the variance is frozen, the momentum goes out compressed to 1 bit " \
-           "from step 4 on (0.0 MB sent so far)" in lines
+    assert "[onebitlamb] step 3: the freeze: the variance is frozen, Adam's direction m / (sqrt(v) + eps) goes out " \
+           "compressed to 1 bit from step 4 on (0.0 MB sent so far)" in lines
     for step, loss in ((0, 6.5), (4, 6.1), (6, 5.9)):
         assert any(line.startswith(f"[onebitlamb] step {step}: held-out loss {loss:.4f}") for line in lines), text
     assert "tensorboard" not in text.lower()
+
+
+@pytest.mark.parametrize("optimizer,space", [("onebitlamb", "momentum"), ("onebitadam", "update")])
+def test_the_freeze_names_what_goes_out(tmp_path, monkeypatch, optimizer, space):
+    """The paper's space, and 1-bit Adam (which has no other), send the momentum itself."""
+    _no_tensorboard(monkeypatch)
+    stream = io.StringIO()
+    _run(runlog.RunLog(_cfg(tmp_path, compression_space=space, optimizer=optimizer), 0, _history(), stream=stream),
+         _history())
+    assert "the variance is frozen, the momentum goes out compressed to 1 bit" in stream.getvalue()
 
 
 def test_without_a_terminal_one_plain_line_per_report(tmp_path, monkeypatch):
@@ -71,8 +82,8 @@ def test_without_a_terminal_one_plain_line_per_report(tmp_path, monkeypatch):
     assert lines == [
         f"[onebitlamb] metrics of every step: {tmp_path}/log.csv",
         "[onebitlamb] step 0: held-out loss 6.5000",
-        "[onebitlamb] step 3: the freeze: the variance is frozen, the momentum goes out compressed to 1 bit from "
-        "step 4 on (0.0 MB sent so far)",
+        "[onebitlamb] step 3: the freeze: the variance is frozen, Adam's direction m / (sqrt(v) + eps) goes out "
+        "compressed to 1 bit from step 4 on (0.0 MB sent so far)",
         "[onebitlamb] step 4: held-out loss 6.1000 | train loss 6.6000, 0.0 MB sent, N samples/s, compression, 4/6",
         "[onebitlamb] step 6: held-out loss 5.9000 | train loss 6.4000, 0.0 MB sent, N samples/s, compression, 6/6",
     ]

@@ -34,7 +34,7 @@ READ_ONLY_BY = {"freeze": ("onebitlamb", "onebitadam"), "var_freeze": ("zeroonea
 SAVED_BEFORE = {"stage2_bound": "none"}
 
 PRESETS = {
-    # for the tests: a few seconds on 2 workers
+    # for the tests: about a minute on 2 workers (most of it starting them and the corpus)
     "tiny": dict(vocab_size=512, seq_len=32, hidden=32, layers=1, heads=2, intermediate=64, workers=2,
                  micro_batch=4, global_batch=16, steps=8, eval_every=4, eval_samples=32, ckpt_every=2),
     # `make demo`: the TrainConfig defaults

@@ -222,7 +222,7 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
     """``clip_grad_norm_`` when this rank's gradient norm is finite; returns the norm. A gradient
     whose norm is not (NaN, inf, or an element so large that its square is: 3e38, 1e30) is left as
     it is: clipping would scale it to zeros or NaN, and the optimizer's agreed check must see it to
-    skip the step on every rank (issue 49.2)."""
+    skip the step on every rank."""
     norms = [torch.linalg.vector_norm(p.grad.detach()) for p in model.parameters() if p.grad is not None]
     if norms and not bool(torch.isfinite(torch.linalg.vector_norm(torch.stack(norms)))):
         return math.inf

@@ -31,6 +31,9 @@ class RunLog:
 
     def __init__(self, cfg, start_step: int, history: dict, stream: Optional[IO[str]] = None) -> None:
         self.name, self.out, self.steps, self.global_batch = cfg.optimizer, cfg.out, cfg.steps, cfg.global_batch
+        # what stage 2 compresses: Adam's direction in the update space (the default), else the momentum
+        update_space = getattr(cfg, "compression_space", "update") == "update" and cfg.optimizer != "onebitadam"
+        self.sent = "Adam's direction m / (sqrt(v) + eps)" if update_space else "the momentum"
         self.stream = sys.stderr if stream is None else stream
         self.start_step, self.train_before = start_step, history["train_time_s"]
         self.last_line = time.monotonic()
@@ -70,7 +73,7 @@ class RunLog:
         elif self.bar is None and step and time.monotonic() - self.last_line >= PLAIN_EVERY_S:
             self._line(step, history, record, "")
         if frozen:
-            self.say(f"[{self.name}] step {step}: the freeze: the variance is frozen, the momentum goes out "
+            self.say(f"[{self.name}] step {step}: the freeze: the variance is frozen, {self.sent} goes out "
                      f"compressed to 1 bit from step {step + 1} on ({record['bytes'] / 1e6:.1f} MB sent so far)")
 
     def say(self, line: str) -> None:
