@@ -7,7 +7,7 @@ Part 1, kernels, one thread (``torch.set_num_threads(1)``), fp32, best of severa
 yardstick is ``out.copy_(src)`` into a preallocated ``out`` (one read and one write of the
 buffer): every kernel here is memory bound, so its cost is best read as a multiple of a copy.
 
-- compress: ``collectives._compress_(error, buffer, packed, workspace)``, the worker's whole compression
+- compress: ``compression.onebit.compress_(error, buffer, packed, workspace)``, the worker's whole compression
   step (error add, scale, sign, error update, pack);
 - decompress: ``unpack_signs(packed, numel, scale, out=out)`` into a preallocated ``out``;
 - whole compute of one rank for n = 4: everything ``compressed_allreduce`` computes, without the
@@ -98,7 +98,8 @@ def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 2.0,
     The whole compute follows ``compressed_allreduce`` step by step, message layout included
     (sign rows with a trailing scale), with the packed signs this rank sent standing in for the
     messages it would receive."""
-    from onebitlamb.comm.collectives import _add_signs_, _compress_, _read_scales, _scale_bytes
+    from onebitlamb.comm.collectives import _read_scales, _scale_bytes
+    from onebitlamb.compression.onebit import add_signs_, compress_
     from onebitlamb.compression.packing import fused_codec, unpack_signs
 
     if numel % (8 * n):
@@ -121,14 +122,14 @@ def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 2.0,
     fused = codec is not None
 
     def server_accumulate(scales: torch.Tensor):
-        return _add_signs_(server_error, messages[:, :row], scales / n, fused)
+        return add_signs_(server_error, messages[:, :row], scales / n, fused)
 
     def whole() -> None:
-        s = _compress_(worker_error, buffer, packed, ws, fused=fused)
+        s = compress_(worker_error, buffer, packed, ws, fused=fused)
         messages[:, :row].copy_(packed.view(n, row))
         messages[:, row:].copy_(_scale_bytes(s, dev))
         sum_sq = server_accumulate(_read_scales(messages, row))
-        s_server = _compress_(server_error, None, server[:row], ws, sum_sq, fused)
+        s_server = compress_(server_error, None, server[:row], ws, sum_sq, fused)
         server[row:].copy_(_scale_bytes(s_server, dev))
         scales = _read_scales(messages, row)
         if codec is not None:
@@ -141,7 +142,7 @@ def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 2.0,
     fixed_scales = torch.full((n,), 1e-3, device=dev)
     times = best_times({
         "copy": lambda: out.copy_(src),
-        "compress": lambda: _compress_(error, src, packed, ws, fused=fused),
+        "compress": lambda: compress_(error, src, packed, ws, fused=fused),
         "decompress": lambda: unpack_signs(packed, numel, 0.5, out=out, fused=fused),
         "whole": whole,
         "server_accumulate": lambda: server_accumulate(fixed_scales),
@@ -280,7 +281,7 @@ def render_device(kernels: Dict[str, Dict[int, Dict[str, float]]], command: str,
         "",
         "### Plain torch (`fused=False`)",
         "",
-        "Eager torch runs each step as its own kernel, a full pass over memory each (`_compress_torch_`: add, "
+        "Eager torch runs each step as its own kernel, a full pass over memory each (`compress_torch_`: add, "
         "norm, compare, pack by weighted sum, error update; expansion and server sum by testing bits and "
         "selecting `±scale`).",
         "",
