@@ -134,9 +134,9 @@ def preset_table(preset: str, seeds: Sequence[int], results: Results, rows: Sequ
 
 
 def render(presets: Sequence[str], seeds: Sequence[int], results: Results, command: str,
-           rows: Sequence[Row] = ROWS, machine: str = "") -> str:
+           rows: Sequence[Row] = ROWS, machine: str = "", title: str = TITLE) -> str:
     lines = [
-        *heading(TITLE, command, machine),
+        *heading(title, command, machine),
         "Each row is `onebitlamb pretrain --preset PRESET --seed SEED` with its flags, every other setting at "
         "the main job's default:",
         "",
@@ -211,7 +211,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         command = command_line()
     else:             # called from Python
         command = " ".join(["python -m benchmarks.convergence", *map(shlex.quote, argv)])
-    body = render(args.presets, seeds, results, command, rows, _devices(args.torchrun))
+    # another section is another heading (BENCHMARKS.md has one heading per section)
+    title = TITLE if args.section == "convergence" else f"{TITLE}: {', '.join(args.presets)}" + (
+        f", {len(seeds)} seeds" if len(seeds) > 1 else "") + (", under torchrun" if args.torchrun else "")
+    body = render(args.presets, seeds, results, command, rows, _devices(args.torchrun), title)
     print("\n" + body)
     print(f"written to {write_section(args.section, body, args.results)}")
     return 0

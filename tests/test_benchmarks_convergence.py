@@ -159,6 +159,7 @@ def test_a_gpu_machines_rows_under_torchrun_into_their_own_section(tmp_path, mon
     assert "CPU figures" in text
     large = text.split("<!-- begin convergence-large -->", 1)[1]
     assert "torchrun with 4 ranks" in large and "1-bit Adam" not in large
+    assert f"## {convergence.TITLE}: large, under torchrun\n" in large  # its own heading
     assert "| 1-bit LAMB, automatic freeze (default) | 1 | 4.100 | +2.5% | 20 |" in large
 
 
