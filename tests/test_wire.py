@@ -48,3 +48,14 @@ def test_fused_reaches_the_exchange_and_is_refused_at_construction_where_it_cann
     opt = cls([torch.nn.Parameter(torch.zeros(8))], **kw, fused=False)
     assert opt.exchange.fused is False and copy.deepcopy(opt).exchange.fused is False
     assert cls([torch.nn.Parameter(torch.zeros(8))], **kw).exchange.fused is None
+
+
+def test_an_exchange_pickled_before_the_wire_format_loads_with_it():
+    """A copy pickled when the exchange held ``warmup_dtype`` (a dtype) and no ``fused``."""
+    from onebitlamb.optim.exchange import Exchange
+
+    old = Exchange.__new__(Exchange)
+    old.__setstate__({"owner": "OneBitLamb", "warmup_dtype": torch.bfloat16, "bucket_cap_mb": None,
+                      "agree_every": 1000, "comm_stats": onebitlamb.CommStats(), "buckets": []})
+    assert old.wire is BFLOAT16 and old.warmup_dtype == torch.bfloat16 and old.fused is None
+    assert "warmup_dtype" not in vars(old)

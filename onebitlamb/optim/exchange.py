@@ -131,8 +131,9 @@ class Exchange:
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
         if "warmup_dtype" in state:  # pickled before the wire format was an object
-            state = {**state, "wire": wire_format(state.pop("warmup_dtype"))}
+            state["wire"] = wire_format(state.pop("warmup_dtype"))
         state.setdefault("fused", None)
         self.__dict__.update(state)
         self.process_group, self.overlap_with_backward, self.ddp_link = None, False, None
