@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks.zoo import param_groups
 import onebitlamb
 
 TITLE = "Convergence on models we never tuned"
@@ -204,13 +205,6 @@ FAMILIES: Dict[str, Family] = {
 
 # ---- one run
 
-def param_groups(model: nn.Module, weight_decay: float = 0.01) -> List[dict]:
-    """Decay on matrices, none on biases and norms: the usual two groups."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-
-
 def make_optimizer(name: str, groups: List[dict], lr: float, steps: int) -> torch.optim.Optimizer:
     """Each optimizer as a user gets it; 0/1 Adam with the main job's schedules."""
     if name == "lamb":
@@ -234,7 +228,7 @@ def train_one(rank: int, world: int, family: Family, data: dict, heldout: List[o
     BatchNorm statistics differ), the training losses, where the freeze came, and a divergence."""
     torch.manual_seed(seed)
     model = family.build(seed)
-    opt = make_optimizer(optimizer, param_groups(model), lr, steps)
+    opt = make_optimizer(optimizer, param_groups(model, weight_decay=0.01), lr, steps)
     warm = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (steps - s) / (steps - warm)))
     params = [p for p in model.parameters() if p.requires_grad]
