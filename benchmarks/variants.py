@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Union
 
 from benchmarks import convergence
 from benchmarks.report import command_line, heading, table_row, write_section
@@ -19,9 +19,6 @@ from benchmarks.report import command_line, heading, table_row, write_section
 class Variant(NamedTuple):
     row: convergence.Row
     folder: str = "demo"  # the runs' folder under OUT (then SEED/ROW)
-    # the module (and its first arguments) that takes `onebitlamb`'s command line: an experiment's
-    # optimizer that is not an option of the package runs through its own (benchmarks/local_lamb.py)
-    program: Tuple[str, ...] = ("onebitlamb",)
 
 
 LAMB, DEFAULT = Variant(convergence.ROWS[0]), Variant(convergence.ROWS[1])
@@ -45,7 +42,7 @@ def run_variants(out: str, seeds: Sequence[int], variants: Sequence[Variant],
         for v in variants:
             results[seed, v.row.name] = convergence.run_one(
                 convergence.run_folder(out, variant_folder(v, preset), seed, v.row),
-                convergence.pretrain_args(preset, seed, v.row), os.path.join(out, "cache"), v.program)
+                convergence.pretrain_args(preset, seed, v.row), os.path.join(out, "cache"))
     return results
 
 

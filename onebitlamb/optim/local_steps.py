@@ -7,12 +7,9 @@ all-reduce; every rank's parameters become the last sync's minus the average, bi
 and its momentum the average per unit of step size. The interval doubles every
 ``local_step_scaler`` steps, up to ``local_step_clipper``.
 
-``LocalSteps`` holds this phase for an optimizer built on ``StagedOptimizer``: ``ZeroOneAdam``
-(Adam's step, coefficient 1), and the experiment of 1-bit LAMB with local steps
-(``benchmarks/local_lamb.py``: LAMB's frozen trust ratio as each layer's coefficient). The host
-keeps ``local_step_scaler`` and ``local_step_clipper`` in its ``defaults``, calls these methods
-from its own ``_new_state``, ``_setup``, ``stage``, ``_take_step``, ``_bucket_momentum`` and
-``_freeze``, and may override ``_local_coefficients``.
+``LocalSteps`` holds this phase for ``ZeroOneAdam`` (Adam's step, coefficient 1). The host keeps
+``local_step_scaler`` and ``local_step_clipper`` in its ``defaults`` and calls these methods from its
+own ``_new_state``, ``_setup``, ``stage``, ``_take_step``, ``_bucket_momentum`` and ``_freeze``.
 """
 from __future__ import annotations
 
