@@ -114,7 +114,8 @@ def assert_bits_equal(got, want, what=""):
     got, want = np.asarray(got, dtype=F32), np.asarray(want, dtype=F32)
     assert got.shape == want.shape, (what, got.shape, want.shape)
     diff = np.nonzero(bits_of(got) != bits_of(want))[0]
-    assert diff.size == 0, f"{what}: {diff.size} elements differ, first at {diff[:5]}: {got[diff[:5]]} vs {want[diff[:5]]}"
+    first = diff[:5]
+    assert diff.size == 0, f"{what}: {diff.size} elements differ, first at {first}: {got[first]} vs {want[first]}"
 
 
 def sample(numel, seed, scale=1.0):
@@ -504,7 +505,8 @@ def test_error_feedback_running_mean_converges(n):
     # sum_t out_t = T mean_i x_i - mean_i e_w,i - e_s (assembled), up to float32 rounding
     T = FEEDBACK_CALLS
     d = target.size
-    residual = np.mean([r["feedback"]["e_w"] for r in res], axis=0) + np.concatenate([r["feedback"]["e_s"] for r in res])[:d]
+    servers = np.concatenate([r["feedback"]["e_s"] for r in res])[:d]
+    residual = np.mean([r["feedback"]["e_w"] for r in res], axis=0) + servers
     scale = np.abs(target).max()
     np.testing.assert_allclose(outputs.sum(0) + residual, T * target, rtol=0, atol=1e-5 * T * scale)
 

@@ -64,7 +64,7 @@ def _check(values: torch.Tensor, worker_error: torch.Tensor, server_error: torch
                          f"{worker_error.numel()} and {server_error.numel()}")
 
 
-def _message(codec: BlockwiseCodec, codes: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+def _message(codes: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """Rows of ``[steps as 4-byte floats | packed codes]``, one per segment."""
     return torch.cat([steps.contiguous().view(torch.uint8), codes], dim=1)
 
@@ -121,7 +121,7 @@ def quantized_average_(values: torch.Tensor, worker_error: torch.Tensor, server_
     codes, steps = codec.quantize_(y.view(n, c))  # y now holds the new worker error, if finite
     if not bool(torch.isfinite(steps).all()):
         steps.fill_(float("nan"))  # every server sees this rank's failure, whichever chunk holds it
-    send = _message(codec, codes, steps)
+    send = _message(codes, steps)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     stats.record("all_to_all", all_to_all_bytes(send.numel(), n))
@@ -139,7 +139,7 @@ def quantized_average_(values: torch.Tensor, worker_error: torch.Tensor, server_
     server_codes, server_steps = codec.quantize_(z)  # z now holds the new server error, if finite
     if not bool(torch.isfinite(server_steps).all()):
         server_steps.fill_(float("nan"))
-    mine = _message(codec, server_codes, server_steps)[0]
+    mine = _message(server_codes, server_steps)[0]
     result = torch.empty(n, mine.numel(), dtype=torch.uint8, device=values.device)
     flat._all_gather_single(result.view(-1), mine, group=group)
     stats.record("all_gather", all_gather_bytes(mine.numel(), n))
