@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 # Triton's interpreter for the fused codec's CPU tests (tests/test_triton_codec.py), set before any
 # test module imports triton: triton reads it early, and another module (tests/test_cuda.py,
 # torch.compile's tests) may import triton first. Only where there is no GPU, so that a GPU machine
@@ -16,3 +18,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The repository root, for the unpackaged benchmarks/ (``import benchmarks``) under a bare `pytest` too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_pools():
+    """The persistent ranks of tests/rank_pool.py end with the session (atexit would end them too)."""
+    yield
+    pools = sys.modules.get("rank_pool")
+    if pools is not None:
+        pools.shutdown()
