@@ -7,6 +7,7 @@ import torch
 from benchmarks.netsim.topology import tbf_params
 from onebitlamb.comm import costmodel
 from onebitlamb.comm.costmodel import parse_rate, rate_label
+from onebitlamb.comm.quantized import quantized_wire_bytes
 
 
 def test_collective_bytes_two_and_four_ranks():
@@ -164,3 +165,87 @@ def test_estimate_refuses_what_it_cannot_model(capsys):
     assert "cannot read a rate from 'fast'" in capsys.readouterr().err
     assert main([*base, "--ranks", "4", "--rates", "1G", "--warmup-fraction", "1.5"]) == 2
     assert "warmup_fraction must be in [0, 1], got 1.5" in capsys.readouterr().err
+
+
+def test_warmup_bytes_per_step_follow_the_warmup_dtype(capsys):
+    # d = 2^20 on 4 ranks (one a node): D = 2^20, a chunk of c = D/4 = 2^18 elements. float32 and
+    # bfloat16: one ring all-reduce, 2 (n-1)/n * b d bytes a rank. int8/int4/int2: the quantised
+    # average, an all-to-all and an all-gather of n - 1 messages each, a message c elements at
+    # bits/8 bytes plus a float32 step per 256, and the finite flag's 2 (n-1)/n * 4 = 6 bytes.
+    d, n, c = 2**20, 4, 2**18
+    expected = {"float32": 2 * 3 * 4 * d // 4, "bfloat16": 2 * 3 * 2 * d // 4}
+    for bits in (8, 4, 2):
+        m = c * bits // 8 + 4 * (c // 256)
+        expected[f"int{bits}"] = 2 * (n - 1) * m + 6
+    assert set(expected) == set(costmodel.WARMUP_DTYPES)
+    link = costmodel.Link(1e9, alpha_s=0.001)
+    for dtype, nbytes in expected.items():
+        e = costmodel.estimate(d, n, 1e9, 0.1, alpha_s=0.001, warmup_dtype=dtype)
+        assert e["warmup_node_bytes"] == nbytes, dtype
+        assert sum(costmodel.warmup_collectives(d, n, dtype)) == nbytes, dtype
+        calls = 1 if dtype in ("float32", "bfloat16") else 3
+        assert e["warmup_s"] == pytest.approx(0.1 + calls * 0.001 + nbytes * link.seconds_per_byte()), dtype
+        if dtype.startswith("int"):  # c is a whole number of blocks: what the collective counts, plus the flag
+            assert nbytes == quantized_wire_bytes(d, n, dtype) + 6
+    assert costmodel.warmup_collectives(d, n) == costmodel.lamb_collectives(d, n)  # float32: LAMB's all-reduce
+    assert costmodel.warmup_collectives(d, 1, "int8") == []
+
+    # the command: 2^20 parameters on 2 ranks at 10 Mbit/s, alpha 1 ms; int8 messages of
+    # c = 2^19 elements, 2^19 + 4 * 2^11 bytes; the warm-up step pays three alphas
+    from onebitlamb.cli import main
+
+    argv = ["estimate", "--params", "1048576", "--ranks", "2", "--rates", "10M", "--compute-ms", "100",
+            "--alpha-ms", "1"]
+    beta = 8 * (1514 / 1448) / 10e6
+    m = 2**19 + 4 * 2**11
+    assert main([*argv, "--warmup-dtype", "int8"]) == 0
+    out = capsys.readouterr().out
+    (row,) = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| 10 Mbit/s")]
+    assert "warm-up average in int8" in out
+    assert float(row[3]) == pytest.approx(1e3 * (0.1 + 3 * 0.001 + (m + m + 4) * beta), abs=0.05)
+    assert [float(x) for x in row[7].split(" / ")] == pytest.approx([4 * 2**20 / 1e6, (2 * m + 4) / 1e6,
+                                                                     (2 * (2**20 // 16 + 4) + 4) / 1e6], abs=0.01)
+
+
+def test_whole_run_bytes_with_an_int8_warmup_at_autofreezes_floor(capsys):
+    # 1 / (w r_w + (1-w)/32), r_w the warm-up's bytes over float32's: int8 sends a byte an element
+    # plus a float32 step per 256, r_w = (1 + 4/256) / 4; w = 0.3 (the default, AutoFreeze's floor)
+    assert costmodel.WARMUP_FRACTION == 0.3
+    w = 0.3
+    r_int8 = (1 + 4 / 256) / 4
+    expected = 1 / (w * r_int8 + (1 - w) / 32)  # 10.199
+    assert costmodel.volume_reduction(w, 32.0, r_int8) == pytest.approx(expected)
+    assert costmodel.volume_reduction(w) == pytest.approx(1 / (w + (1 - w) / 32))  # the float32 warm-up
+    # the model's bytes (the sign messages' scales and the flags included) on 2 ranks, d = 2^24
+    e = costmodel.estimate(2**24, 2, 1e9, 0.1, warmup_fraction=w, warmup_dtype="int8")
+    assert e["volume_reduction"] == pytest.approx(expected, rel=1e-4)
+    e = costmodel.estimate(2**24, 2, 1e9, 0.1, warmup_fraction=w)
+    assert e["volume_reduction"] == pytest.approx(1 / (w + (1 - w) / 32), rel=1e-4)
+    # and printed by the command, at the default fraction
+    from onebitlamb.cli import main
+
+    assert main(["estimate", "--params", "16M", "--ranks", "2", "--rates", "1G", "--compute-ms", "10",
+                 "--warmup-dtype", "int8"]) == 0
+    (row,) = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines()
+              if line.startswith("| 1 Gbit/s")]
+    assert float(row[8].rstrip("x")) == pytest.approx(expected, abs=0.01)
+
+
+def test_estimate_refuses_a_quantised_warmup_over_node_groups(capsys):
+    from onebitlamb.cli import main
+
+    argv = ["estimate", "--params", "1M", "--ranks", "4", "--ranks-per-node", "2", "--rates", "1G",
+            "--compute-ms", "10", "--warmup-dtype", "int4"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "--warmup-dtype int4" in err and "--ranks-per-node 2" in err and "node groups" in err
+    assert main([*argv[:-1], "bfloat16"]) == 0  # the float formats average over node groups
+    capsys.readouterr()
+    with pytest.raises(ValueError, match="node_groups"):
+        costmodel.estimate(2**20, 4, 1e9, 0.1, ranks_per_node=2, node_groups=True, warmup_dtype="int8")
+    # over the world group of 2 nodes x 2 the quantised warm-up is priced as the 1-bit exchange's
+    # node bytes (all-to-all L^2 (N-1) m, ring all-gather (n-1) m, the flag's 6 bytes from both ranks)
+    m = 2**18 + 4 * 2**10
+    e = costmodel.estimate(2**20, 4, 1e9, 0.1, ranks_per_node=2, warmup_dtype="int8")
+    assert e["warmup_node_bytes"] == 4 * m + 3 * m + 12

@@ -9,7 +9,9 @@
 - ``wire_bytes``: what this rank sends per collective, from the library's own formulas
   (``onebitlamb.comm.stats``): LAMB issues one ring all-reduce of ``4d`` bytes; the 1-bit path
   two collectives: an all-to-all of ``D/8`` sign bytes plus one 4-byte scale per message, and an
-  all-gather of ``D/(8n)`` sign bytes plus a scale;
+  all-gather of ``D/(8n)`` sign bytes plus a scale; its warm-up averages in its ``warmup_dtype``
+  (``warmup_collectives``: LAMB's all-reduce in float32, half its bytes in bfloat16; the quantised
+  average int8/int4/int2 two collectives shaped as the 1-bit ones, plus a finite flag);
 - ``overhead``: link-layer bytes per payload byte (Ethernet, IP and TCP headers; the token
   bucket charges whole frames): ``(MSS + 66) / MSS`` for an MTU of 1500;
 - ``host_Bps``: the rate at which the hosts move bytes through their own network stack when the
@@ -29,10 +31,12 @@ import math
 import re
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from onebitlamb.comm.collectives import padded_size
 from onebitlamb.comm.stats import all_gather_bytes, all_to_all_bytes, allreduce_bytes
+from onebitlamb.compression.blockwise import BlockwiseCodec
+from onebitlamb.compression.wire import warmup_format
 
 MTU = 1500
 TCP_IP_ETH_HEADERS = 14 + 20 + 20 + 12  # Ethernet, IPv4, TCP, TCP timestamps
@@ -41,9 +45,44 @@ MSS = MTU - 20 - 20 - 12
 WIRE_OVERHEAD = (MSS + TCP_IP_ETH_HEADERS) / MSS
 
 
+#: What ``--warmup-dtype`` takes: the optimizers' ``warmup_dtype`` names (``compression.wire``).
+WARMUP_DTYPES = ("float32", "bfloat16", "int8", "int4", "int2")
+
+
 def lamb_collectives(d: int, n: int) -> List[int]:
-    """Bytes this rank sends per collective in a LAMB (or warm-up) step: one fp32 all-reduce."""
+    """Bytes this rank sends per collective in a LAMB (or float32 warm-up) step: one fp32 all-reduce."""
     return [allreduce_bytes(4 * d, n)] if n > 1 else []
+
+
+def quantized_message_bytes(d: int, n: int, warmup_dtype: str) -> int:
+    """One message of the quantised warm-up average (``comm.quantized_average_``): a segment of
+    ``c = D/n`` elements (``D = padded_size(d, n)``) at the codec's long-segment rate,
+    ``ceil(codec.bytes_per_element * c)`` (``bits/8 + 4/256`` bytes an element: the code and its
+    share of a block's float32 step). Per-tensor block padding is left out: once blocks align to
+    parameter boundaries each tensor may add one partial block (at most a step and 255 codes), under
+    1% for models whose tensors are much larger than 256 elements. With ``c`` a multiple of the block
+    this is exactly ``codec.wire_bytes(c)``, what ``comm.quantized_wire_bytes`` counts."""
+    codec = warmup_format(warmup_dtype)
+    if not isinstance(codec, BlockwiseCodec):
+        raise ValueError(f"{warmup_dtype!r} is a float format, not a quantised one")
+    return math.ceil(codec.bytes_per_element * (padded_size(d, n) // n))
+
+
+def warmup_collectives(d: int, n: int, warmup_dtype: str = "float32") -> List[int]:
+    """Bytes this rank sends per collective in a warm-up step, by ``warmup_dtype``.
+
+    float32 / bfloat16: one ring all-reduce of ``4d`` / ``2d`` bytes, ``2 (n-1)/n`` of it leaving the
+    rank. int8 / int4 / int2: the quantised average, priced as the 1-bit stage's two collectives: an
+    all-to-all and an all-gather, each sending ``n - 1`` messages of ``quantized_message_bytes``, so
+    about ``2 (n-1)/n * bytes_per_element * d`` in all (1.016, 0.516, 0.266 bytes an element), and
+    the 4-byte finite flag every rank agrees on first (``finite_flag_collectives``)."""
+    fmt = warmup_format(warmup_dtype)
+    if n == 1:
+        return []
+    if not isinstance(fmt, BlockwiseCodec):
+        return [allreduce_bytes(fmt.bytes_per_element * d, n)]
+    m = quantized_message_bytes(d, n, warmup_dtype)
+    return finite_flag_collectives(n) + [all_to_all_bytes(n * m, n), all_gather_bytes(m, n)]
 
 
 def onebit_collectives(d: int, n: int) -> List[int]:
@@ -97,9 +136,11 @@ def end_to_end_speedup(lamb_step_s: float, warmup_step_s: float, compression_ste
     return lamb_step_s / onebit
 
 
-def volume_reduction(warmup_fraction: float, compression_ratio: float = 32.0) -> float:
-    """Whole-run bytes of LAMB over those of the 1-bit optimizer: ``1 / (w + (1-w)/ratio)``."""
-    return 1.0 / (warmup_fraction + (1.0 - warmup_fraction) / compression_ratio)
+def volume_reduction(warmup_fraction: float, compression_ratio: float = 32.0, warmup_ratio: float = 1.0) -> float:
+    """Whole-run bytes of LAMB over those of the 1-bit optimizer: ``1 / (w r_w + (1-w)/ratio)``,
+    where ``r_w`` (``warmup_ratio``) is a warm-up step's bytes over a float32 (LAMB) step's: 1 for a
+    float32 warm-up, 1/2 in bfloat16, about 0.254 / 0.129 / 0.066 for int8 / int4 / int2."""
+    return 1.0 / (warmup_fraction * warmup_ratio + (1.0 - warmup_fraction) / compression_ratio)
 
 
 # --- nodes of several ranks (the hierarchical all-reduce, ``onebitlamb.comm.hierarchy``) ---------
@@ -141,12 +182,9 @@ def node_onebit_collectives(d: int, nodes: int, local: int, hierarchical: bool) 
         return []
     D = padded_size(d, n)
     m = D // (8 * n) + 4
-    flag = allreduce_bytes(4, n)
-    flag_node = flag * local if nodes > 1 else 0  # a few bytes; every rank's ring edge may cross
     if not hierarchical or local == 1:
-        ring = (n - 1) * m if nodes > 1 else 0
-        return [NodeCollective(local * local * (nodes - 1) * m, (n - 1) * m), NodeCollective(ring, (n - 1) * m),
-                NodeCollective(flag_node, flag)]
+        return _flat_two_phase(m, nodes, local)
+    flag, flag_node = _finite_flag(nodes, local)
     node_stage = all_to_all_bytes(4 * D, local)  # (L-1)/L * 4D, the same for the all-gather
     out = [NodeCollective(0, node_stage, intra=True)]
     if nodes > 1:
@@ -155,28 +193,58 @@ def node_onebit_collectives(d: int, nodes: int, local: int, hierarchical: bool) 
     return out + [NodeCollective(0, node_stage, intra=True), NodeCollective(flag_node, flag)]
 
 
-def node_warmup_collectives(d: int, nodes: int, local: int, hierarchical: bool) -> List[NodeCollective]:
-    """A warm-up step's exact fp32 average on ``nodes`` x ``local`` ranks.
+def _finite_flag(nodes: int, local: int) -> Tuple[int, int]:
+    """The 4-byte finite flag's all-reduce: (bytes a rank sends, bytes across a node's card)."""
+    flag = allreduce_bytes(4, nodes * local)
+    return flag, (flag * local if nodes > 1 else 0)  # a few bytes; every rank's ring edge may cross
 
-    Flat: one ring all-reduce over the world, ``2 (n-1)/n * 4d`` bytes a rank; in a ring over
-    node-ordered ranks one edge leaves each node, so the node's card carries one rank's bytes.
-    Hierarchical (``allreduce_mean_`` with a ``NodeGroups``): reduce-scatter inside the node, a ring
-    all-reduce of the ``c = ceil(d/L)`` elements of each chunk among the ``N`` ranks of its local
-    index (``L`` of them share the card: ``L * 2 (N-1)/N * 4c``, about ``2 (N-1)/N * 4d``), and the
-    node's all-gather.
-    """
+
+def _flat_two_phase(m: int, nodes: int, local: int) -> List[NodeCollective]:
+    """An all-to-all and a ring all-gather over the flat world of ``nodes`` x ``local`` ranks, each
+    rank sending ``n - 1`` messages of ``m`` bytes in each, then the 4-byte finite flag
+    (``node_onebit_collectives`` derives the node bytes)."""
     n = nodes * local
+    flag, flag_node = _finite_flag(nodes, local)
+    ring = (n - 1) * m if nodes > 1 else 0
+    return [NodeCollective(local * local * (nodes - 1) * m, (n - 1) * m), NodeCollective(ring, (n - 1) * m),
+            NodeCollective(flag_node, flag)]
+
+
+def node_warmup_collectives(d: int, nodes: int, local: int, hierarchical: bool,
+                            warmup_dtype: str = "float32") -> List[NodeCollective]:
+    """A warm-up step's average on ``nodes`` x ``local`` ranks, in ``warmup_dtype``.
+
+    float32 / bfloat16 (``b = 4`` / ``2`` bytes an element). Flat: one ring all-reduce over the
+    world, ``2 (n-1)/n * b d`` bytes a rank; in a ring over node-ordered ranks one edge leaves each
+    node, so the node's card carries one rank's bytes. Hierarchical (``allreduce_mean_`` with a
+    ``NodeGroups``): reduce-scatter inside the node, a ring all-reduce of the ``c = ceil(d/L)``
+    elements of each chunk among the ``N`` ranks of its local index (``L`` of them share the card:
+    ``L * 2 (N-1)/N * b c``, about ``2 (N-1)/N * b d``), and the node's all-gather.
+
+    int8 / int4 / int2 (the quantised average, flat only: the optimizers refuse it over node groups,
+    so ``hierarchical`` with ``local > 1`` raises ValueError): the 1-bit stage's all-to-all and ring
+    all-gather with messages of ``quantized_message_bytes`` (``warmup_collectives``), node bytes as
+    in ``node_onebit_collectives``, and the finite flag.
+    """
+    fmt = warmup_format(warmup_dtype)
+    n = nodes * local
+    if isinstance(fmt, BlockwiseCodec):
+        if hierarchical and local > 1:
+            raise ValueError(f"the quantised warm-up ({fmt.name}) runs over the world group only: the optimizers "
+                             f"refuse it over node_groups")
+        return _flat_two_phase(quantized_message_bytes(d, n, fmt.name), nodes, local) if n > 1 else []
     if n == 1:
         return []
+    b = fmt.bytes_per_element
     if not hierarchical or local == 1:
-        b = allreduce_bytes(4 * d, n)
-        return [NodeCollective(b if nodes > 1 else 0, b)]
+        total = allreduce_bytes(b * d, n)
+        return [NodeCollective(total if nodes > 1 else 0, total)]
     c = -(-d // local)
-    node_stage = all_to_all_bytes(4 * c * local, local)
+    node_stage = all_to_all_bytes(b * c * local, local)
     out = [NodeCollective(0, node_stage, intra=True)]
     if nodes > 1:
-        b = allreduce_bytes(4 * c, nodes)
-        out.append(NodeCollective(local * b, b))
+        total = allreduce_bytes(b * c, nodes)
+        out.append(NodeCollective(local * total, total))
     return out + [NodeCollective(0, node_stage, intra=True)]
 
 
@@ -220,35 +288,42 @@ def rate_label(rate_bps: Optional[float]) -> str:
 
 def estimate(params: int, ranks: int, rate_bps: Optional[float], compute_s: float, *, ranks_per_node: int = 1,
              node_groups: bool = False, warmup_fraction: float = 0.2, alpha_s: float = 2e-4,
-             codec_s: float = 0.0) -> Dict[str, float]:
+             codec_s: float = 0.0, warmup_dtype: str = "float32") -> Dict[str, float]:
     """The model's step times for ``params`` parameters on ``ranks`` ranks, ``ranks_per_node`` of
     them sharing each node's link of ``rate_bps`` (None: no limit but alpha), when a step's forward,
     backward and optimizer maths take ``compute_s`` on one rank.
 
-    LAMB averages the gradient with one fp32 ring all-reduce over the world; a 1-bit optimizer does
-    the same in its warm-up and then exchanges its 1-bit momentum, over the world group or, with
-    ``node_groups``, over ``onebitlamb.comm.node_groups(ranks_per_node)``. Returns the step times
-    (``lamb_s``, ``warmup_s``, ``compression_s``), the bytes leaving one node per step (LAMB's and
-    the compression stage's) and the speed-ups: the compression step's, and the whole run's with a
-    fraction ``warmup_fraction`` of its steps in the warm-up. ``alpha_s``: one collective's fixed
-    cost (a tiny all-reduce); ``codec_s``: the 1-bit path's local work per step (default 0: not
-    modelled).
+    LAMB averages the gradient with one fp32 ring all-reduce over the world; a 1-bit optimizer
+    averages it in its warm-up in ``warmup_dtype`` (``node_warmup_collectives``: float32 as LAMB,
+    bfloat16 half the bytes, int8/int4/int2 the quantised average, which the optimizers refuse over
+    node groups: ValueError with ``node_groups``) and then exchanges its 1-bit momentum, over the
+    world group or, with ``node_groups``, over ``onebitlamb.comm.node_groups(ranks_per_node)``.
+    Returns the step times (``lamb_s``, ``warmup_s``, ``compression_s``), the bytes leaving one node
+    per step (LAMB's, the warm-up's and the compression stage's), the speed-ups: the compression
+    step's and the whole run's with a fraction ``warmup_fraction`` of its steps in the warm-up, and
+    ``volume_reduction``: the whole run's bytes leaving a node, LAMB's over the 1-bit optimizer's
+    (``volume_reduction(w, lamb/compression, warmup/lamb)``; NaN on one node, where none leave).
+    ``alpha_s``: one collective's fixed cost (a tiny all-reduce); ``codec_s``: the 1-bit path's
+    local work per compression step (default 0: not modelled; the quantised warm-up's local work is
+    not modelled either).
     """
     if ranks < 2 or ranks_per_node < 1 or ranks % ranks_per_node:
         raise ValueError(f"ranks ({ranks}) must be >= 2 and a multiple of ranks_per_node ({ranks_per_node})")
     nodes, d = ranks // ranks_per_node, params
     link = Link(rate_bps, alpha_s)
     lamb = node_warmup_collectives(d, nodes, ranks_per_node, hierarchical=False)
-    warmup = node_warmup_collectives(d, nodes, ranks_per_node, node_groups)
+    warmup = node_warmup_collectives(d, nodes, ranks_per_node, node_groups, warmup_dtype=warmup_dtype)
     compression = node_onebit_collectives(d, nodes, ranks_per_node, node_groups)
     lamb_s = predict_node_step(compute_s, lamb, link)
     warmup_s = predict_node_step(compute_s, warmup, link)
     compression_s = predict_node_step(compute_s, compression, link, codec_s=codec_s)
+    lamb_b, warmup_b, compression_b = (sum(c.node_bytes for c in cs) for cs in (lamb, warmup, compression))
+    speedup = end_to_end_speedup(lamb_s, warmup_s, compression_s, warmup_fraction)  # checks the fraction
+    volume = (volume_reduction(warmup_fraction, lamb_b / compression_b, warmup_b / lamb_b)
+              if lamb_b and compression_b else math.nan)
     return {"lamb_s": lamb_s, "warmup_s": warmup_s, "compression_s": compression_s,
-            "lamb_node_bytes": sum(c.node_bytes for c in lamb),
-            "compression_node_bytes": sum(c.node_bytes for c in compression),
-            "step_speedup": lamb_s / compression_s,
-            "end_to_end_speedup": end_to_end_speedup(lamb_s, warmup_s, compression_s, warmup_fraction)}
+            "lamb_node_bytes": lamb_b, "warmup_node_bytes": warmup_b, "compression_node_bytes": compression_b,
+            "step_speedup": lamb_s / compression_s, "end_to_end_speedup": speedup, "volume_reduction": volume}
 
 
 def _count(text: str) -> int:
@@ -278,6 +353,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-fraction", type=float, default=WARMUP_FRACTION,
                         help="share of the steps in the uncompressed warm-up (default %(default)s: the "
                              "earliest that AutoFreeze freezes 1-bit LAMB)")
+    parser.add_argument("--warmup-dtype", choices=WARMUP_DTYPES, default="float32",
+                        help="what the 1-bit warm-up's average sends, as the optimizers' warmup_dtype: a "
+                             "float32 or bfloat16 all-reduce, or the int8/int4/int2 quantised average (an "
+                             "all-to-all and an all-gather; world group only) (default %(default)s)")
     parser.add_argument("--alpha-ms", type=float, default=0.2,
                         help="fixed cost of one collective: time a one-element all-reduce (default %(default)s)")
     parser.add_argument("--codec-ms", type=float, default=0.0,
@@ -289,6 +368,10 @@ def run(args: argparse.Namespace) -> int:
     L = args.ranks_per_node
     exchanges = [("world group", False)] + ([(f"node_groups({L})", True)] if L > 1 else [])
     try:
+        if L > 1 and isinstance(warmup_format(args.warmup_dtype), BlockwiseCodec):
+            raise ValueError(f"--warmup-dtype {args.warmup_dtype} cannot go with --ranks-per-node {L}: above 1 the "
+                             f"node_groups({L}) exchange is estimated too, and the optimizers refuse a quantised "
+                             f"warm-up over node groups")
         if args.params < 1:
             raise ValueError(f"--params must be >= 1, got {args.params}")
         if min(args.compute_ms, args.alpha_ms, args.codec_ms) < 0:
@@ -296,22 +379,26 @@ def run(args: argparse.Namespace) -> int:
         rates = [parse_rate(r) for given in args.rates for r in given.split(",") if r.strip()]
         rows = [(rate, name, estimate(args.params, args.ranks, rate, args.compute_ms / 1e3, ranks_per_node=L,
                                       node_groups=hier, warmup_fraction=args.warmup_fraction,
-                                      alpha_s=args.alpha_ms / 1e3, codec_s=args.codec_ms / 1e3))
+                                      alpha_s=args.alpha_ms / 1e3, codec_s=args.codec_ms / 1e3,
+                                      warmup_dtype=args.warmup_dtype))
                 for rate in rates for name, hier in exchanges]
     except ValueError as e:
         print(f"onebitlamb estimate: {e}", file=sys.stderr)
         return 2
     print(f"{args.params:,} parameters on {args.ranks} ranks ({args.ranks // L} node(s) of {L}), "
           f"{args.compute_ms:g} ms compute per step, alpha {args.alpha_ms:g} ms, "
-          f"{100 * args.warmup_fraction:g}% of the steps in the warm-up:\n")
+          f"{100 * args.warmup_fraction:g}% of the steps in the warm-up, warm-up average in {args.warmup_dtype}:\n")
     print("| link | 1-bit exchange over | LAMB step ms | 1-bit warm-up step ms | 1-bit compression step ms "
-          "| step speed-up | whole-run speed-up | MB/step leaving a node: LAMB / 1-bit |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+          "| step speed-up | whole-run speed-up | MB/step leaving a node: LAMB / 1-bit warm-up / 1-bit compression "
+          "| whole-run bytes: LAMB / 1-bit |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for rate, name, e in rows:
+        volume = "n/a" if math.isnan(e["volume_reduction"]) else f"{e['volume_reduction']:.2f}x"
         print(f"| {rate_label(rate) if rate else 'no limit'} | {name} | {1e3 * e['lamb_s']:.1f} "
               f"| {1e3 * e['warmup_s']:.1f} | {1e3 * e['compression_s']:.1f} | {e['step_speedup']:.2f}x "
               f"| {e['end_to_end_speedup']:.2f}x "
-              f"| {e['lamb_node_bytes'] / 1e6:.2f} / {e['compression_node_bytes'] / 1e6:.3f} |")
+              f"| {e['lamb_node_bytes'] / 1e6:.2f} / {e['warmup_node_bytes'] / 1e6:.2f} "
+              f"/ {e['compression_node_bytes'] / 1e6:.3f} | {volume} |")
     print("\nAn alpha-beta model (onebitlamb.comm.costmodel): each collective costs alpha plus its bytes "
           "at the link rate with TCP/IP framing; links are full duplex, a node's ranks share its link. "
           "It ignores overlap with the backward and the links' contention beyond that.")
