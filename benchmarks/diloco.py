@@ -37,7 +37,8 @@ The bytes and rounds are each worker's, counted as the library counts its float3
 for ``d`` parameters, LAMB's bytes of one step. A folder that holds metrics.json of the same
 settings is reused (``--overwrite`` runs it again); ``--lamb`` runs (or reuses) ``onebitlamb
 pretrain --optimizer lamb`` with the same flags in OUT/PRESET/SEED/lamb, the folder
-``benchmarks.convergence`` uses, and puts it beside the grid. ``render`` makes a markdown section
+``benchmarks.convergence`` uses (with ``--out runs/convergence``, its finished LAMB run of the
+same settings is the one reused), and puts it beside the grid. ``render`` makes a markdown section
 of any such runs, for a whole-run comparison script to write with ``benchmarks.report.write_section``;
 this script writes one only into the file ``--results`` names.
 """
@@ -65,7 +66,7 @@ import torch.distributed as dist
 import onebitlamb
 from onebitlamb.comm import CommStats, allreduce_mean_
 from onebitlamb.train import data, files, plots, runlog
-from onebitlamb.train.config import PRESETS, SetupError, TrainConfig, add_arguments, changed_settings, config_from_args
+from onebitlamb.train.config import SetupError, TrainConfig, add_arguments, changed_settings, config_from_args
 from onebitlamb.train.loop import clip_gradients, forward_backward, param_groups, prepare_corpus
 from onebitlamb.train.metrics import evaluate_mlm
 from onebitlamb.train.model import build_model
@@ -122,6 +123,7 @@ class DiLoCo:
         self.comm_stats = CommStats()
         self.since_sync = 0  # inner steps since the last sync
         self.syncs = 0
+        self.failed = False  # an inner step of this rank failed since the last sync
 
     @property
     def numel(self) -> int:
@@ -129,20 +131,22 @@ class DiLoCo:
 
     def step(self, sync: bool = False, finite: bool = True) -> bool:
         """One inner step is done; sync when it is the H-th since the last sync (or ``sync``).
-        ``finite=False``: this rank's inner step failed (its model is lost); it still joins the
-        sync, sending NaN, so that every rank stops there alike. Returns whether it synced."""
+        ``finite=False``: this rank's inner step failed (its model is lost); it goes on to the next
+        sync, which every rank reaches at the same step, and sends NaN there, so that every rank
+        stops at that sync alike. Returns whether this step synced."""
         self.since_sync += 1
-        if not (sync or not finite or self.since_sync >= self.H):
+        self.failed = self.failed or not finite
+        if not (sync or self.since_sync >= self.H):
             return False
-        self.sync(finite)
+        self.sync()
         return True
 
     @torch.no_grad()
-    def sync(self, finite: bool = True) -> None:
+    def sync(self) -> None:
         """The outer step, on every rank alike; FloatingPointError on every rank when the averaged
         outer gradient is not finite (on any rank), the parameters left as they were."""
         outer_grad = self.anchor - flatten(self.params)
-        if not finite:
+        if self.failed:
             outer_grad.fill_(math.nan)
         allreduce_mean_(outer_grad, self.process_group, self.comm_stats)  # one float32 all-reduce, counted
         if not bool(torch.isfinite(outer_grad).all()):
@@ -241,7 +245,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, settings: Settings) -> d
     error = evaluate(0)
     if log is not None and error is None:
         log.report(0)
-    t_wall0 = time.perf_counter()
+    t_wall0, failed = time.perf_counter(), None
     for step in range(cfg.steps if error is None else 0):
         t0 = time.perf_counter()
         inputs, labels = data.rank_batch(corpus, step, rank, world, cfg.global_batch, cfg.seed, cfg.mask_prob)
@@ -249,14 +253,14 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, settings: Settings) -> d
         if cfg.clip > 0:
             clip_gradients(model, cfg.clip)
         lr = scheduler.get_last_lr()[0]
-        failed = None
+        finite = True
         try:
             inner.step()  # this rank alone
-        except FloatingPointError as exc:  # its skips in a row: it joins the sync with NaN
-            failed = f"rank {rank}, step {step + 1}: {exc}"
+        except FloatingPointError as exc:  # its skips in a row: it sends NaN at the next sync
+            finite, failed = False, failed or f"rank {rank}, step {step + 1}: {exc}"
         scheduler.step()
         try:
-            synced = diloco.step(sync=step + 1 == cfg.steps, finite=failed is None)
+            synced = diloco.step(sync=step + 1 == cfg.steps, finite=finite)
         except FloatingPointError as exc:
             error = failed or f"step {step + 1}: {exc}"
             break
@@ -458,7 +462,8 @@ def render(runs: Dict[str, dict], command: str, reference: str = "lamb") -> str:
     ref = runs.get(reference)
     first = next(iter(runs.values()))
     lines = [*heading(TITLE, command),
-             f"{first['steps']} steps of {first['samples'] // first['steps']} samples on {first['world_size']} workers, "
+             f"{first['steps']} steps of {first['samples'] // first['steps']} samples on {first['world_size']} "
+             f"workers, "
              f"seed {first['config']['seed']}, preset {first['config']['preset']}. DiLoCo: each worker's own LAMB "
              f"(the main job's lr and schedule) for H steps, then the workers' parameter change averaged (one float32 "
              f"all-reduce) and stepped by SGD with Nesterov momentum; the held-out loss is the synced model's. Gap: "
@@ -505,7 +510,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if any(h < 1 for h in args.H):
         parser.error(f"--H must be at least 1, got {args.H}")
     if not args.outer_lr > 0 or not 0 <= args.outer_momentum < 1:
-        parser.error(f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {args.outer_lr}, {args.outer_momentum}")
+        parser.error(f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {args.outer_lr}, "
+                     f"{args.outer_momentum}")
     try:
         probe = config_from_args(args, optimizer="lamb", out=os.path.join(args.out, "probe"))
         root = run_root(args.out, probe, args.steps is not None)

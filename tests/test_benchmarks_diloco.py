@@ -64,7 +64,19 @@ def _on_ranks(rank: int, world: int) -> dict:
         after.append(_vector(model))
     lamb = {"after": after, "synced": synced, "syncs": state.syncs, "numel": state.numel,
             "stats": state.comm_stats.state_dict(), "inner_stats": inner.comm_stats.state_dict()}
-    return {"sgd": sgd, "lamb": lamb}
+
+    model = _model()  # a failed inner step on rank 1 only, at step 1 of 2: both ranks stop at the sync
+    state = DiLoCo(model.parameters(), 2)
+    stopped = []
+    for step in range(3):
+        try:
+            state.step(finite=not (rank == 1 and step == 0))
+        except FloatingPointError:
+            stopped.append(step + 1)
+            break
+    failure = {"stopped": stopped, "untouched": torch.equal(_vector(model), _vector(_model())),
+               "bytes": state.comm_stats.bytes_sent}
+    return {"sgd": sgd, "lamb": lamb, "failure": failure}
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +145,12 @@ def test_bytes_per_sync_are_one_float32_ring_allreduce_and_the_inner_steps_send_
         assert lamb["stats"] == {"bytes_sent": 3 * per_sync, "calls": 3, "bytes_by_op": {"all_reduce": 3 * per_sync},
                                  "rounds_by_op": {"all_reduce": 3}}
         assert lamb["inner_stats"]["bytes_sent"] == 0 and lamb["inner_stats"]["calls"] == 0
+
+
+def test_a_failed_inner_step_on_one_rank_stops_every_rank_at_the_next_sync(ranks):
+    d = sum(p.numel() for p in _model().parameters())
+    for out in ranks:
+        assert out["failure"] == {"stopped": [2], "untouched": True, "bytes": 2 * (WORLD - 1) * 4 * d // WORLD}
 
 
 def test_synced_parameters_lends_the_last_sync_and_gives_this_ranks_back_bit_for_bit():
