@@ -35,6 +35,11 @@ from onebitlamb.optim.overlap import BackwardOverlap
 
 ProcessGroupLike = Union[dist.ProcessGroup, NodeGroups, None]
 
+# The three exchanges a step can run (its *stage*, named by the optimizer's phase): the gradients'
+# full-precision average; the 1-bit all-reduce of what the phase sends; nothing but the agreed
+# check that every rank's gradient is finite (0/1 Adam's local steps).
+WARMUP, COMPRESSION, LOCAL = "warmup", "compression", "local"
+
 
 def check_bucket_cap(bucket_cap_mb: Optional[float]) -> None:
     if bucket_cap_mb is None:
@@ -73,10 +78,12 @@ class Exchange:
     ``comm_stats`` (bytes and rounds so far), ``buckets`` (after the first step), ``ddp_link``
     and :meth:`no_sync`.
 
-    The optimizer binds its rule at its first step (:meth:`bind`): ``gather(grads, bucket)``
-    copies this rank's gradients into the flat buffer, ``momentum(bucket)`` forms the bucket's
-    momentum to compress. Both are held weakly, so that an optimizer dropped by its user goes at
-    once and the hooks on its parameters fall silent.
+    :meth:`run` does a step's exchange and returns what it averaged. The optimizer binds its state
+    at its first step (:meth:`bind`) with one function, ``payload(bucket, out)``: what the bucket
+    sends through the 1-bit all-reduce (its phase's: ``phases.py``), the one thing only the
+    optimizer knows, which a bucket sent behind the backward needs before ``step()``. It is held
+    weakly, so that an optimizer dropped by its user goes at once and the hooks on its
+    parameters fall silent.
     """
 
     def __init__(self, owner: str, process_group: ProcessGroupLike, *, warmup_dtype: Union[str, WireFormat],
@@ -105,7 +112,9 @@ class Exchange:
 
     def _init_runtime(self) -> None:
         """What binds this object to a running job: the hooks, the thread, its process group."""
-        self._gather_ref = self._momentum_ref = None
+        self._payload_ref = None
+        self._negate = False  # maximize: the gradients' sign flipped as they are gathered
+        self._sent: Optional[torch.Tensor] = None  # the buckets' padded regions: sent, then their averages
         self._layout: Optional[FlatLayout] = None
         self._flat: Optional[Dict[str, Any]] = None
         self._scratch: Optional[Scratch] = None
@@ -176,13 +185,14 @@ class Exchange:
 
     # ------------------------------------------------------------------ binding
     def bind(self, layout: FlatLayout, flat: Dict[str, Any], scratch: Scratch,
-             gather: Callable[[torch.Tensor, Optional[Bucket]], None],
-             momentum: Callable[[Bucket], torch.Tensor]) -> None:
-        """At the optimizer's first step (and the first after a load): the buckets of the state, and
-        the hooks that start them behind the backward."""
+             payload: Callable[[Bucket, torch.Tensor], None], *, negate: bool = False) -> None:
+        """At the optimizer's first step (and the first after a load): the buckets of the state, what
+        they send (``payload``, a bound method, held weakly), whether the gradients are gathered
+        negated (``maximize``), and the hooks that start the buckets behind the backward."""
         self._layout, self._flat, self._scratch = layout, flat, scratch
-        self._gather_ref, self._momentum_ref = weakref.WeakMethod(gather), weakref.WeakMethod(momentum)
+        self._payload_ref, self._negate = weakref.WeakMethod(payload), negate
         self.buckets = plan_buckets(flat["buckets"], self.world_size, self.local_size)
+        self._sent = torch.zeros(buffer_sizes(self.buckets)[0], dtype=torch.float32, device=layout.device)
         if self._overlap is not None and self._group is None:  # collective: every rank agreed on the overlap
             self._group = duplicate_group(self.process_group)
         if self._overlap is not None:
@@ -220,16 +230,24 @@ class Exchange:
         return 0 if self._overlap is None else self._overlap.started
 
     # ------------------------------------------------------------------ the step's exchange
-    def run(self, grads: torch.Tensor, compressing: bool, first: bool, exchange: bool = True) -> bool:
-        """The step's exchange, after the backward: the warm-up's average into ``grads``, or the
-        compressed all-reduce of each bucket's momentum into the communication buffer
-        (``exchange=False``: a local step of 0/1 Adam, which only agrees that every gradient is
-        finite). Returns whether every rank's gradient was finite (else the step is skipped on
-        every rank)."""
+    def run(self, grads: torch.Tensor, stage: str, first: bool) -> Optional[List[torch.Tensor]]:
+        """The step's exchange, after the backward, as ``stage`` names it (``phases.py``): this rank's
+        gradients gathered into ``grads``, then ``"warmup"``: their average, in ``grads``;
+        ``"compression"``: the 1-bit all-reduce of each bucket's payload, whose averages (still
+        scaled as the payload scaled them) come back, one per bucket; ``"local"``: nothing but the
+        check. Returns None when some rank's gradient was not finite (the step is then skipped on
+        every rank), else the buckets' averages (empty when nothing compressed was exchanged, or
+        with one process)."""
         self._exchanged_behind_backward = False
+        compressing = stage != WARMUP
         if self._overlap is not None and not first:
-            return self._finish_overlapped(grads, compressing)
-        return self._serial(grads, compressing, first, exchange)
+            finite = self._finish_overlapped(grads, compressing)
+        else:
+            finite = self._serial(grads, compressing, first, stage == COMPRESSION)
+        if not finite:
+            return None
+        exchanged = stage == COMPRESSION and self.world_size > 1
+        return [self._sent[b.comm][:b.numel] for b in self.buckets] if exchanged else []
 
     def undo_backward_exchanges(self) -> None:
         """The errors as they were before this step's exchanges behind the backward (a step refused
@@ -241,10 +259,20 @@ class Exchange:
             self._exchanged_behind_backward = False
 
     def _gather(self, grads: torch.Tensor, bucket: Optional[Bucket] = None) -> None:
-        self._gather_ref()(grads, bucket)
+        """This rank's gradients (of ``bucket``, else all) into the flat buffer, as the update
+        descends: negated under ``maximize``."""
+        start, end = (0, self._layout.numel) if bucket is None else (bucket.start, bucket.end)
+        self._layout.gather_grads(grads, self.owner, start, end)
+        if self._negate:
+            grads[start:end].neg_()
 
-    def _momentum(self, bucket: Bucket) -> torch.Tensor:
-        return self._momentum_ref()(bucket)
+    def _payload(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's padded region of the send buffer, its padding zeroed (the previous exchange
+        left values there) and its first ``numel`` elements filled by the optimizer's payload."""
+        region = self._sent[bucket.comm]
+        region[bucket.numel:].zero_()
+        self._payload_ref()(bucket, region[:bucket.numel])
+        return region
 
     def _serial(self, grads: torch.Tensor, compressing: bool, first: bool, exchange: bool = True) -> bool:
         self._gather(grads)
@@ -262,7 +290,7 @@ class Exchange:
         finite = agreed_finite(grads, spanning, self.comm_stats, averaged=not compressing)
         if finite and compressing and exchange and self.world_size > 1:
             for b in self.buckets:
-                self._exchange_bucket(b, self._momentum(b), self.process_group)
+                self._exchange_bucket(b, self._payload(b), self.process_group)
         return finite
 
     def _exchange_bucket(self, b: Bucket, momentum: torch.Tensor, group: ProcessGroupLike) -> None:
@@ -281,7 +309,7 @@ class Exchange:
         self._gather(grads, b)
         self._marks[k] = _grad_marks(lay, b)
         if "worker_error" in flat:  # after the freeze
-            buf = self._momentum(b)  # formed here, on the hook's thread; sent on the exchange thread
+            buf = self._payload(b)  # formed here, on the hook's thread; sent on the exchange thread
             scratch.buffer("worker_backup", flat["worker_error"].numel())[b.worker].copy_(flat["worker_error"][b.worker])
             scratch.buffer("server_backup", flat["server_error"].numel())[b.server].copy_(flat["server_error"][b.server])
             failures = self._failures
@@ -335,7 +363,7 @@ class Exchange:
                 b = self.buckets[k]
                 self._failures.pop(k, None)
                 self._restore_errors(b)
-                self._exchange_bucket(b, self._momentum(b), self._group)
+                self._exchange_bucket(b, self._payload(b), self._group)
             self._exchanged_behind_backward = True  # every bucket's errors were kept before its exchange
             if self._failures:
                 failure = next(iter(self._failures.values()))
