@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 
 from onebitlamb.comm import collectives as flat
+from onebitlamb.comm import quantized
 from onebitlamb.comm.hierarchy import NodeGroups
 from onebitlamb.comm.stats import CommStats
+from onebitlamb.compression.blockwise import INT8, BlockwiseCodec
 from onebitlamb.compression.wire import FLOAT32, WireFormat
 
 Group = Union[dist.ProcessGroup, NodeGroups, None]
@@ -87,3 +89,15 @@ def compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor, serve
     if isinstance(group, NodeGroups):
         return group.compressed_allreduce(buffer, worker_error, server_error, stats, fused=fused)
     return flat.compressed_allreduce(buffer, worker_error, server_error, group, stats, fused=fused)
+
+
+def quantized_average_(values: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+                       group: Group = None, stats: Optional[CommStats] = None,
+                       codec: Union[str, int, BlockwiseCodec] = INT8) -> torch.Tensor:
+    """The error-compensated blockwise-quantised average of ``values`` over a process group
+    (``quantized.quantized_average_``: the arguments and the maths). Node groups have no
+    hierarchical version of it yet: a ``NodeGroups`` is refused (TypeError)."""
+    if isinstance(group, NodeGroups):
+        raise TypeError("quantized_average_ runs over a process group; it has no hierarchical version for node "
+                        "groups yet (pass their spanning group, the world, for the flat one)")
+    return quantized.quantized_average_(values, worker_error, server_error, group, stats, codec)

@@ -6,6 +6,13 @@ float32 buffer (``decode_``): float32 sends the buffer itself, bfloat16 a rounde
 the bytes, summed and divided in bfloat16 (its rounding is not carried into the next step:
 ``docs/optimizers.md`` measures what that costs). Chosen once, by name or dtype, at construction
 (``wire_format``); the name is what a saved state records.
+
+The quantised average is the third kind (``compression.blockwise``: ``INT8``, ``INT4``, ``INT2``),
+which keeps error buffers and runs its own collective (``comm.quantized_average_``).
+``warmup_format`` resolves every name, ``"float32"`` to ``"int2"``; ``wire_format`` (what the
+optimizers resolve ``warmup_dtype`` with) still takes only the two float formats, until the exchange
+gives the quantised average its error buffers. Every format says what it costs on the wire:
+``bytes_per_element`` and ``wire_bytes(numel)``.
 """
 from __future__ import annotations
 
@@ -13,6 +20,8 @@ from dataclasses import dataclass
 from typing import Dict, Union
 
 import torch
+
+from onebitlamb.compression.blockwise import CODECS, BlockwiseCodec
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,15 @@ class WireFormat:
     def decode_(self, averaged: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` <- the averaged wire tensor (nothing to do when it is ``out`` itself)."""
         return out if averaged is out else out.copy_(averaged)
+
+    @property
+    def bytes_per_element(self) -> int:
+        """Wire bytes an element: the dtype's size."""
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    def wire_bytes(self, numel: int) -> int:
+        """Bytes ``numel`` elements take in this format."""
+        return numel * self.bytes_per_element
 
 
 FLOAT32 = WireFormat("float32", torch.float32)
@@ -43,3 +61,18 @@ def wire_format(value: Union[str, torch.dtype, WireFormat]) -> WireFormat:
         if value == f.name or value == f.dtype:
             return f
     raise ValueError(f"Invalid warmup_dtype: {value!r} (must be torch.float32 or torch.bfloat16, or their names)")
+
+
+def warmup_format(value: Union[str, torch.dtype, WireFormat, BlockwiseCodec]) -> Union[WireFormat, BlockwiseCodec]:
+    """Any format the warm-up's average can travel in: a float ``WireFormat`` (by name or dtype, as
+    ``wire_format``) or a ``BlockwiseCodec`` (by name: ``"int8"``, ``"int4"``, ``"int2"``); ValueError
+    naming the value and every accepted name otherwise."""
+    if isinstance(value, (WireFormat, BlockwiseCodec)):
+        return value
+    if isinstance(value, str) and value in CODECS:
+        return CODECS[value]
+    try:
+        return wire_format(value)
+    except ValueError:
+        names = ", ".join([*WIRE_FORMATS, *CODECS])
+        raise ValueError(f"Invalid warm-up format: {value!r} (must be one of {names})") from None

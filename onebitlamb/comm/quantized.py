@@ -1,0 +1,155 @@
+"""The warm-up's quantised average: a two-phase all-reduce of k-bit blockwise codes with error
+feedback (``compression.blockwise``), the shape of the 1-bit ``collectives.compressed_allreduce``.
+
+For ``n`` ranks each holding ``values_i`` of ``d`` elements, ``D = padded_size(d, n)`` (the 1-bit
+all-reduce's padding: a multiple of ``8n``) cut into ``n`` chunks of ``c = D/n``, each a segment of
+blocks of its own::
+
+    worker  y_i = values_i + e_w (zero-padded to D)    codes q_i, steps s_i of each chunk; e_w = y_i - q_i s_i
+    (all-to-all: chunk j of every rank's codes and steps goes to rank j)
+    server  z_j = e_s + sum_i q_i (s_i / n)            (chunk j; float32, in rank order)
+            codes q'_j, steps s'_j of z_j;              e_s = z_j - q'_j s'_j
+    (all-gather of every server's codes' and steps')
+    result  chunk j = q'_j s'_j, decoded by every rank from the same bytes: bit-identical everywhere
+
+The worker error has ``d`` elements (its padding would always be 0), the server error ``c``
+(``quantized_error_sizes``). Flat process groups only: this module knows nothing of node groups.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from onebitlamb.comm import collectives as flat
+from onebitlamb.comm.stats import GLOBAL_STATS, CommStats, all_gather_bytes, all_to_all_bytes
+from onebitlamb.compression.blockwise import INT8, BlockwiseCodec, blockwise_codec
+
+
+def quantized_error_sizes(numel: int, world_size: int) -> Tuple[int, int]:
+    """``(worker, server)``: the elements of the two error buffers ``quantized_average_`` keeps for a
+    tensor of ``numel`` elements over ``world_size`` ranks: ``(numel, padded_size(numel, n) / n)``, on
+    one rank too (where nothing is sent and they are never touched)."""
+    D = flat.padded_size(numel, world_size)  # checks both arguments
+    return numel, D // world_size
+
+
+def quantized_wire_bytes(numel: int, world_size: int, codec: Union[str, int, BlockwiseCodec] = INT8) -> int:
+    """Bytes a rank sends in one ``quantized_average_`` of ``numel`` elements over ``world_size`` ranks,
+    as ``CommStats`` counts them: ``2 (n-1)`` messages of ``codec.wire_bytes(c)``, ``c = D/n`` (0 on one
+    rank or for an empty tensor)."""
+    codec = blockwise_codec(codec)
+    _, c = quantized_error_sizes(numel, world_size)
+    if world_size == 1 or numel == 0:
+        return 0
+    return 2 * (world_size - 1) * codec.wire_bytes(c)
+
+
+def _check(values: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, n: int) -> None:
+    for name, t in (("values", values), ("worker_error", worker_error), ("server_error", server_error)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32 (the quantised average works on float32 buffers), got {t.dtype}")
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)}")
+        if t.device != values.device:
+            raise ValueError(f"values, worker_error and server_error must be on one device, got {values.device} "
+                             f"and {t.device} ({name})")
+    worker, server = quantized_error_sizes(values.numel(), n)
+    if worker_error.numel() != worker or server_error.numel() != server:
+        raise ValueError(f"with {n} ranks and {values.numel()} values, worker_error must have {worker} elements and "
+                         f"server_error {server} (quantized_error_sizes({values.numel()}, {n})); got "
+                         f"{worker_error.numel()} and {server_error.numel()}")
+
+
+def _message(codes: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Rows of ``[steps as 4-byte floats | packed codes]``, one per segment."""
+    return torch.cat([steps.contiguous().view(torch.uint8), codes], dim=1)
+
+
+def _read(codec: BlockwiseCodec, messages: torch.Tensor, c: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, steps)`` of each row of ``messages``: the inverse of ``_message``."""
+    head = 4 * codec.num_blocks(c)
+    steps = messages[:, :head].contiguous().view(torch.float32)  # a copy: aligned for float32
+    return messages[:, head:], steps
+
+
+def _bad_rows(steps: torch.Tensor):
+    return torch.nonzero(~torch.isfinite(steps).all(dim=1)).flatten().tolist()
+
+
+def quantized_average_(values: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+                       group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None,
+                       codec: Union[str, int, BlockwiseCodec] = INT8) -> torch.Tensor:
+    """The error-compensated blockwise-quantised average of ``values`` over the group, in place.
+
+    Args:
+        values: 1-D float32, any size ``d``; overwritten with the average, bit-identical on every rank.
+        worker_error: this rank's worker error, ``d`` elements (``quantized_error_sizes``); updated.
+        server_error: this rank's server error, ``padded_size(d, n) / n`` elements; updated.
+        group: the process group (default: the world).
+        stats: where the bytes sent are recorded (default: ``onebitlamb.comm.GLOBAL_STATS``), as
+            ``"all_to_all"`` and ``"all_gather"``, as the 1-bit all-reduce records them.
+        codec: a ``BlockwiseCodec``, its name (``"int8"``, ``"int4"``, ``"int2"``) or its bits.
+
+    Two collectives, as ``compressed_allreduce``: an ``all_to_all_single`` giving rank ``j`` chunk
+    ``j`` of every rank's codes (each message its chunk's float32 steps followed by its packed codes),
+    then an all-gather of every server's message. The server sums the decoded chunks in float32,
+    in rank order, each element ``q * (step / n)``. Bytes a rank sends: ``quantized_wire_bytes``.
+
+    Raises ``FloatingPointError`` on every rank alike when any rank's ``values + worker_error`` holds
+    a NaN or an infinity (or overflows float32), or a server's sum overflows float32, leaving
+    ``values`` and every rank's errors as they were (the optimizer agrees on finite gradients before
+    an exchange; this is the backstop, as in the 1-bit all-reduce). With one rank, no initialised
+    process group, or ``d = 0``: nothing is sent and ``values`` is returned unchanged.
+    """
+    codec = blockwise_codec(codec)
+    n = flat.world_size_of(group)
+    _check(values, worker_error, server_error, n)
+    d = values.numel()
+    if n == 1 or d == 0:
+        return values
+    stats = stats or GLOBAL_STATS
+    D = flat.padded_size(d, n)
+    c = D // n
+
+    # Worker: y = values + e_w over the padded buffer; each chunk a segment of blocks.
+    y = torch.zeros(D, dtype=torch.float32, device=values.device)
+    torch.add(values, worker_error, out=y[:d])
+    codes, steps = codec.quantize_(y.view(n, c))  # y now holds the new worker error, if finite
+    if not bool(torch.isfinite(steps).all()):
+        steps.fill_(float("nan"))  # every server sees this rank's failure, whichever chunk holds it
+    send = _message(codes, steps)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    stats.record("all_to_all", all_to_all_bytes(send.numel(), n))
+    worker_codes, worker_steps = _read(codec, recv, c)
+    bad = _bad_rows(worker_steps)
+    if bad:
+        raise FloatingPointError(f"quantized_average_: the values (plus worker error) of rank(s) {bad} hold NaN "
+                                 f"or infinite values, or overflowed float32")
+
+    # Server: z = e_s + the average of this chunk of every rank's decoded values; quantise again.
+    z = server_error.clone()
+    scaled = worker_steps / n
+    for i in range(n):
+        z.add_(codec.decode(worker_codes[i:i + 1], scaled[i:i + 1], c)[0])
+    server_codes, server_steps = codec.quantize_(z)  # z now holds the new server error, if finite
+    if not bool(torch.isfinite(server_steps).all()):
+        server_steps.fill_(float("nan"))
+    mine = _message(server_codes, server_steps)[0]
+    result = torch.empty(n, mine.numel(), dtype=torch.uint8, device=values.device)
+    flat._all_gather_single(result.view(-1), mine, group=group)
+    stats.record("all_gather", all_gather_bytes(mine.numel(), n))
+    result_codes, result_steps = _read(codec, result, c)
+    bad = _bad_rows(result_steps)
+    if bad:
+        raise FloatingPointError(f"quantized_average_: the server sum of chunk(s) {bad} overflowed float32")
+
+    # Every check passed on every rank: commit the errors, decode the result.
+    worker_error.copy_(y[:d])
+    server_error.copy_(z)
+    values.copy_(codec.decode(result_codes, result_steps, c).reshape(-1)[:d])
+    return values
