@@ -12,7 +12,9 @@ on ``m`` when
   chunks again.
 
 0/1 Adam's local momentum and update sum (``"rank_local"``), which differ between its syncs,
-become their mean over the old ranks on every new rank: what the next sync averages.
+become their mean over the old ranks on every new rank: what the next sync averages. The
+quantised warm-up average's errors (``warmup_dtype="int8"``, ...) are re-sharded by the same two
+rules: the mean of the workers' errors on every new worker, the servers' chunks joined and cut again.
 
 Both errors are cut to the model's ``d`` elements and padded with zeros to the new ``D``: the padding
 never reaches a parameter. The same holds bucket by bucket (``overlap_with_backward``) and between
@@ -67,11 +69,16 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int,
     if per_rank:  # bucket by bucket, each with its own padding: the two vectors, in the averaged domain
         corrections = [_mean_worker_error(flats, b, old_local) for b in old]
         servers = [_server_vector(flats, b, old_local) for b in old]
+    if "warmup_worker_error" in flats[0]:  # flat groups only: the worker error covers the d elements
+        warmup_correction = torch.stack([f["warmup_worker_error"].double().cpu() for f in flats]).mean(dim=0)
+        warmup_correction = warmup_correction.float().to(flats[0]["warmup_worker_error"].device)
+        warmup_servers = [_server_vector(flats, b, 1, "warmup_server_error") for b in plan_buckets(ranges, n, 1)]
     out = []
     for rank in range(world_size):
         sd = copy.deepcopy({k: v for k, v in state_dicts[0].items() if k != "state"})
         # (rank 0's checksum of its parameters is no new rank's: a re-sharded state is not checked)
-        flat = {k: v for k, v in flats[0].items() if k not in ("worker_error", "server_error", PARAMETERS)}
+        flat = {k: v for k, v in flats[0].items() if k not in ("worker_error", "server_error", "warmup_worker_error",
+                                                                "warmup_server_error", PARAMETERS)}
         flat = copy.deepcopy(flat)
         flat["world_size"], flat["rank"], flat["local_size"] = world_size, rank, local_size
         for key in flats[0].get("rank_local", ()):  # 0/1 Adam between syncs: what the next sync averages
@@ -88,7 +95,10 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int,
                 worker[b.worker] = _worker_part(whole, rank, local_size)
                 server[b.server] = _server_part(summed, rank, world_size, local_size)
             flat["worker_error"], flat["server_error"] = worker, server
-        # every state holding errors has frozen: the saved form needs no templates
+        if "warmup_worker_error" in flats[0] and world_size > 1:
+            flat["warmup_worker_error"] = warmup_correction.clone()
+            flat["warmup_server_error"] = _warmup_server_part(warmup_servers, ranges, rank, world_size)
+        # a state re-sharded here is loaded with load_state_dict, which needs no templates
         key = next(iter(state_dicts[0]["state"]))
         sd["state"] = {key: flat if key == "flat" else to_saved(flat, compresses=False, fresh_variance=False)}
         out.append(sd)
@@ -124,10 +134,24 @@ def _mean_worker_error(flats: List[Dict[str, Any]], b: Bucket, L: int) -> torch.
     return (total / (len(flats) // L)).float()
 
 
-def _server_vector(flats: List[Dict[str, Any]], b: Bucket, L: int) -> torch.Tensor:
-    """The servers' errors joined into one vector over the bucket's padded buffer."""
+def _server_vector(flats: List[Dict[str, Any]], b: Bucket, L: int, key: str = "server_error") -> torch.Tensor:
+    """The servers' errors (``key``) joined into one vector over the bucket's padded buffer."""
     padded = b.comm.stop - b.comm.start
     vector = torch.zeros(padded, dtype=torch.float32)
     for rank, f in enumerate(flats):
-        _server_part(vector, rank, len(flats), L).copy_(f["server_error"][b.server].cpu())
+        _server_part(vector, rank, len(flats), L).copy_(f[key][b.server].cpu())
     return vector
+
+
+def _warmup_server_part(vectors: List[torch.Tensor], ranges: Sequence[Sequence[int]], rank: int,
+                        world_size: int) -> torch.Tensor:
+    """New rank ``rank``'s server error of the quantised warm-up: each bucket's joined vector cut to
+    the bucket's elements, padded to its new size, and this rank's chunk of it."""
+    new = plan_buckets(ranges, world_size, 1)
+    _, _, size = buffer_sizes(new)
+    out = torch.zeros(size, dtype=torch.float32, device=vectors[0].device if vectors else "cpu")
+    for b, vector in zip(new, vectors):
+        padded = torch.zeros(b.comm.stop - b.comm.start, dtype=torch.float32)
+        padded[:b.numel] = vector[:b.numel]
+        out[b.server] = _server_part(padded, rank, world_size, 1)
+    return out

@@ -24,11 +24,13 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from onebitlamb.comm import (CommStats, NodeGroups, average_, compressed_allreduce, duplicate_group, spanning_group,
+from onebitlamb.comm import (CommStats, NodeGroups, average_, compressed_allreduce, duplicate_group,
+                             quantized_average_, spanning_group,
                              world_size_of)
 from onebitlamb.comm.groups import check_spans_world
 from onebitlamb.compression.packing import fused_codec
-from onebitlamb.compression.wire import WireFormat, wire_format
+from onebitlamb.compression.blockwise import BlockwiseCodec
+from onebitlamb.compression.wire import WireFormat, warmup_format
 from onebitlamb.optim.checks import agreed_finite, any_rank, locally_finite, refuse_averaged_gradients
 from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, bucket_ranges, buffer_sizes, plan_buckets
 from onebitlamb.optim.overlap import BackwardOverlap
@@ -102,7 +104,9 @@ class Exchange:
         self.agree_every = agree_every
         self.owner = owner
         self.process_group = process_group
-        self.wire = wire_format(warmup_dtype)
+        self.wire = warmup_format(warmup_dtype)
+        if self.quantizes_warmup:
+            self._check_quantized_warmup(process_group, overlap_with_backward)
         self.bucket_cap_mb = bucket_cap_mb
         self.overlap_with_backward = overlap_with_backward
         self.comm_stats = CommStats()
@@ -142,16 +146,34 @@ class Exchange:
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
         if "warmup_dtype" in state:  # pickled before the wire format was an object
-            state["wire"] = wire_format(state.pop("warmup_dtype"))
+            state["wire"] = warmup_format(state.pop("warmup_dtype"))
         state.setdefault("fused", None)
         self.__dict__.update(state)
         self.process_group, self.overlap_with_backward, self.ddp_link = None, False, None
         self._init_runtime()
 
     @property
-    def warmup_dtype(self) -> torch.dtype:
-        """The dtype the warm-up's average travels in (``wire``, a ``compression.wire.WireFormat``)."""
-        return self.wire.dtype
+    def warmup_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the warm-up's average travels in (``wire``, a ``compression.wire.WireFormat``);
+        None for a quantised warm-up (``wire`` a ``compression.blockwise.BlockwiseCodec``), whose
+        codes are packed bits with a float32 step per block."""
+        return None if self.quantizes_warmup else self.wire.dtype
+
+    @property
+    def quantizes_warmup(self) -> bool:
+        """Whether the warm-up's average is the quantised one (``warmup_dtype="int8"``, ...): error
+        feedback, so the state holds its errors from the first step (``new_warmup_error_buffers``)."""
+        return isinstance(self.wire, BlockwiseCodec)
+
+    def _check_quantized_warmup(self, process_group: ProcessGroupLike, overlap_with_backward: bool) -> None:
+        name = self.wire.name
+        if isinstance(process_group, NodeGroups):
+            raise ValueError(f"Invalid warmup_dtype: {name!r} with node_groups(): the quantised warm-up average runs "
+                             f"over a flat process group only; use warmup_dtype='float32' or 'bfloat16' there")
+        if overlap_with_backward:
+            raise ValueError(f"Invalid warmup_dtype: {name!r} with overlap_with_backward=True: the quantised warm-up "
+                             f"average first agrees that every rank's gradient is finite, which needs the whole "
+                             f"gradient; use one or the other")
 
     # ------------------------------------------------------------------ topology
     @property
@@ -167,6 +189,17 @@ class Exchange:
         """The flat ranges of the buckets this exchange cuts ``layout`` into (one without a cap)."""
         cap = None if self.bucket_cap_mb is None else max(1, int(self.bucket_cap_mb * 2 ** 20) // 4)
         return [list(r) for r in bucket_ranges(layout.numels, cap)]
+
+    def new_warmup_error_buffers(self, flat: Dict[str, Any], device: torch.device) -> None:
+        """Zero errors of the quantised warm-up average (``comm.quantized_error_sizes``): a worker
+        error over the flat layout's ``d`` elements (a bucket's is its range) and a server error of
+        ``D/n`` a bucket (the 1-bit server error's regions); nothing for the float formats or one
+        process. They are another quantity than the 1-bit errors (the gradients' rounding, not the
+        momentum's) and stay apart from them, in the state from the first step on."""
+        if self.quantizes_warmup and self.world_size > 1:
+            _, _, server = buffer_sizes(plan_buckets(flat["buckets"], self.world_size, 1))
+            flat["warmup_worker_error"] = torch.zeros(sum(flat["layer_numels"]), dtype=torch.float32, device=device)
+            flat["warmup_server_error"] = torch.zeros(server, dtype=torch.float32, device=device)
 
     def new_error_buffers(self, flat: Dict[str, Any], device: torch.device) -> None:
         """Zero worker and server errors, a region per bucket (``layout.plan_buckets``: a hierarchical
@@ -217,6 +250,10 @@ class Exchange:
                              f"that or register_ddp, not both")
         if self.ddp_link is not None:
             raise ValueError(f"{self.owner} is already registered with a DDP model")
+        if self.quantizes_warmup:
+            raise ValueError(f"{self.owner} quantises its warm-up average (warmup_dtype={self.wire.name!r}), which "
+                             f"keeps error buffers in the optimizer's state: DDP's hook cannot; use the optimizer's "
+                             f"own exchange (no register_ddp) or warmup_dtype='float32' or 'bfloat16'")
         self.ddp_link = link
 
     def no_sync(self) -> contextlib.AbstractContextManager:
@@ -280,6 +317,12 @@ class Exchange:
         if self.ddp_link is None:
             if first:
                 refuse_averaged_gradients(self.owner, grads, self._layout.params, spanning)
+            if not compressing and self.quantizes_warmup:
+                # every rank's gradient finite first: a NaN must not reach the errors, which carry it on
+                if not agreed_finite(grads, spanning, self.comm_stats, averaged=False):
+                    return False
+                self._quantized_average(grads)
+                return True
             if not compressing:
                 average_(grads, self.process_group, self.comm_stats, self.wire)
         elif not compressing and not self.ddp_link.averages_this_step():
@@ -292,6 +335,16 @@ class Exchange:
             for b in self.buckets:
                 self._exchange_bucket(b, self._payload(b), self.process_group)
         return finite
+
+    def _quantized_average(self, grads: torch.Tensor) -> None:
+        """The warm-up's quantised average of each bucket's gradients, in place, with the bucket's
+        regions of the warm-up errors (``comm.quantized_average_``)."""
+        if self.world_size == 1:
+            return
+        worker, server = self._flat["warmup_worker_error"], self._flat["warmup_server_error"]
+        for b in self.buckets:
+            quantized_average_(grads[b.start:b.end], worker[b.start:b.end], server[b.server], self.process_group,
+                               self.comm_stats, self.wire)
 
     def _exchange_bucket(self, b: Bucket, momentum: torch.Tensor, group: ProcessGroupLike) -> None:
         """The compressed all-reduce of bucket ``b``'s momentum over ``group``, with the bucket's

@@ -167,7 +167,7 @@ def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, owner: str, wor
         raise ValueError(f"the optimizer state holds {len(flat['layer_numels'])} parameters of sizes "
                          f"{flat['layer_numels'][:8]}..., the model has {len(layout.numels)} of sizes "
                          f"{layout.numels[:8]}...: not the same model or param groups")
-    per_rank = "worker_error" in flat or "server_error" in flat
+    per_rank = any(k in flat for k in ("worker_error", "server_error", "warmup_worker_error", "warmup_server_error"))
     if per_rank and flat["world_size"] != world_size:
         raise ValueError(f"the optimizer state was saved with world size {flat['world_size']} and is "
                          f"loaded with world size {world_size}; its compression errors are per rank: resume on "
@@ -184,12 +184,18 @@ def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, owner: str, wor
     flat["world_size"], flat["rank"], flat["local_size"] = world_size, rank, local_size  # the rest of the state is the same on every rank
     flat.setdefault("buckets", [[0, layout.numel]])  # saved before buckets existed: one
     check_bucket_ranges(flat["buckets"], layout.numel)
-    if per_rank:
+    if "worker_error" in flat or "server_error" in flat:
         _, worker, server = buffer_sizes(plan_buckets(flat["buckets"], world_size, local_size))
         sizes = (flat["worker_error"].numel(), flat["server_error"].numel())
         if sizes != (worker, server):
             raise ValueError(f"the optimizer state's compression errors have {sizes[0]} and {sizes[1]} elements, "
                              f"its buckets on {world_size} ranks need {worker} and {server}: a damaged state")
+    if "warmup_worker_error" in flat or "warmup_server_error" in flat:
+        _, _, server = buffer_sizes(plan_buckets(flat["buckets"], world_size, 1))
+        sizes = (flat["warmup_worker_error"].numel(), flat["warmup_server_error"].numel())
+        if sizes != (layout.numel, server):
+            raise ValueError(f"the optimizer state's warm-up errors have {sizes[0]} and {sizes[1]} elements, its "
+                             f"buckets on {world_size} ranks need {layout.numel} and {server}: a damaged state")
     for key, value in flat.items():
         if isinstance(value, torch.Tensor) and value.device != layout.device:
             flat[key] = value.to(layout.device)

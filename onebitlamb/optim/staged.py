@@ -156,6 +156,7 @@ class StagedOptimizer(Optimizer):
                                             self.exchange.bucket_ranges(layout))
         for phase in self._phases:
             phase.init_state(self, layout)
+        self.exchange.new_warmup_error_buffers(self._flat, layout.device)
 
     def _untouched(self) -> bool:
         flat = self._flat
@@ -178,6 +179,8 @@ class StagedOptimizer(Optimizer):
                 self._flat["buckets"] = self.exchange.bucket_ranges(layout)
             if has_errors and "worker_error" not in self._flat:
                 self.exchange.new_error_buffers(self._flat, layout.device)  # saved on one process, resumed on several
+            if "warmup_worker_error" not in self._flat:  # as above, or re-sharded
+                self.exchange.new_warmup_error_buffers(self._flat, layout.device)
         agree_on_setup(self._setup(layout), spanning_group(self.process_group), layout.device)
         if getattr(self, "_resumed_parameters", None) is not None:  # (agreed: every rank checks, or none)
             check_resumed_parameters(owner, self._resumed_parameters, layout.params,
