@@ -27,7 +27,8 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from onebitlamb.optim.layout import Bucket, buffer_sizes, check_bucket_ranges, plan_buckets
+from onebitlamb.compression.wire import warmup_format
+from onebitlamb.optim.layout import Bucket, buffer_sizes, check_bucket_ranges, plan_buckets, plan_warmup_errors
 from onebitlamb.optim.state_format import PARAMETERS, flat_of, to_saved
 
 
@@ -72,7 +73,11 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int,
     if "warmup_worker_error" in flats[0]:  # flat groups only: the worker error covers the d elements
         warmup_correction = torch.stack([f["warmup_worker_error"].double().cpu() for f in flats]).mean(dim=0)
         warmup_correction = warmup_correction.float().to(flats[0]["warmup_worker_error"].device)
-        warmup_servers = [_server_vector(flats, b, 1, "warmup_server_error") for b in plan_buckets(ranges, n, 1)]
+        codec = warmup_format(state_dicts[0]["param_groups"][0]["warmup_dtype"])
+        # each bucket's aligned layout, the ranks' chunks joined: its data lie where they lie on any n
+        warmup_servers = [torch.cat([f["warmup_server_error"][region].cpu() for f in flats])
+                          for _, region in plan_warmup_errors(flats[0]["layer_numels"], ranges, n, codec)]
+        new_plan = plan_warmup_errors(flats[0]["layer_numels"], ranges, world_size, codec)
     out = []
     for rank in range(world_size):
         sd = copy.deepcopy({k: v for k, v in state_dicts[0].items() if k != "state"})
@@ -97,7 +102,7 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int,
             flat["worker_error"], flat["server_error"] = worker, server
         if "warmup_worker_error" in flats[0] and world_size > 1:
             flat["warmup_worker_error"] = warmup_correction.clone()
-            flat["warmup_server_error"] = _warmup_server_part(warmup_servers, ranges, rank, world_size)
+            flat["warmup_server_error"] = _warmup_server_part(warmup_servers, new_plan, rank, world_size)
         # a state re-sharded here is loaded with load_state_dict, which needs no templates
         key = next(iter(state_dicts[0]["state"]))
         sd["state"] = {key: flat if key == "flat" else to_saved(flat, compresses=False, fresh_variance=False)}
@@ -134,24 +139,24 @@ def _mean_worker_error(flats: List[Dict[str, Any]], b: Bucket, L: int) -> torch.
     return (total / (len(flats) // L)).float()
 
 
-def _server_vector(flats: List[Dict[str, Any]], b: Bucket, L: int, key: str = "server_error") -> torch.Tensor:
-    """The servers' errors (``key``) joined into one vector over the bucket's padded buffer."""
+def _server_vector(flats: List[Dict[str, Any]], b: Bucket, L: int) -> torch.Tensor:
+    """The servers' errors joined into one vector over the bucket's padded buffer."""
     padded = b.comm.stop - b.comm.start
     vector = torch.zeros(padded, dtype=torch.float32)
     for rank, f in enumerate(flats):
-        _server_part(vector, rank, len(flats), L).copy_(f[key][b.server].cpu())
+        _server_part(vector, rank, len(flats), L).copy_(f["server_error"][b.server].cpu())
     return vector
 
 
-def _warmup_server_part(vectors: List[torch.Tensor], ranges: Sequence[Sequence[int]], rank: int,
-                        world_size: int) -> torch.Tensor:
-    """New rank ``rank``'s server error of the quantised warm-up: each bucket's joined vector cut to
-    the bucket's elements, padded to its new size, and this rank's chunk of it."""
-    new = plan_buckets(ranges, world_size, 1)
-    _, _, size = buffer_sizes(new)
-    out = torch.zeros(size, dtype=torch.float32, device=vectors[0].device if vectors else "cpu")
-    for b, vector in zip(new, vectors):
-        padded = torch.zeros(b.comm.stop - b.comm.start, dtype=torch.float32)
-        padded[:b.numel] = vector[:b.numel]
-        out[b.server] = _server_part(padded, rank, world_size, 1)
+def _warmup_server_part(vectors: List[torch.Tensor], plan: List[Any], rank: int, world_size: int) -> torch.Tensor:
+    """New rank ``rank``'s server error of the quantised warm-up: each bucket's joined vector (its
+    aligned layout, whose data sit at the same places on any number of ranks; only the zero
+    padding at its end differs) cut or padded to the new length, and this rank's chunk of it."""
+    out = torch.zeros(plan[-1][1].stop if plan else 0, dtype=torch.float32)
+    for vector, (_, region) in zip(vectors, plan):
+        chunk = region.stop - region.start
+        whole = torch.zeros(chunk * world_size, dtype=torch.float32)
+        kept = min(whole.numel(), vector.numel())
+        whole[:kept] = vector[:kept]
+        out[region] = whole[rank * chunk:(rank + 1) * chunk]
     return out

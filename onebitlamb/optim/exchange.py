@@ -32,7 +32,8 @@ from onebitlamb.compression.packing import fused_codec
 from onebitlamb.compression.blockwise import BlockwiseCodec
 from onebitlamb.compression.wire import WireFormat, warmup_format
 from onebitlamb.optim.checks import agreed_finite, any_rank, locally_finite, refuse_averaged_gradients
-from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, bucket_ranges, buffer_sizes, plan_buckets
+from onebitlamb.optim.layout import (Bucket, FlatLayout, Scratch, bucket_ranges, buffer_sizes, plan_buckets,
+                                     plan_warmup_errors)
 from onebitlamb.optim.overlap import BackwardOverlap
 
 ProcessGroupLike = Union[dist.ProcessGroup, NodeGroups, None]
@@ -160,6 +161,11 @@ class Exchange:
         return None if self.quantizes_warmup else self.wire.dtype
 
     @property
+    def warmup_codec(self) -> Optional[BlockwiseCodec]:
+        """The quantised warm-up's codec, else None."""
+        return self.wire if self.quantizes_warmup else None
+
+    @property
     def quantizes_warmup(self) -> bool:
         """Whether the warm-up's average is the quantised one (``warmup_dtype="int8"``, ...): error
         feedback, so the state holds its errors from the first step (``new_warmup_error_buffers``)."""
@@ -191,13 +197,13 @@ class Exchange:
         return [list(r) for r in bucket_ranges(layout.numels, cap)]
 
     def new_warmup_error_buffers(self, flat: Dict[str, Any], device: torch.device) -> None:
-        """Zero errors of the quantised warm-up average (``comm.quantized_error_sizes``): a worker
+        """Zero errors of the quantised warm-up average (``layout.plan_warmup_errors``): a worker
         error over the flat layout's ``d`` elements (a bucket's is its range) and a server error of
-        ``D/n`` a bucket (the 1-bit server error's regions); nothing for the float formats or one
-        process. They are another quantity than the 1-bit errors (the gradients' rounding, not the
+        a chunk of each bucket's aligned layout; nothing for the float formats or one process. They are another quantity than the 1-bit errors (the gradients' rounding, not the
         momentum's) and stay apart from them, in the state from the first step on."""
         if self.quantizes_warmup and self.world_size > 1:
-            _, _, server = buffer_sizes(plan_buckets(flat["buckets"], self.world_size, 1))
+            plan = plan_warmup_errors(flat["layer_numels"], flat["buckets"], self.world_size, self.wire)
+            server = plan[-1][1].stop if plan else 0
             flat["warmup_worker_error"] = torch.zeros(sum(flat["layer_numels"]), dtype=torch.float32, device=device)
             flat["warmup_server_error"] = torch.zeros(server, dtype=torch.float32, device=device)
 
@@ -342,9 +348,11 @@ class Exchange:
         if self.world_size == 1:
             return
         worker, server = self._flat["warmup_worker_error"], self._flat["warmup_server_error"]
-        for b in self.buckets:
-            quantized_average_(grads[b.start:b.end], worker[b.start:b.end], server[b.server], self.process_group,
-                               self.comm_stats, self.wire)
+        plan = plan_warmup_errors(self._layout.numels, [(b.start, b.end) for b in self.buckets], self.world_size,
+                                  self.wire)
+        for b, (segments, region) in zip(self.buckets, plan):  # each parameter starts a block of its own
+            quantized_average_(grads[b.start:b.end], worker[b.start:b.end], server[region], self.process_group,
+                               self.comm_stats, self.wire, segments=segments)
 
     def _exchange_bucket(self, b: Bucket, momentum: torch.Tensor, group: ProcessGroupLike) -> None:
         """The compressed all-reduce of bucket ``b``'s momentum over ``group``, with the bucket's

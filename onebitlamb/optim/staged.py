@@ -171,7 +171,7 @@ class StagedOptimizer(Optimizer):
         if self._untouched():
             self._new_state(layout)
         else:
-            check_loaded_state(self._flat, layout, owner, world, rank, self.exchange.local_size)
+            check_loaded_state(self._flat, layout, owner, world, rank, self.exchange.local_size, self.exchange.warmup_codec)
             for phase in self._phases:
                 phase.check_state(self)
             has_errors = self._flat["frozen_at"] is not None or self._phases[0].compresses_from_start
@@ -275,7 +275,7 @@ class StagedOptimizer(Optimizer):
         state_dict["param_groups"] = self._exchange_settings_checked(state_dict["param_groups"])
         if flat is not None:
             check_loaded_state(flat, FlatLayout.of(self.param_groups), owner, world_size_of(self.process_group),
-                               rank_of(self.process_group), self.exchange.local_size)
+                               rank_of(self.process_group), self.exchange.local_size, self.exchange.warmup_codec)
         self.exchange.unbind()  # what a backward started used the state being replaced
         # handed to torch.optim under "flat", which it keeps as it is: under a parameter's index it
         # would be cast to that parameter's dtype
