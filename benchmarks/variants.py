@@ -78,9 +78,11 @@ def section(title: str, command: str, seeds: Sequence[int], variants: Sequence[V
 
 def main_for(prog: str, doc: str, title: str, name: str, variants: Union[Sequence[Variant], Dict[str, Sequence[Variant]]],
              argv: Optional[Sequence[str]], note: str = "", presets: Sequence[str] = ("demo",),
-             more: Optional[Callable[[Sequence[int], Sequence[Variant], Dict[tuple, dict]], str]] = None) -> int:
+             more: Optional[Callable[[Sequence[int], Sequence[Variant], Dict[tuple, dict]], str]] = None,
+             command: Optional[str] = None) -> int:
     """An experiment's command line: run (or read back) its variants (or each preset's) and write its
-    section ``name``; ``more(seeds, variants, results)``: what the section adds below its table."""
+    section ``name``; ``more(seeds, variants, results)``: what the section adds below its table;
+    ``command``: the command the section names, where the caller took arguments of its own."""
     parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3, help=f"how many seeds, from {convergence.FIRST_SEED} up")
@@ -99,7 +101,7 @@ def main_for(prog: str, doc: str, title: str, name: str, variants: Union[Sequenc
     seeds = seeds_from(args.seeds)
     results = run_variants(args.out, seeds, variants, preset)
     # one heading per section: the demo's section keeps the bare title, another preset's names it
-    body = section(title if preset == "demo" else f"{title}: {preset}", command_line(argv), seeds, variants,
+    body = section(title if preset == "demo" else f"{title}: {preset}", command or command_line(argv), seeds, variants,
                    results, note, preset)
     if more is not None:
         body += "\n\n" + more(seeds, variants, results)

@@ -60,13 +60,15 @@ def adam_bound(t: int, betas, bias_correction: bool) -> float:
 
 
 class Reference:
-    """kind: "lamb" (never freezes), "onebitlamb" or "onebitadam"."""
+    """kind: "lamb" (never freezes), "onebitlamb" or "onebitadam". ``warmup_average``: how the
+    warm-up averages the workers' gradients (a function of the per-worker lists of layers; default
+    the exact mean), for a warm-up whose average is quantised."""
 
     def __init__(self, init: List[torch.Tensor], kind: str, lr: List[float], wd: List[float], *,
                  freeze_step: Optional[int] = None, n: int = 1, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps=1e-8, min_coeff=0.01, max_coeff=10.0, coeff_beta=0.9,
                  factor_min=0.5, factor_max=4.0, factor_threshold=0.1, compression_space="momentum",
-                 trust_ratio_after_freeze="frozen", bound_direction=False):
+                 trust_ratio_after_freeze="frozen", bound_direction=False, warmup_average=None):
         self.x = [t.detach().clone().float() for t in init]
         self.kind, self.lr, self.wd, self.T = kind, lr, wd, freeze_step
         self.n, self.bc = n, bias_correction
@@ -82,6 +84,7 @@ class Reference:
         self.c_count = [0] * L
         self.t = 0
         self.sim = None
+        self.warmup_average = warmup_average
 
     def _hat(self, beta):
         return (1 - beta ** self.t) if self.bc else 1.0
@@ -91,7 +94,10 @@ class Reference:
         L = len(self.x)
         layerwise = self.kind in ("lamb", "onebitlamb")
         if self.T is None or self.t <= self.T:
-            g = [sum(w[l] for w in grads_per_worker) / len(grads_per_worker) for l in range(L)]
+            if self.warmup_average is not None:
+                g = self.warmup_average(grads_per_worker)
+            else:
+                g = [sum(w[l] for w in grads_per_worker) / len(grads_per_worker) for l in range(L)]
             for l in range(L):
                 self.m[l] = self.b1 * self.m[l] + (1 - self.b1) * g[l]
                 self.v[l] = self.b2 * self.v[l] + (1 - self.b2) * g[l] * g[l]

@@ -206,7 +206,7 @@ def test_a_resume_refuses_a_flag_exactly_when_the_optimizer_reads_it(optimizer):
     def built(c):
         p = torch.nn.Parameter(torch.zeros(4))
         opt = make_optimizer(c, [{"params": [p], "weight_decay": 0.0}])
-        return repr(sorted(opt.defaults.items())), repr(getattr(opt, "_schedule", None)), \
+        return repr(sorted(opt.defaults.items())), repr(getattr(opt, "_phases", None)), \
             repr({k: v for k, v in vars(opt).items() if k.startswith("_") and isinstance(v, (int, float, str))})
 
     base = cfg(optimizer=optimizer)

@@ -5,7 +5,7 @@ both modules (``hierarchy`` builds on ``collectives``; neither imports this one)
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -93,11 +93,12 @@ def compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor, serve
 
 def quantized_average_(values: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
                        group: Group = None, stats: Optional[CommStats] = None,
-                       codec: Union[str, int, BlockwiseCodec] = INT8) -> torch.Tensor:
+                       codec: Union[str, int, BlockwiseCodec] = INT8,
+                       segments: Optional[Sequence[int]] = None) -> torch.Tensor:
     """The error-compensated blockwise-quantised average of ``values`` over a process group
     (``quantized.quantized_average_``: the arguments and the maths). Node groups have no
     hierarchical version of it yet: a ``NodeGroups`` is refused (TypeError)."""
     if isinstance(group, NodeGroups):
         raise TypeError("quantized_average_ runs over a process group; it has no hierarchical version for node "
                         "groups yet (pass their spanning group, the world, for the flat one)")
-    return quantized.quantized_average_(values, worker_error, server_error, group, stats, codec)
+    return quantized.quantized_average_(values, worker_error, server_error, group, stats, codec, segments)

@@ -14,10 +14,20 @@ blocks of its own::
 
 The worker error has ``d`` elements (its padding would always be 0), the server error ``c``
 (``quantized_error_sizes``). Flat process groups only: this module knows nothing of node groups.
+
+``segments`` (the sizes of the tensors laid one after another in ``values``, as an optimizer's flat
+layout holds its parameters) makes every tensor start a block of its own: a block's step is its
+absolute maximum over ``qmax``, so a tensor whose values are a thousand times smaller than its
+neighbour's would otherwise share that neighbour's step and be sent as noise around zero (the
+error feedback keeps its mean, not its square, which Adam's variance reads). The values are laid
+out with each segment padded to a whole number of blocks and the whole to ``n`` chunks of whole
+blocks (``aligned_positions``); the padding is zero, its codes 0 and its errors stay 0, and the
+two phases run on that layout unchanged.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+import functools
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -27,20 +37,55 @@ from onebitlamb.comm.stats import GLOBAL_STATS, CommStats, all_gather_bytes, all
 from onebitlamb.compression.blockwise import INT8, BlockwiseCodec, blockwise_codec
 
 
-def quantized_error_sizes(numel: int, world_size: int) -> Tuple[int, int]:
+def _checked_segments(segments: Optional[Sequence[int]], numel: int) -> Optional[Tuple[int, ...]]:
+    if segments is None:
+        return None
+    segments = tuple(int(s) for s in segments)
+    if any(s < 0 for s in segments) or sum(segments) != numel:
+        raise ValueError(f"segments must be sizes >= 0 that sum to the {numel} values, got {list(segments)[:8]}"
+                         f"{'...' if len(segments) > 8 else ''} (sum {sum(segments)})")
+    return segments
+
+
+@functools.lru_cache(maxsize=64)
+def _aligned(segments: Tuple[int, ...], block: int) -> Tuple[torch.Tensor, int]:
+    starts, position = [], 0
+    for size in segments:
+        starts.append(position)
+        position += -(-size // block) * block
+    index = torch.cat([torch.arange(s, s + size, dtype=torch.int64) for s, size in zip(starts, segments)]) \
+        if segments else torch.zeros(0, dtype=torch.int64)
+    return index, position
+
+
+def aligned_positions(segments: Sequence[int], world_size: int, block: int) -> Tuple[torch.Tensor, int]:
+    """Where each of the ``sum(segments)`` values sits when every segment starts a block of ``block``
+    elements, and the length of that layout: the segments padded to whole blocks, the whole padded
+    to ``n`` chunks of whole blocks (a multiple of ``n * block``, so no block straddles a chunk)."""
+    index, length = _aligned(tuple(int(s) for s in segments), block)
+    return index, -(-length // (world_size * block)) * (world_size * block)
+
+
+def quantized_error_sizes(numel: int, world_size: int, segments: Optional[Sequence[int]] = None,
+                          codec: Union[str, int, BlockwiseCodec] = INT8) -> Tuple[int, int]:
     """``(worker, server)``: the elements of the two error buffers ``quantized_average_`` keeps for a
     tensor of ``numel`` elements over ``world_size`` ranks: ``(numel, padded_size(numel, n) / n)``, on
-    one rank too (where nothing is sent and they are never touched)."""
+    one rank too (where nothing is sent and they are never touched); with ``segments``, the server's
+    chunk of the aligned layout (``aligned_positions``, whose block is the codec's)."""
     D = flat.padded_size(numel, world_size)  # checks both arguments
+    segments = _checked_segments(segments, numel)
+    if segments is not None:
+        _, D = aligned_positions(segments, world_size, blockwise_codec(codec).block)
     return numel, D // world_size
 
 
-def quantized_wire_bytes(numel: int, world_size: int, codec: Union[str, int, BlockwiseCodec] = INT8) -> int:
+def quantized_wire_bytes(numel: int, world_size: int, codec: Union[str, int, BlockwiseCodec] = INT8,
+                         segments: Optional[Sequence[int]] = None) -> int:
     """Bytes a rank sends in one ``quantized_average_`` of ``numel`` elements over ``world_size`` ranks,
     as ``CommStats`` counts them: ``2 (n-1)`` messages of ``codec.wire_bytes(c)``, ``c = D/n`` (0 on one
-    rank or for an empty tensor)."""
+    rank or for an empty tensor); with ``segments``, ``c`` the aligned layout's chunk."""
     codec = blockwise_codec(codec)
-    _, c = quantized_error_sizes(numel, world_size)
+    _, c = quantized_error_sizes(numel, world_size, segments, codec)
     if world_size == 1 or numel == 0:
         return 0
     return 2 * (world_size - 1) * codec.wire_bytes(c)
@@ -82,7 +127,8 @@ def _bad_rows(steps: torch.Tensor):
 
 def quantized_average_(values: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
                        group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None,
-                       codec: Union[str, int, BlockwiseCodec] = INT8) -> torch.Tensor:
+                       codec: Union[str, int, BlockwiseCodec] = INT8,
+                       segments: Optional[Sequence[int]] = None) -> torch.Tensor:
     """The error-compensated blockwise-quantised average of ``values`` over the group, in place.
 
     Args:
@@ -93,6 +139,9 @@ def quantized_average_(values: torch.Tensor, worker_error: torch.Tensor, server_
         stats: where the bytes sent are recorded (default: ``onebitlamb.comm.GLOBAL_STATS``), as
             ``"all_to_all"`` and ``"all_gather"``, as the 1-bit all-reduce records them.
         codec: a ``BlockwiseCodec``, its name (``"int8"``, ``"int4"``, ``"int2"``) or its bits.
+        segments: the sizes of the tensors ``values`` holds one after another; each then starts a
+            block of its own (the module's docstring), and ``server_error`` is the aligned
+            layout's chunk (``quantized_error_sizes(d, n, segments, codec)``). None: one segment.
 
     Two collectives, as ``compressed_allreduce``: an ``all_to_all_single`` giving rank ``j`` chunk
     ``j`` of every rank's codes (each message its chunk's float32 steps followed by its packed codes),
@@ -107,7 +156,11 @@ def quantized_average_(values: torch.Tensor, worker_error: torch.Tensor, server_
     """
     codec = blockwise_codec(codec)
     n = flat.world_size_of(group)
-    _check(values, worker_error, server_error, n)
+    segments = _checked_segments(segments, values.numel())
+    if segments is None:
+        _check(values, worker_error, server_error, n)
+    elif n > 1 and values.numel() > 0:
+        return _aligned_average_(values, worker_error, server_error, group, stats, codec, segments, n)
     d = values.numel()
     if n == 1 or d == 0:
         return values
@@ -152,4 +205,26 @@ def quantized_average_(values: torch.Tensor, worker_error: torch.Tensor, server_
     worker_error.copy_(y[:d])
     server_error.copy_(z)
     values.copy_(codec.decode(result_codes, result_steps, c).reshape(-1)[:d])
+    return values
+
+
+def _aligned_average_(values: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+                      group: Optional[dist.ProcessGroup], stats: Optional[CommStats], codec: BlockwiseCodec,
+                      segments: Tuple[int, ...], n: int) -> torch.Tensor:
+    """``quantized_average_`` with every segment starting a block: the two phases on the aligned
+    layout, the values and the worker error moved there and back (the padding holds zeros)."""
+    index, length = aligned_positions(segments, n, codec.block)
+    index = index.to(values.device)
+    worker, server = quantized_error_sizes(values.numel(), n, segments, codec)
+    if worker_error.numel() != worker or server_error.numel() != server:
+        raise ValueError(f"with {n} ranks and segments of {values.numel()} values, worker_error must have {worker} "
+                         f"elements and server_error {server} (quantized_error_sizes(d, n, segments, codec)); got "
+                         f"{worker_error.numel()} and {server_error.numel()}")
+    laid = torch.zeros(length, dtype=torch.float32, device=values.device)
+    laid_error = torch.zeros(length, dtype=torch.float32, device=values.device)
+    laid[index] = values
+    laid_error[index] = worker_error
+    quantized_average_(laid, laid_error, server_error, group, stats, codec)  # raises before changing anything
+    worker_error.copy_(laid_error[index])
+    values.copy_(laid[index])
     return values

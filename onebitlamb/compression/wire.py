@@ -9,10 +9,10 @@ the bytes, summed and divided in bfloat16 (its rounding is not carried into the 
 
 The quantised average is the third kind (``compression.blockwise``: ``INT8``, ``INT4``, ``INT2``),
 which keeps error buffers and runs its own collective (``comm.quantized_average_``).
-``warmup_format`` resolves every name, ``"float32"`` to ``"int2"``; ``wire_format`` (what the
-optimizers resolve ``warmup_dtype`` with) still takes only the two float formats, until the exchange
-gives the quantised average its error buffers. Every format says what it costs on the wire:
-``bytes_per_element`` and ``wire_bytes(numel)``.
+``warmup_format`` resolves every name, ``"float32"`` to ``"int2"``: what the optimizers' ``warmup_dtype``
+takes; ``wire_format`` the two float formats alone (what an all-reduce without error buffers,
+such as DDP's hook, can send). Every format says what it costs on the wire: ``bytes_per_element``
+and ``wire_bytes(numel)``.
 """
 from __future__ import annotations
 
@@ -75,4 +75,4 @@ def warmup_format(value: Union[str, torch.dtype, WireFormat, BlockwiseCodec]) ->
         return wire_format(value)
     except ValueError:
         names = ", ".join([*WIRE_FORMATS, *CODECS])
-        raise ValueError(f"Invalid warm-up format: {value!r} (must be one of {names})") from None
+        raise ValueError(f"Invalid warmup_dtype: {value!r} (must be one of {names})") from None

@@ -12,7 +12,9 @@ on ``m`` when
   chunks again.
 
 0/1 Adam's local momentum and update sum (``"rank_local"``), which differ between its syncs,
-become their mean over the old ranks on every new rank: what the next sync averages.
+become their mean over the old ranks on every new rank: what the next sync averages. The
+quantised warm-up average's errors (``warmup_dtype="int8"``, ...) are re-sharded by the same two
+rules: the mean of the workers' errors on every new worker, the servers' chunks joined and cut again.
 
 Both errors are cut to the model's ``d`` elements and padded with zeros to the new ``D``: the padding
 never reaches a parameter. The same holds bucket by bucket (``overlap_with_backward``) and between
@@ -25,7 +27,8 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from onebitlamb.optim.layout import Bucket, buffer_sizes, check_bucket_ranges, plan_buckets
+from onebitlamb.compression.wire import warmup_format
+from onebitlamb.optim.layout import Bucket, buffer_sizes, check_bucket_ranges, plan_buckets, plan_warmup_errors
 from onebitlamb.optim.state_format import PARAMETERS, flat_of, to_saved
 
 
@@ -67,11 +70,20 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int,
     if per_rank:  # bucket by bucket, each with its own padding: the two vectors, in the averaged domain
         corrections = [_mean_worker_error(flats, b, old_local) for b in old]
         servers = [_server_vector(flats, b, old_local) for b in old]
+    if "warmup_worker_error" in flats[0]:  # flat groups only: the worker error covers the d elements
+        warmup_correction = torch.stack([f["warmup_worker_error"].double().cpu() for f in flats]).mean(dim=0)
+        warmup_correction = warmup_correction.float().to(flats[0]["warmup_worker_error"].device)
+        codec = warmup_format(state_dicts[0]["param_groups"][0]["warmup_dtype"])
+        # each bucket's aligned layout, the ranks' chunks joined: its data lie where they lie on any n
+        warmup_servers = [torch.cat([f["warmup_server_error"][region].cpu() for f in flats])
+                          for _, region in plan_warmup_errors(flats[0]["layer_numels"], ranges, n, codec)]
+        new_plan = plan_warmup_errors(flats[0]["layer_numels"], ranges, world_size, codec)
     out = []
     for rank in range(world_size):
         sd = copy.deepcopy({k: v for k, v in state_dicts[0].items() if k != "state"})
         # (rank 0's checksum of its parameters is no new rank's: a re-sharded state is not checked)
-        flat = {k: v for k, v in flats[0].items() if k not in ("worker_error", "server_error", PARAMETERS)}
+        flat = {k: v for k, v in flats[0].items() if k not in ("worker_error", "server_error", "warmup_worker_error",
+                                                                "warmup_server_error", PARAMETERS)}
         flat = copy.deepcopy(flat)
         flat["world_size"], flat["rank"], flat["local_size"] = world_size, rank, local_size
         for key in flats[0].get("rank_local", ()):  # 0/1 Adam between syncs: what the next sync averages
@@ -88,7 +100,10 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int,
                 worker[b.worker] = _worker_part(whole, rank, local_size)
                 server[b.server] = _server_part(summed, rank, world_size, local_size)
             flat["worker_error"], flat["server_error"] = worker, server
-        # every state holding errors has frozen: the saved form needs no templates
+        if "warmup_worker_error" in flats[0] and world_size > 1:
+            flat["warmup_worker_error"] = warmup_correction.clone()
+            flat["warmup_server_error"] = _warmup_server_part(warmup_servers, new_plan, rank, world_size)
+        # a state re-sharded here is loaded with load_state_dict, which needs no templates
         key = next(iter(state_dicts[0]["state"]))
         sd["state"] = {key: flat if key == "flat" else to_saved(flat, compresses=False, fresh_variance=False)}
         out.append(sd)
@@ -131,3 +146,17 @@ def _server_vector(flats: List[Dict[str, Any]], b: Bucket, L: int) -> torch.Tens
     for rank, f in enumerate(flats):
         _server_part(vector, rank, len(flats), L).copy_(f["server_error"][b.server].cpu())
     return vector
+
+
+def _warmup_server_part(vectors: List[torch.Tensor], plan: List[Any], rank: int, world_size: int) -> torch.Tensor:
+    """New rank ``rank``'s server error of the quantised warm-up: each bucket's joined vector (its
+    aligned layout, whose data sit at the same places on any number of ranks; only the zero
+    padding at its end differs) cut or padded to the new length, and this rank's chunk of it."""
+    out = torch.zeros(plan[-1][1].stop if plan else 0, dtype=torch.float32)
+    for vector, (_, region) in zip(vectors, plan):
+        chunk = region.stop - region.start
+        whole = torch.zeros(chunk * world_size, dtype=torch.float32)
+        kept = min(whole.numel(), vector.numel())
+        whole[:kept] = vector[:kept]
+        out[region] = whole[rank * chunk:(rank + 1) * chunk]
+    return out

@@ -24,16 +24,24 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from onebitlamb.comm import (CommStats, NodeGroups, average_, compressed_allreduce, duplicate_group, spanning_group,
+from onebitlamb.comm import (CommStats, NodeGroups, average_, compressed_allreduce, duplicate_group,
+                             quantized_average_, spanning_group,
                              world_size_of)
 from onebitlamb.comm.groups import check_spans_world
 from onebitlamb.compression.packing import fused_codec
-from onebitlamb.compression.wire import WireFormat, wire_format
+from onebitlamb.compression.blockwise import BlockwiseCodec
+from onebitlamb.compression.wire import WireFormat, warmup_format
 from onebitlamb.optim.checks import agreed_finite, any_rank, locally_finite, refuse_averaged_gradients
-from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, bucket_ranges, buffer_sizes, plan_buckets
+from onebitlamb.optim.layout import (Bucket, FlatLayout, Scratch, bucket_ranges, buffer_sizes, plan_buckets,
+                                     plan_warmup_errors)
 from onebitlamb.optim.overlap import BackwardOverlap
 
 ProcessGroupLike = Union[dist.ProcessGroup, NodeGroups, None]
+
+# The three exchanges a step can run (its *stage*, named by the optimizer's phase): the gradients'
+# full-precision average; the 1-bit all-reduce of what the phase sends; nothing but the agreed
+# check that every rank's gradient is finite (0/1 Adam's local steps).
+WARMUP, COMPRESSION, LOCAL = "warmup", "compression", "local"
 
 
 def check_bucket_cap(bucket_cap_mb: Optional[float]) -> None:
@@ -73,10 +81,12 @@ class Exchange:
     ``comm_stats`` (bytes and rounds so far), ``buckets`` (after the first step), ``ddp_link``
     and :meth:`no_sync`.
 
-    The optimizer binds its rule at its first step (:meth:`bind`): ``gather(grads, bucket)``
-    copies this rank's gradients into the flat buffer, ``momentum(bucket)`` forms the bucket's
-    momentum to compress. Both are held weakly, so that an optimizer dropped by its user goes at
-    once and the hooks on its parameters fall silent.
+    :meth:`run` does a step's exchange and returns what it averaged. The optimizer binds its state
+    at its first step (:meth:`bind`) with one function, ``payload(bucket, out)``: what the bucket
+    sends through the 1-bit all-reduce (its phase's: ``phases.py``), the one thing only the
+    optimizer knows, which a bucket sent behind the backward needs before ``step()``. It is held
+    weakly, so that an optimizer dropped by its user goes at once and the hooks on its
+    parameters fall silent.
     """
 
     def __init__(self, owner: str, process_group: ProcessGroupLike, *, warmup_dtype: Union[str, WireFormat],
@@ -95,7 +105,9 @@ class Exchange:
         self.agree_every = agree_every
         self.owner = owner
         self.process_group = process_group
-        self.wire = wire_format(warmup_dtype)
+        self.wire = warmup_format(warmup_dtype)
+        if self.quantizes_warmup:
+            self._check_quantized_warmup(process_group, overlap_with_backward)
         self.bucket_cap_mb = bucket_cap_mb
         self.overlap_with_backward = overlap_with_backward
         self.comm_stats = CommStats()
@@ -105,7 +117,9 @@ class Exchange:
 
     def _init_runtime(self) -> None:
         """What binds this object to a running job: the hooks, the thread, its process group."""
-        self._gather_ref = self._momentum_ref = None
+        self._payload_ref = None
+        self._negate = False  # maximize: the gradients' sign flipped as they are gathered
+        self._sent: Optional[torch.Tensor] = None  # the buckets' padded regions: sent, then their averages
         self._layout: Optional[FlatLayout] = None
         self._flat: Optional[Dict[str, Any]] = None
         self._scratch: Optional[Scratch] = None
@@ -133,16 +147,39 @@ class Exchange:
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
         if "warmup_dtype" in state:  # pickled before the wire format was an object
-            state["wire"] = wire_format(state.pop("warmup_dtype"))
+            state["wire"] = warmup_format(state.pop("warmup_dtype"))
         state.setdefault("fused", None)
         self.__dict__.update(state)
         self.process_group, self.overlap_with_backward, self.ddp_link = None, False, None
         self._init_runtime()
 
     @property
-    def warmup_dtype(self) -> torch.dtype:
-        """The dtype the warm-up's average travels in (``wire``, a ``compression.wire.WireFormat``)."""
-        return self.wire.dtype
+    def warmup_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the warm-up's average travels in (``wire``, a ``compression.wire.WireFormat``);
+        None for a quantised warm-up (``wire`` a ``compression.blockwise.BlockwiseCodec``), whose
+        codes are packed bits with a float32 step per block."""
+        return None if self.quantizes_warmup else self.wire.dtype
+
+    @property
+    def warmup_codec(self) -> Optional[BlockwiseCodec]:
+        """The quantised warm-up's codec, else None."""
+        return self.wire if self.quantizes_warmup else None
+
+    @property
+    def quantizes_warmup(self) -> bool:
+        """Whether the warm-up's average is the quantised one (``warmup_dtype="int8"``, ...): error
+        feedback, so the state holds its errors from the first step (``new_warmup_error_buffers``)."""
+        return isinstance(self.wire, BlockwiseCodec)
+
+    def _check_quantized_warmup(self, process_group: ProcessGroupLike, overlap_with_backward: bool) -> None:
+        name = self.wire.name
+        if isinstance(process_group, NodeGroups):
+            raise ValueError(f"Invalid warmup_dtype: {name!r} with node_groups(): the quantised warm-up average runs "
+                             f"over a flat process group only; use warmup_dtype='float32' or 'bfloat16' there")
+        if overlap_with_backward:
+            raise ValueError(f"Invalid warmup_dtype: {name!r} with overlap_with_backward=True: the quantised warm-up "
+                             f"average first agrees that every rank's gradient is finite, which needs the whole "
+                             f"gradient; use one or the other")
 
     # ------------------------------------------------------------------ topology
     @property
@@ -158,6 +195,17 @@ class Exchange:
         """The flat ranges of the buckets this exchange cuts ``layout`` into (one without a cap)."""
         cap = None if self.bucket_cap_mb is None else max(1, int(self.bucket_cap_mb * 2 ** 20) // 4)
         return [list(r) for r in bucket_ranges(layout.numels, cap)]
+
+    def new_warmup_error_buffers(self, flat: Dict[str, Any], device: torch.device) -> None:
+        """Zero errors of the quantised warm-up average (``layout.plan_warmup_errors``): a worker
+        error over the flat layout's ``d`` elements (a bucket's is its range) and a server error of
+        a chunk of each bucket's aligned layout; nothing for the float formats or one process. They are another quantity than the 1-bit errors (the gradients' rounding, not the
+        momentum's) and stay apart from them, in the state from the first step on."""
+        if self.quantizes_warmup and self.world_size > 1:
+            plan = plan_warmup_errors(flat["layer_numels"], flat["buckets"], self.world_size, self.wire)
+            server = plan[-1][1].stop if plan else 0
+            flat["warmup_worker_error"] = torch.zeros(sum(flat["layer_numels"]), dtype=torch.float32, device=device)
+            flat["warmup_server_error"] = torch.zeros(server, dtype=torch.float32, device=device)
 
     def new_error_buffers(self, flat: Dict[str, Any], device: torch.device) -> None:
         """Zero worker and server errors, a region per bucket (``layout.plan_buckets``: a hierarchical
@@ -176,13 +224,14 @@ class Exchange:
 
     # ------------------------------------------------------------------ binding
     def bind(self, layout: FlatLayout, flat: Dict[str, Any], scratch: Scratch,
-             gather: Callable[[torch.Tensor, Optional[Bucket]], None],
-             momentum: Callable[[Bucket], torch.Tensor]) -> None:
-        """At the optimizer's first step (and the first after a load): the buckets of the state, and
-        the hooks that start them behind the backward."""
+             payload: Callable[[Bucket, torch.Tensor], None], *, negate: bool = False) -> None:
+        """At the optimizer's first step (and the first after a load): the buckets of the state, what
+        they send (``payload``, a bound method, held weakly), whether the gradients are gathered
+        negated (``maximize``), and the hooks that start the buckets behind the backward."""
         self._layout, self._flat, self._scratch = layout, flat, scratch
-        self._gather_ref, self._momentum_ref = weakref.WeakMethod(gather), weakref.WeakMethod(momentum)
+        self._payload_ref, self._negate = weakref.WeakMethod(payload), negate
         self.buckets = plan_buckets(flat["buckets"], self.world_size, self.local_size)
+        self._sent = torch.zeros(buffer_sizes(self.buckets)[0], dtype=torch.float32, device=layout.device)
         if self._overlap is not None and self._group is None:  # collective: every rank agreed on the overlap
             self._group = duplicate_group(self.process_group)
         if self._overlap is not None:
@@ -207,6 +256,10 @@ class Exchange:
                              f"that or register_ddp, not both")
         if self.ddp_link is not None:
             raise ValueError(f"{self.owner} is already registered with a DDP model")
+        if self.quantizes_warmup:
+            raise ValueError(f"{self.owner} quantises its warm-up average (warmup_dtype={self.wire.name!r}), which "
+                             f"keeps error buffers in the optimizer's state: DDP's hook cannot; use the optimizer's "
+                             f"own exchange (no register_ddp) or warmup_dtype='float32' or 'bfloat16'")
         self.ddp_link = link
 
     def no_sync(self) -> contextlib.AbstractContextManager:
@@ -220,16 +273,24 @@ class Exchange:
         return 0 if self._overlap is None else self._overlap.started
 
     # ------------------------------------------------------------------ the step's exchange
-    def run(self, grads: torch.Tensor, compressing: bool, first: bool, exchange: bool = True) -> bool:
-        """The step's exchange, after the backward: the warm-up's average into ``grads``, or the
-        compressed all-reduce of each bucket's momentum into the communication buffer
-        (``exchange=False``: a local step of 0/1 Adam, which only agrees that every gradient is
-        finite). Returns whether every rank's gradient was finite (else the step is skipped on
-        every rank)."""
+    def run(self, grads: torch.Tensor, stage: str, first: bool) -> Optional[List[torch.Tensor]]:
+        """The step's exchange, after the backward, as ``stage`` names it (``phases.py``): this rank's
+        gradients gathered into ``grads``, then ``"warmup"``: their average, in ``grads``;
+        ``"compression"``: the 1-bit all-reduce of each bucket's payload, whose averages (still
+        scaled as the payload scaled them) come back, one per bucket; ``"local"``: nothing but the
+        check. Returns None when some rank's gradient was not finite (the step is then skipped on
+        every rank), else the buckets' averages (empty when nothing compressed was exchanged, or
+        with one process)."""
         self._exchanged_behind_backward = False
+        compressing = stage != WARMUP
         if self._overlap is not None and not first:
-            return self._finish_overlapped(grads, compressing)
-        return self._serial(grads, compressing, first, exchange)
+            finite = self._finish_overlapped(grads, compressing)
+        else:
+            finite = self._serial(grads, compressing, first, stage == COMPRESSION)
+        if not finite:
+            return None
+        exchanged = stage == COMPRESSION and self.world_size > 1
+        return [self._sent[b.comm][:b.numel] for b in self.buckets] if exchanged else []
 
     def undo_backward_exchanges(self) -> None:
         """The errors as they were before this step's exchanges behind the backward (a step refused
@@ -241,10 +302,20 @@ class Exchange:
             self._exchanged_behind_backward = False
 
     def _gather(self, grads: torch.Tensor, bucket: Optional[Bucket] = None) -> None:
-        self._gather_ref()(grads, bucket)
+        """This rank's gradients (of ``bucket``, else all) into the flat buffer, as the update
+        descends: negated under ``maximize``."""
+        start, end = (0, self._layout.numel) if bucket is None else (bucket.start, bucket.end)
+        self._layout.gather_grads(grads, self.owner, start, end)
+        if self._negate:
+            grads[start:end].neg_()
 
-    def _momentum(self, bucket: Bucket) -> torch.Tensor:
-        return self._momentum_ref()(bucket)
+    def _payload(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's padded region of the send buffer, its padding zeroed (the previous exchange
+        left values there) and its first ``numel`` elements filled by the optimizer's payload."""
+        region = self._sent[bucket.comm]
+        region[bucket.numel:].zero_()
+        self._payload_ref()(bucket, region[:bucket.numel])
+        return region
 
     def _serial(self, grads: torch.Tensor, compressing: bool, first: bool, exchange: bool = True) -> bool:
         self._gather(grads)
@@ -252,6 +323,12 @@ class Exchange:
         if self.ddp_link is None:
             if first:
                 refuse_averaged_gradients(self.owner, grads, self._layout.params, spanning)
+            if not compressing and self.quantizes_warmup:
+                # every rank's gradient finite first: a NaN must not reach the errors, which carry it on
+                if not agreed_finite(grads, spanning, self.comm_stats, averaged=False):
+                    return False
+                self._quantized_average(grads)
+                return True
             if not compressing:
                 average_(grads, self.process_group, self.comm_stats, self.wire)
         elif not compressing and not self.ddp_link.averages_this_step():
@@ -262,8 +339,20 @@ class Exchange:
         finite = agreed_finite(grads, spanning, self.comm_stats, averaged=not compressing)
         if finite and compressing and exchange and self.world_size > 1:
             for b in self.buckets:
-                self._exchange_bucket(b, self._momentum(b), self.process_group)
+                self._exchange_bucket(b, self._payload(b), self.process_group)
         return finite
+
+    def _quantized_average(self, grads: torch.Tensor) -> None:
+        """The warm-up's quantised average of each bucket's gradients, in place, with the bucket's
+        regions of the warm-up errors (``comm.quantized_average_``)."""
+        if self.world_size == 1:
+            return
+        worker, server = self._flat["warmup_worker_error"], self._flat["warmup_server_error"]
+        plan = plan_warmup_errors(self._layout.numels, [(b.start, b.end) for b in self.buckets], self.world_size,
+                                  self.wire)
+        for b, (segments, region) in zip(self.buckets, plan):  # each parameter starts a block of its own
+            quantized_average_(grads[b.start:b.end], worker[b.start:b.end], server[region], self.process_group,
+                               self.comm_stats, self.wire, segments=segments)
 
     def _exchange_bucket(self, b: Bucket, momentum: torch.Tensor, group: ProcessGroupLike) -> None:
         """The compressed all-reduce of bucket ``b``'s momentum over ``group``, with the bucket's
@@ -281,7 +370,7 @@ class Exchange:
         self._gather(grads, b)
         self._marks[k] = _grad_marks(lay, b)
         if "worker_error" in flat:  # after the freeze
-            buf = self._momentum(b)  # formed here, on the hook's thread; sent on the exchange thread
+            buf = self._payload(b)  # formed here, on the hook's thread; sent on the exchange thread
             scratch.buffer("worker_backup", flat["worker_error"].numel())[b.worker].copy_(flat["worker_error"][b.worker])
             scratch.buffer("server_backup", flat["server_error"].numel())[b.server].copy_(flat["server_error"][b.server])
             failures = self._failures
@@ -335,7 +424,7 @@ class Exchange:
                 b = self.buckets[k]
                 self._failures.pop(k, None)
                 self._restore_errors(b)
-                self._exchange_bucket(b, self._momentum(b), self._group)
+                self._exchange_bucket(b, self._payload(b), self._group)
             self._exchanged_behind_backward = True  # every bucket's errors were kept before its exchange
             if self._failures:
                 failure = next(iter(self._failures.values()))

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from onebitlamb.comm import padded_size
+from onebitlamb.comm import padded_size, quantized_error_sizes
 from onebitlamb.optim import functional as F
 
 
@@ -159,7 +159,7 @@ def check_saved_by(flat: Dict[str, Any], owner: str) -> None:
 
 
 def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, owner: str, world_size: int, rank: int,
-                       local_size: int = 1) -> None:
+                       local_size: int = 1, warmup_codec: Any = None) -> None:
     """A loaded state must be this optimizer's, fit the model and, where it holds this rank's
     compression errors, this rank and world size; its tensors move to the model's device."""
     check_saved_by(flat, owner)
@@ -167,7 +167,7 @@ def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, owner: str, wor
         raise ValueError(f"the optimizer state holds {len(flat['layer_numels'])} parameters of sizes "
                          f"{flat['layer_numels'][:8]}..., the model has {len(layout.numels)} of sizes "
                          f"{layout.numels[:8]}...: not the same model or param groups")
-    per_rank = "worker_error" in flat or "server_error" in flat
+    per_rank = any(k in flat for k in ("worker_error", "server_error", "warmup_worker_error", "warmup_server_error"))
     if per_rank and flat["world_size"] != world_size:
         raise ValueError(f"the optimizer state was saved with world size {flat['world_size']} and is "
                          f"loaded with world size {world_size}; its compression errors are per rank: resume on "
@@ -184,12 +184,19 @@ def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, owner: str, wor
     flat["world_size"], flat["rank"], flat["local_size"] = world_size, rank, local_size  # the rest of the state is the same on every rank
     flat.setdefault("buckets", [[0, layout.numel]])  # saved before buckets existed: one
     check_bucket_ranges(flat["buckets"], layout.numel)
-    if per_rank:
+    if "worker_error" in flat or "server_error" in flat:
         _, worker, server = buffer_sizes(plan_buckets(flat["buckets"], world_size, local_size))
         sizes = (flat["worker_error"].numel(), flat["server_error"].numel())
         if sizes != (worker, server):
             raise ValueError(f"the optimizer state's compression errors have {sizes[0]} and {sizes[1]} elements, "
                              f"its buckets on {world_size} ranks need {worker} and {server}: a damaged state")
+    if "warmup_worker_error" in flat or "warmup_server_error" in flat:
+        plan = plan_warmup_errors(flat["layer_numels"], flat["buckets"], world_size, warmup_codec)
+        server = plan[-1][1].stop if plan else 0
+        sizes = (flat["warmup_worker_error"].numel(), flat["warmup_server_error"].numel())
+        if sizes != (layout.numel, server):
+            raise ValueError(f"the optimizer state's warm-up errors have {sizes[0]} and {sizes[1]} elements, its "
+                             f"buckets on {world_size} ranks need {layout.numel} and {server}: a damaged state")
     for key, value in flat.items():
         if isinstance(value, torch.Tensor) and value.device != layout.device:
             flat[key] = value.to(layout.device)
@@ -268,6 +275,27 @@ def plan_buckets(ranges: Sequence[Sequence[int]], world_size: int, local_size: i
                               slice(server, server + s)))
         comm, worker, server = comm + padded, worker + w, server + s
     return buckets
+
+
+def plan_warmup_errors(numels: Sequence[int], ranges: Sequence[Sequence[int]], world_size: int,
+                       codec: Any) -> List[Tuple[Tuple[int, ...], slice]]:
+    """For the quantised warm-up average (``codec`` a ``compression.blockwise.BlockwiseCodec``): per
+    bucket range, the sizes of the parameters it holds (each starts a block of its own:
+    ``comm.quantized``) and its region of the warm-up server error; the worker error is the flat
+    layout's ``d`` elements, a bucket's its range."""
+    if codec is None:
+        raise ValueError("the optimizer state holds the errors of a quantised warm-up, and the optimizer has none: "
+                         "a damaged state, or one saved with another warmup_dtype")
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + n)
+    plan, at = [], 0
+    for start, end in ranges:
+        segments = tuple(n for o, n in zip(offsets, numels) if start <= o < end)
+        _, server = quantized_error_sizes(end - start, world_size, segments, codec)
+        plan.append((segments, slice(at, at + server)))
+        at += server
+    return plan
 
 
 def buffer_sizes(buckets: Sequence[Bucket]) -> Tuple[int, int, int]:

@@ -1,9 +1,11 @@
-"""The machinery LAMB, 1-bit LAMB, 1-bit Adam and 0/1 Adam share: one flat layout, two stages.
+"""The machinery LAMB, 1-bit LAMB, 1-bit Adam and 0/1 Adam share: one flat layout, its state,
+the exchange, the checks, and a step that runs the current phase (``phases.py``).
 
-Stage 1 (the warm-up) is LAMB or Adam with the gradients averaged in full precision. At the end
-of the step the freeze schedule names (``freeze.py``) the variance and the trust ratio are frozen,
-and from then on each step sends only this rank's momentum through the error-compensated 1-bit
-all-reduce (stage 2). ``docs/algorithm.md`` gives the maths step by step.
+An optimizer is a schedule of phases: 1-bit LAMB's warm-up (LAMB with the gradients averaged in
+full precision) runs until the freeze schedule (``freeze.py``) names its last step; then the
+variance and the trust ratio are frozen and each step sends only this rank's momentum through
+the error-compensated 1-bit all-reduce (stage 2). ``docs/algorithm.md`` gives the maths step by
+step.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import contextlib
 import math
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,14 +25,9 @@ from onebitlamb.optim import functional as F
 from onebitlamb.optim.checks import (agree_on_setup, check_finite_nonneg, check_layout_unchanged, check_param_groups,
                                      check_resumed_parameters, parameter_checksum)
 from onebitlamb.optim.exchange import Exchange, ProcessGroupLike
-from onebitlamb.optim.freeze import AutomaticSchedule, FixedSchedule
-from onebitlamb.optim.layout import (Bucket, FlatLayout, Scratch, buffer_sizes, check_loaded_state, check_saved_by,
-                                      new_flat_state)
+from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, check_loaded_state, check_saved_by, new_flat_state
+from onebitlamb.optim.phases import COMPRESSION, LOCAL, WARMUP, OneBitMomentum, Phase  # noqa: F401 (re-exported)
 from onebitlamb.optim.state_format import PARAMETERS, beside, split_state, to_saved
-
-WARMUP, COMPRESSION = "warmup", "compression"
-# 0/1 Adam's local steps: no exchange but the agreed non-finite check (zero_one.py)
-LOCAL = "local"
 
 # The settings that change the numbers and are checked on load, as states saved before they were
 # options had them: the exchange's, and what the 1-bit optimizers compress.
@@ -82,30 +79,24 @@ def _spans_the_world(group: Any) -> bool:
 
 
 class StagedOptimizer(Optimizer):
-    """Base of the three optimizers. Subclasses set the update rule with two switches:
+    """Base of the four optimizers: each passes its hyper-parameters and its phases (one, or two
+    with a freeze between them; ``phases.py`` has the table). The base holds what every phase
+    shares: the flat layout and state, the exchange, the checks, the saved form, and the step:
+    the exchange the current phase's stage names, then the phase's update, then, at the end of
+    the phase's last step, the next phase's beginning (the freeze)."""
 
-    - ``_layerwise``: LAMB's trust ratio ``c`` (else ``c = 1``: Adam);
-    - ``_fresh_variance``: 1-bit LAMB's factor from a variance kept fresh after the freeze;
-
-    and pass a freeze schedule (``None``: warm-up forever, i.e. plain LAMB with full communication).
-    0/1 Adam (``zero_one.py``) keeps the layout, the exchange, the checks and the state's form and
-    replaces what a step does after its exchange (``stage``, ``_take_step``) and what it sends.
-    """
-
-    _layerwise = True
-    _fresh_variance = True
-    # the compression errors exist from the first step (0/1 Adam), not from the freeze
-    _errors_from_start = False
     # GradScaler.step then calls step(grad_scaler=scaler) instead of skipping it on the ranks whose
     # own gradient overflowed: every rank enters the step's collectives, and the skip is agreed
     _step_supports_amp_scaling = True
 
-    def __init__(self, params: Iterable, defaults: Dict[str, Any],
-                 schedule: "FixedSchedule | AutomaticSchedule | None", process_group: ProcessGroupLike,
-                 overlap_with_backward: bool, agree_every: Optional[int] = None, fused: Optional[bool] = None) -> None:
+    def __init__(self, params: Iterable, defaults: Dict[str, Any], phases: Sequence[Phase],
+                 process_group: ProcessGroupLike, overlap_with_backward: bool, agree_every: Optional[int] = None,
+                 fused: Optional[bool] = None) -> None:
         super().__init__(params, defaults)
         check_param_groups(type(self).__name__, self.param_groups, defaults)
-        self._schedule = schedule
+        if not 1 <= len(phases) <= 2:
+            raise ValueError(f"{type(self).__name__}: one or two phases (before and after a freeze), got {phases!r}")
+        self._phases: Tuple[Phase, ...] = tuple(phases)
         self.exchange = Exchange(type(self).__name__, process_group, warmup_dtype=defaults["warmup_dtype"],
                                  bucket_cap_mb=defaults["bucket_cap_mb"], overlap_with_backward=overlap_with_backward,
                                  agree_every=agree_every, fused=fused,
@@ -122,6 +113,16 @@ class StagedOptimizer(Optimizer):
         # before the first step is a complete template (DCP loads into one); rebuilt at the first
         # step if the parameters changed until then
         self._new_state(FlatLayout.of(self.param_groups))
+
+    def _phase(self) -> Phase:
+        """The phase the next step runs: the first until the freeze (``frozen_at``), then the second."""
+        return self._phases[0] if self._flat["frozen_at"] is None else self._phases[-1]
+
+    @property
+    def _stage2(self) -> Optional[OneBitMomentum]:
+        """The 1-bit stage 2 that a freeze starts (1-bit LAMB, 1-bit Adam), else None."""
+        last = self._phases[-1]
+        return last if isinstance(last, OneBitMomentum) else None
 
     @property
     def process_group(self) -> ProcessGroupLike:
@@ -153,8 +154,9 @@ class StagedOptimizer(Optimizer):
         world, rank = world_size_of(self.process_group), rank_of(self.process_group)
         self.state["flat"] = new_flat_state(layout, type(self).__name__, world, rank, self.exchange.local_size,
                                             self.exchange.bucket_ranges(layout))
-        if self._schedule is not None:
-            self._schedule.init_state(self._flat, len(layout.params), layout.device)
+        for phase in self._phases:
+            phase.init_state(self, layout)
+        self.exchange.new_warmup_error_buffers(self._flat, layout.device)
 
     def _untouched(self) -> bool:
         flat = self._flat
@@ -169,41 +171,50 @@ class StagedOptimizer(Optimizer):
         if self._untouched():
             self._new_state(layout)
         else:
-            check_loaded_state(self._flat, layout, owner, world, rank, self.exchange.local_size)
-            if self._schedule is not None:
-                self._schedule.check_state(self._flat)
-            has_errors = self._flat["frozen_at"] is not None or self._errors_from_start
+            check_loaded_state(self._flat, layout, owner, world, rank, self.exchange.local_size, self.exchange.warmup_codec)
+            for phase in self._phases:
+                phase.check_state(self)
+            has_errors = self._flat["frozen_at"] is not None or self._phases[0].compresses_from_start
             if not has_errors:  # the errors, made at the freeze, will follow them
                 self._flat["buckets"] = self.exchange.bucket_ranges(layout)
             if has_errors and "worker_error" not in self._flat:
                 self.exchange.new_error_buffers(self._flat, layout.device)  # saved on one process, resumed on several
+            if "warmup_worker_error" not in self._flat:  # as above, or re-sharded
+                self.exchange.new_warmup_error_buffers(self._flat, layout.device)
         agree_on_setup(self._setup(layout), spanning_group(self.process_group), layout.device)
         if getattr(self, "_resumed_parameters", None) is not None:  # (agreed: every rank checks, or none)
             check_resumed_parameters(owner, self._resumed_parameters, layout.params,
                                      spanning_group(self.process_group), layout.device, self._flat["step"])
             self._resumed_parameters = None
         self._layout, self._scratch = layout, Scratch(layout.device)
-        self.exchange.bind(layout, self._flat, self._scratch, self._gather, self._bucket_momentum)
+        self.exchange.bind(layout, self._flat, self._scratch, self._payload, negate=self.defaults["maximize"])
 
     def _setup(self, layout: FlatLayout) -> Dict[str, Any]:
         """What every rank must have alike (``checks.agree_on_setup``)."""
-        return {"optimizer": type(self).__name__, "parameter sizes": layout.numels,
+        setup = {"optimizer": type(self).__name__, "parameter sizes": layout.numels,
                 "param groups (lr, weight_decay)": [(g["lr"], g["weight_decay"]) for g in self.param_groups],
                 "parameters per group": [layout.groups.count(i) for i in range(len(self.param_groups))],
                 "hyper-parameters": sorted((k, v) for k, v in self.defaults.items() if k not in ("lr", "weight_decay")),
-                "freeze_step": repr(self._schedule),
+                "freeze_step": repr(getattr(self._phases[0], "schedule", None)),
                 **self.exchange.setup(),
                 **({"buckets of the state": self._flat["buckets"]} if self._flat["frozen_at"] is not None else {}),
                 "state (step, frozen_at)": (self._flat["step"], self._flat["frozen_at"]),
                 "parameters checked against the loaded state": getattr(self, "_resumed_parameters", None) is not None,
                 "parameter values (crc32 of each tensor)": [parameter_checksum(p) for p in layout.params]}
+        for phase in self._phases:
+            phase.setup(self, layout, setup)
+        return setup
 
     def _rank_entries(self, params: List[torch.Tensor]) -> Dict[str, Any]:
-        """What the saved state keeps of this rank beside its compression errors: nothing here. The
-        state of LAMB and the 1-bit optimizers holds nothing of the parameters, which are alike on
-        every rank: a model saved from rank 0 is right on every rank, and another model loaded with
-        the state is the caller's choice, as with torch.optim (``LocalSteps`` records them)."""
-        return {}
+        """What the saved state keeps of this rank beside its compression errors: what the phases
+        add. The state of LAMB and the 1-bit optimizers holds nothing of the parameters, which are
+        alike on every rank: a model saved from rank 0 is right on every rank, and another model
+        loaded with the state is the caller's choice, as with torch.optim (``LocalSteps`` records
+        them)."""
+        entries: Dict[str, Any] = {}
+        for phase in self._phases:
+            entries.update(phase.rank_entries(self, params))
+        return entries
 
     @property
     def skipped_steps(self) -> int:
@@ -231,8 +242,9 @@ class StagedOptimizer(Optimizer):
             # entries someone else put in optimizer.state (a hook, a framework) stay beside ours,
             # named where they share the flat state's entry (a load gives them back to the parameter)
             ours = {i: dict(packed.get(i, {})) for i in indices}
-            ours[indices[0]] = beside(to_saved(flat, self._schedule is not None,
-                                               self._fresh_variance and self._schedule is not None,
+            stage2 = self._stage2
+            ours[indices[0]] = beside(to_saved(flat, stage2 is not None,
+                                               stage2 is not None and stage2.keeps_fresh_variance,
                                                self._rank_entries(params)),
                                       ours[indices[0]])
             state_dict["state"] = {**ours, **{k: v for k, v in packed.items() if k not in ours}}
@@ -263,7 +275,7 @@ class StagedOptimizer(Optimizer):
         state_dict["param_groups"] = self._exchange_settings_checked(state_dict["param_groups"])
         if flat is not None:
             check_loaded_state(flat, FlatLayout.of(self.param_groups), owner, world_size_of(self.process_group),
-                               rank_of(self.process_group), self.exchange.local_size)
+                               rank_of(self.process_group), self.exchange.local_size, self.exchange.warmup_codec)
         self.exchange.unbind()  # what a backward started used the state being replaced
         # handed to torch.optim under "flat", which it keeps as it is: under a parameter's index it
         # would be cast to that parameter's dtype
@@ -315,11 +327,12 @@ class StagedOptimizer(Optimizer):
 
     @property
     def stage(self) -> str:
-        """The stage the next step runs: ``"warmup"`` until the freeze (at the end of the step the
-        freeze schedule chose), then ``"compression"``."""
-        if self._schedule is None or "flat" not in self.state:
+        """The exchange the next step runs (its phase's): ``"warmup"`` (the full-precision average)
+        until the freeze (at the end of the step the freeze schedule chose), then ``"compression"``
+        (the 1-bit all-reduce); 0/1 Adam's also ``"local"`` (``phases.py``)."""
+        if "flat" not in self.state:
             return WARMUP
-        return WARMUP if self._flat["frozen_at"] is None else COMPRESSION
+        return self._phase().stage(self)
 
     def layer_diagnostics(self) -> List[Dict[str, Optional[float]]]:
         """Per trainable parameter (flat order): the coefficient applied at the last step
@@ -329,33 +342,31 @@ class StagedOptimizer(Optimizer):
             return []
         compressed = self.stage == COMPRESSION
         frozen = self._flat.get("frozen_coeff") if compressed else None
-        factor = self._flat.get("prev_factor") if compressed and self._fresh_variance else None
+        fresh = compressed and self._stage2 is not None and self._stage2.keeps_fresh_variance
+        factor = self._flat.get("prev_factor") if fresh else None
         return [{"trust_ratio": float(self._last_coeff[i]),
                  "frozen_coeff": None if frozen is None else float(frozen[i]),
                  "factor": None if factor is None else float(factor[i])}
                 for i in range(len(self._last_coeff))]
 
-    # ------------------------------------------------------------------ the exchange's callbacks
-    def _gather(self, grads: torch.Tensor, b: Optional[Bucket] = None) -> None:
-        """This rank's gradients (of bucket ``b``, else all) into the flat buffer, as the update
-        descends: negated under ``maximize``."""
-        start, end = (0, self._layout.numel) if b is None else (b.start, b.end)
-        self._layout.gather_grads(grads, type(self).__name__, start, end)
-        if self.defaults["maximize"]:
-            grads[start:end].neg_()
+    # ------------------------------------------------------------------ what the phases share
+    def _payload(self, b: Bucket, out: torch.Tensor) -> None:
+        """What bucket ``b`` sends through the 1-bit all-reduce (the current phase's ``payload``): the
+        exchange asks for it once the bucket's gradients are in, in ``step()`` or behind the
+        backward, and holds this method weakly."""
+        self._phase().payload(self, b, out)
 
-    def _bucket_momentum(self, b: Bucket) -> torch.Tensor:
-        """This rank's new momentum of bucket ``b`` (from the local gradient), each layer scaled,
-        in the bucket's padded region of the communication buffer."""
-        beta1, _ = self._betas()
-        scale, _ = self._compression_scales()
-        buf = self._comm_region(b)
-        mine = buf[:b.numel]
-        torch.mul(self._flat["exp_avg"][b.start:b.end], beta1, out=mine)
-        mine.add_(self._scratch.buffers["grad"][b.start:b.end], alpha=1 - beta1)
-        mine.mul_(scale[b.start:b.end])
-        self._bound_sent_(mine, b)
-        return buf
+    def _unscaled(self, received: List[torch.Tensor], local: torch.Tensor) -> torch.Tensor:
+        """The buckets' 1-bit averages ``received`` with their scales undone and masked, as one flat
+        tensor; with one process (nothing received), ``local`` masked."""
+        _, unscale = self._compression_scales()
+        out = self._scratch.buffer("averaged", self._layout.numel)
+        if received:
+            for b, avg in zip(self.exchange.buckets, received):
+                torch.mul(avg, unscale[b.start:b.end], out=out[b.start:b.end])
+        else:
+            torch.mul(local, self._flat["momentum_mask"], out=out)
+        return out
 
     def _bound_sent_(self, sent: torch.Tensor, b: Bucket) -> None:
         """In the update space, what a rank sends (its momentum over the frozen denominator, times
@@ -372,13 +383,6 @@ class StagedOptimizer(Optimizer):
         if math.isfinite(limit):
             bound = self._scratch.derived["layer_scale"][b.start:b.end] * limit
             torch.clamp(sent, -bound, bound, out=sent)
-
-    def _comm_region(self, b: Bucket) -> torch.Tensor:
-        """Bucket ``b``'s padded region of the communication buffer, its padding zeroed (the
-        previous exchange left values there); the caller fills the first ``b.numel`` elements."""
-        buf = self._scratch.buffer("comm", buffer_sizes(self.exchange.buckets)[0])[b.comm]
-        buf[b.numel:].zero_()
-        return buf
 
     # ------------------------------------------------------------------ step
     # torch.compile(opt.step), or a compiled function that calls it, runs the step as it is: a step
@@ -407,13 +411,17 @@ class StagedOptimizer(Optimizer):
         if self._layout.numel == 0:
             return loss
         grads = self._scratch.buffer("grad", self._layout.numel)
-        stage = self.stage  # decided by the steps completed so far
+        phase = self._phase()
+        stage = phase.stage(self)  # decided by the steps completed so far
         held = self._held_state()
         try:
-            finite = self.exchange.run(grads, stage != WARMUP, first, exchange=stage == COMPRESSION)
+            received = self.exchange.run(grads, stage, first)
+            finite = received is not None
             if finite:
                 self._flat["step"] += 1
-                self._take_step(stage, grads)
+                phase.step(self, stage, grads, received)
+                if phase.ends(self):
+                    self._phases[-1].begin(self)  # the freeze, at the end of the phase's last step
         except FloatingPointError:
             self._restore_state(held)
             raise
@@ -460,16 +468,6 @@ class StagedOptimizer(Optimizer):
         self.exchange.undo_backward_exchanges()
         self._scratch.derived.clear()  # caches of the state (the denominators, a sync's local update)
 
-    def _take_step(self, stage: str, grads: torch.Tensor) -> None:
-        """The update after the step's exchange (its gradients finite on every rank): the warm-up
-        and, at the end of the step the schedule names, the freeze; or stage 2."""
-        if stage == COMPRESSION:
-            self._compression_step(grads)
-        else:
-            self._warmup_step(grads)
-            if self._schedule is not None and self._schedule.due(self._flat):
-                self._freeze()
-
     def _unscaled_by(self, scaler: Optional[GradScaler]) -> Dict[torch.device, torch.Tensor]:
         """The gradients unscaled by ``scaler`` (unless ``scaler.unscale_(self)`` did it) and the
         scaler's found-inf flags for this optimizer, which ``step`` overwrites with the verdict
@@ -512,13 +510,6 @@ class StagedOptimizer(Optimizer):
         optimizer's own (after the freeze it is frozen with the variance)."""
         return self.param_groups[0]["betas"][0], self.defaults["betas"][1]
 
-    def _bias_corrections(self) -> tuple[float, float]:
-        if not self.defaults["bias_correction"]:
-            return 1.0, 1.0
-        beta1, beta2 = self._betas()
-        t = self._flat["step"]
-        return 1 - beta1 ** t, 1 - beta2 ** t
-
     def _bound_direction_(self, update: torch.Tensor, step: Optional[int] = None) -> bool:
         """Stage 2's direction ``m_hat / (sqrt(v_frozen) + eps)`` clipped, element by element, to the
         largest value Adam's own direction can take at this step (``F.adam_direction_bound``), unless
@@ -548,62 +539,6 @@ class StagedOptimizer(Optimizer):
         self._last_coeff = coeff.clone()
         self._layout.apply_(update, coeff, self.param_groups)
 
-    def _warmup_step(self, grads: torch.Tensor) -> None:
-        """Stage 1 (all of LAMB) on the averaged gradients: Adam moments, layer-wise trust ratio."""
-        flat, lay = self._flat, self._layout
-        beta1, beta2 = self._betas()
-        F.update_moments_(flat["exp_avg"], flat["exp_avg_sq"], grads, beta1, beta2)
-        bc1, bc2 = self._bias_corrections()
-        update = self._scratch.buffer("update", lay.numel)
-        den = F.adam_denominator(flat["exp_avg_sq"], bc2, self.defaults["eps"], out=update)
-        F.adam_direction(flat["exp_avg"], den, bc1, out=update)
-        lay.add_weight_decay_(update, self.param_groups)
-        if self._layerwise:
-            coeff, defined = F.trust_ratios(lay.param_norms(), lay.norms(update),
-                                            self.defaults["min_coeff"], self.defaults["max_coeff"])
-            if self._schedule is not None:  # the running average becomes the frozen coefficient
-                F.update_ema_(flat["coeff_ema"], flat["coeff_ema_count"], coeff, defined,
-                              self.defaults["coeff_beta"])
-        else:
-            coeff = lay.ones()
-        if self._schedule is not None and self._schedule.watches:
-            self._schedule.record(flat, self._variance_levels(bc2), self._trust_levels())
-        self._apply_(update, coeff)
-
-    def _variance_levels(self, bias_correction2: float) -> torch.Tensor:
-        """Each layer's ``log ||v_hat||``, the statistic whose settling the automatic freeze reads."""
-        return torch.log(self._layout.norms(self._flat["exp_avg_sq"]) / bias_correction2)
-
-    def _trust_levels(self) -> Optional[torch.Tensor]:
-        """Each layer's ``log`` of the trust ratio a freeze now would keep; ``-inf`` (left out of the
-        median) for a layer whose ratio was never defined."""
-        if not self._layerwise:
-            return None
-        flat = self._flat
-        kept = F.corrected_ema(flat["coeff_ema"], flat["coeff_ema_count"], self.defaults["coeff_beta"])
-        return torch.where(flat["coeff_ema_count"] > 0, torch.log(kept), torch.full_like(kept, -math.inf))
-
-    def _freeze(self) -> None:
-        """End of the warm-up: freeze the variance (bias-corrected) and the trust ratio, and fix
-        the per-layer momentum scaling and the mask of never-updated elements."""
-        flat, lay = self._flat, self._layout
-        _, bc2 = self._bias_corrections()
-        v = flat["exp_avg_sq"]
-        flat["momentum_mask"] = v != 0
-        if self._fresh_variance:
-            flat["exp_avg_sq_fresh"] = v.clone()
-        v.div_(bc2)  # now v_frozen = v_hat
-        flat["frozen_at"] = flat["step"]
-        flat["frozen_coeff"] = (F.corrected_ema(flat["coeff_ema"], flat["coeff_ema_count"],
-                                                self.defaults["coeff_beta"])
-                                if self._layerwise else lay.ones())
-        flat["prev_factor"] = lay.ones()
-        sent = flat["exp_avg"]
-        if self._compresses_update():  # the layers' scales are those of what is sent: m / den
-            sent = sent / self._frozen_denominators()[0]
-        flat["momentum_scale"] = F.momentum_scales(lay.norms(sent), lay.per_layer(lay.numels))
-        self.exchange.new_error_buffers(flat, lay.device)
-
     def _frozen_denominators(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``sqrt(v_frozen) + eps`` and its inverse, derived from the state once after a freeze or load."""
         derived, v_frozen = self._scratch.derived, self._flat["exp_avg_sq"]
@@ -613,11 +548,6 @@ class StagedOptimizer(Optimizer):
             derived["denominator"], derived["inverse_denominator"] = den, torch.reciprocal(den)
             derived["denominator_source"] = v_frozen
         return derived["denominator"], derived["inverse_denominator"]
-
-    def _inverse_denominator(self) -> torch.Tensor:
-        """``1 / (sqrt(v_hat) + eps)`` as the update space divides what it sends: the frozen one
-        (0/1 Adam's variance phase has its own)."""
-        return self._frozen_denominators()[1]
 
     def _compresses_update(self) -> bool:
         """Whether stage 2 sends ``m / den`` (``compression_space="update"``, OneBitLamb's and
@@ -641,53 +571,9 @@ class StagedOptimizer(Optimizer):
         if held is None or any(a is not b for a, b in zip(held, source)):
             numels = torch.tensor(self._layout.numels, device=self._layout.device)
             layer_scale = torch.repeat_interleave(flat["momentum_scale"], numels)
-            scale = layer_scale * self._inverse_denominator() if self._compresses_update() else layer_scale.clone()
+            scale = layer_scale * self._phase().inverse_denominator(self) if self._compresses_update() else layer_scale.clone()
             mask = flat["momentum_mask"]
             derived["unscale"] = torch.reciprocal(scale).mul_(mask)
             derived["scale"], derived["layer_scale"] = scale.mul_(mask), layer_scale.mul_(mask)
             derived["scale_source"] = source
         return derived["scale"], derived["unscale"]
-
-    def _compression_step(self, grads: torch.Tensor) -> None:
-        """Stage 2 after the exchange: the averaged momentum, frozen variance and trust ratio."""
-        flat, lay = self._flat, self._layout
-        beta1, beta2 = self._betas()
-        d = lay.numel
-        m = flat["exp_avg"]
-        m_prev = self._scratch.buffer("momentum_prev", d)
-        m_prev.copy_(m)
-        if world_size_of(self.process_group) > 1:
-            # the buckets' exchanges (in step(), or behind the backward) left the averaged momentum,
-            # scaled, in the communication buffer
-            _, unscale = self._compression_scales()
-            buf = self._scratch.buffers["comm"]
-            for b in self.exchange.buckets:
-                torch.mul(buf[b.comm][:b.numel], unscale[b.start:b.end], out=m[b.start:b.end])
-        else:
-            m.mul_(beta1).add_(grads, alpha=1 - beta1).mul_(flat["momentum_mask"])
-        den, inverse_den = self._frozen_denominators()
-        bc1, bc2 = self._bias_corrections()
-        update = self._scratch.buffer("update", d)
-        coeff = flat["frozen_coeff"]
-        if self._fresh_variance:
-            max_ratio, plain_norms = F.fresh_variance_statistics_(
-                flat["exp_avg_sq_fresh"], m, m_prev, den, inverse_den, bc1, bc2, beta1, beta2,
-                self.defaults["eps"], lay.slices, lay.offsets, update, scratch=self._scratch.buffer("ratio", d))
-            if self._bound_direction_(update):
-                plain_norms = lay.norms(update)
-            lay.add_weight_decay_(update, self.param_groups)
-            update_norms = lay.decayed_update_norms(update, plain_norms, self.param_groups)
-            factor = F.scaling_factors(max_ratio, plain_norms, update_norms,
-                                       lay.hyper(self.param_groups, "weight_decay"), flat["prev_factor"],
-                                       self.defaults["factor_min"], self.defaults["factor_max"],
-                                       self.defaults["factor_threshold"])
-            flat["prev_factor"] = factor
-            coeff = coeff * factor
-        else:
-            F.adam_direction(m, den, bc1, out=update)
-            self._bound_direction_(update)
-            lay.add_weight_decay_(update, self.param_groups)
-            if self._layerwise:  # LAMB's own ratio, on the exchanged momentum and the frozen variance
-                coeff, _ = F.trust_ratios(lay.param_norms(), lay.norms(update), self.defaults["min_coeff"],
-                                          self.defaults["max_coeff"])
-        self._apply_(update, coeff)

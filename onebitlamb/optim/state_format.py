@@ -31,7 +31,9 @@ import torch
 
 from onebitlamb.optim.layout import buffer_sizes, plan_buckets
 
-PER_RANK = ("worker_error", "server_error")
+PER_RANK = ("worker_error", "server_error", "warmup_worker_error", "warmup_server_error")
+# the quantised warm-up average's errors (``Exchange.new_warmup_error_buffers``): real from the first step
+WARMUP_ERRORS = ("warmup_worker_error", "warmup_server_error")
 # what the freeze creates (exp_avg_sq_fresh: 1-bit LAMB's only)
 FROZEN = ("momentum_mask", "frozen_coeff", "prev_factor", "momentum_scale", "exp_avg_sq_fresh")
 _RANK_KEY = re.compile(r"rank(\d+)")
@@ -78,7 +80,7 @@ def to_saved(flat: Dict[str, Any], compresses: bool, fresh_variance: bool,
     if compresses and flat["frozen_at"] is None:
         saved.update(_frozen_templates(flat, fresh_variance))
         if flat["world_size"] > 1:
-            errors = _error_templates(flat)
+            errors = {**_error_templates(flat), **{k: v for k, v in errors.items() if k in WARMUP_ERRORS}}
     saved[f"rank{flat['rank']}"] = {**errors, **(rank_entries or {})}
     return saved
 
@@ -110,6 +112,7 @@ def from_saved(saved: Dict[str, Any]) -> Dict[str, Any]:
     flat["rank"] = int(_RANK_KEY.fullmatch(ranks[0]).group(1))
     if flat["frozen_at"] is None and "rank_local" not in flat:  # the templates of a state saved before the freeze
         flat = {k: v for k, v in flat.items() if k not in FROZEN}
+        flat.update({k: v for k, v in saved[ranks[0]].items() if k in WARMUP_ERRORS})
     else:  # 0/1 Adam (``rank_local``) holds its whole state, errors included, from the first step
         flat.update(saved[ranks[0]])
     if PARAMETERS in saved[ranks[0]]:

@@ -22,7 +22,7 @@ and ``LOCAL`` (only the agreed check that every rank's gradient is finite).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -31,10 +31,10 @@ from onebitlamb.optim import functional as F
 from onebitlamb.optim.exchange import ProcessGroupLike
 from onebitlamb.optim.layout import Bucket, FlatLayout
 from onebitlamb.optim.local_steps import LocalSteps
+from onebitlamb.optim.phases import COMPRESSION, WARMUP, Phase
 from onebitlamb.optim.optimizers import (_ADAM_DOC, _BOUND_DOC, _EXCHANGE_DOC, _MAXIMIZE_DOC, _PARAMS_DOC, FUSED_DOC,
                                          _checked_bound_direction, _exchange_defaults)
-from onebitlamb.optim.staged import (COMPRESSION, COMPRESSION_SPACES, WARMUP, StagedOptimizer,
-                                     validate_common)
+from onebitlamb.optim.staged import COMPRESSION_SPACES, StagedOptimizer, validate_common
 
 StepsOrFraction = Union[int, float]
 
@@ -62,9 +62,166 @@ def steps_of(name: str, value: Any, total_steps: Optional[int]) -> int:
                      f"(0, 1] given as a float)")
 
 
-class ZeroOneAdam(LocalSteps, StagedOptimizer):
-    _layerwise, _fresh_variance = False, False
-    _errors_from_start = True
+class VarianceThinning(Phase):
+    """0/1 Adam's first phase: variance steps (the gradients averaged in full precision into both
+    moments) on an interval that doubles every ``var_update_scaler`` updates, and between them
+    1-bit steps (the ranks' momenta averaged by the 1-bit all-reduce, or in DeepSpeed's rule their
+    gradients, into the momentum) over the variance as it stands. It ends at ``var_freeze_step``."""
+
+    compresses_from_start = True
+
+    def init_state(self, opt: StagedOptimizer, layout: FlatLayout) -> None:
+        # those entries that differ between ranks from the freeze on are saved under the rank's key
+        d, layers = layout.numel, len(layout.params)
+        opt._flat.update({
+            "variance_updates": 0, "var_interval": 1, "var_counter": 0,
+            "momentum_scale": torch.ones(layers, dtype=torch.float32, device=layout.device),
+            "momentum_mask": torch.zeros(d, dtype=torch.bool, device=layout.device),
+        })
+        opt.exchange.new_error_buffers(opt._flat, layout.device)
+
+    def setup(self, opt: StagedOptimizer, layout: FlatLayout, setup: Dict[str, Any]) -> None:
+        flat = opt._flat
+        setup["schedule (var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)"] = tuple(
+            opt.defaults[k] for k in ("var_freeze_step", "var_update_scaler", "local_step_scaler",
+                                      "local_step_clipper"))
+        setup["0/1 Adam schedule (var_interval, var_counter, variance_updates, local_interval, local_counter)"] = (
+            flat["var_interval"], flat["var_counter"], flat["variance_updates"], flat["local_interval"],
+            flat["local_counter"])
+
+    def stage(self, opt: StagedOptimizer) -> str:
+        """A variance step (the full-precision average) or a 1-bit step."""
+        flat = opt._flat
+        return WARMUP if (flat["step"] + 1) % flat["var_interval"] == 0 else COMPRESSION
+
+    def ends(self, opt: StagedOptimizer) -> bool:
+        return opt._flat["step"] == opt.defaults["var_freeze_step"]
+
+    def bias_corrections(self, opt: StagedOptimizer) -> tuple[float, float]:
+        """``1 - beta1^s`` and ``1 - beta2^k``, ``k`` the variance updates so far: the variance is an
+        average over those alone."""
+        if not opt.defaults["bias_correction"]:
+            return 1.0, 1.0
+        beta1, beta2 = opt._betas()
+        return 1 - beta1 ** opt._flat["step"], 1 - beta2 ** opt._flat["variance_updates"]
+
+    def _adam_denominator(self, opt: StagedOptimizer) -> torch.Tensor:
+        """``sqrt(v_hat) + eps`` as the next update will use it: the variance as it stands (it
+        changes at variance steps only)."""
+        _, bc2 = self.bias_corrections(opt)
+        return F.adam_denominator(opt._flat["exp_avg_sq"], bc2, opt.defaults["eps"],
+                                  out=opt._scratch.buffer("variance_denominator", opt._layout.numel))
+
+    def inverse_denominator(self, opt: StagedOptimizer) -> torch.Tensor:
+        """The denominator moves with every variance step, and the update space divides by it as it
+        stands (the staged optimizers' scales are rebuilt then: the layer scales are replaced at
+        every variance step)."""
+        return torch.reciprocal(self._adam_denominator(opt))
+
+    def _layer_scales(self, opt: StagedOptimizer, sent: torch.Tensor) -> torch.Tensor:
+        """Each layer's ``k_l`` from the size of what a 1-bit step will send (the momentum, or the
+        gradient), over Adam's denominator in the update space."""
+        lay = opt._layout
+        if opt._compresses_update():
+            sent = sent / self._adam_denominator(opt)
+        return F.momentum_scales(lay.norms(sent), lay.per_layer(lay.numels))
+
+    def payload(self, opt: StagedOptimizer, b: Bucket, out: torch.Tensor) -> None:
+        """At a 1-bit step this rank's momentum (or its gradient in DeepSpeed's rule), each layer
+        scaled, and in the update space divided by Adam's denominator."""
+        flat = opt._flat
+        scale, _ = opt._compression_scales()
+        grad = opt._scratch.buffers["grad"][b.start:b.end]
+        if opt._compresses_update():
+            beta1, _ = opt._betas()
+            torch.mul(flat["exp_avg"][b.start:b.end], beta1, out=out)
+            out.add_(grad, alpha=1 - beta1).mul_(scale[b.start:b.end])
+            opt._bound_sent_(out, b)
+        else:
+            torch.mul(grad, scale[b.start:b.end], out=out)
+
+    # ------------------------------------------------------------------ the errors across a variance step
+    @staticmethod
+    def _scales_of_the_errors(opt: StagedOptimizer) -> Optional[torch.Tensor]:
+        """Per element, the scale the carried compression errors are in: what the last 1-bit step
+        multiplied its values by (``k_l``, over Adam's denominator in the update space); None with
+        one process (no errors)."""
+        if "worker_error" not in opt._flat:
+            return None
+        return opt._compression_scales()[0].clone()
+
+    @staticmethod
+    def _rescale_errors_(opt: StagedOptimizer, before: Optional[torch.Tensor]) -> None:
+        """After a variance step changed the scales (``k_l``, and the denominator in the update
+        space), the errors the 1-bit steps carry are brought into the new ones: each element's times
+        its new scale over its old. An error is what an earlier exchange left unsent of the scaled
+        values; the next exchange adds it to values scaled anew and divides the result by the new
+        scale, so left as it was it would come back in another unit: the error feedback would no
+        longer return what was left out (DeepSpeed compresses each tensor's gradient unscaled, and
+        its errors keep their unit). A masked element (scale 0) keeps its error, as does any element
+        whose scale was not finite. The padding has no scale of its own: its error is what the
+        bucket's 1-bit scale left there, in the unit of the bucket's values, so it takes the mean
+        ratio of the bucket's elements (exactly their unit when the bucket holds one layer, as
+        DeepSpeed's tensors are compressed). With a hierarchical group a rank holds the errors of
+        its local rank's chunk of each bucket (worker) and of its node's part of that chunk
+        (server)."""
+        if before is None:
+            return
+        after, _ = opt._compression_scales()
+        # (before the first variance update the update space's scale is not finite: 0 / 0)
+        kept = torch.isfinite(before) & torch.isfinite(after) & (before != 0) & (after != 0)
+        ratio = torch.where(kept, after / torch.where(kept, before, torch.ones_like(before)), torch.ones_like(after))
+        flat, group = opt._flat, opt.process_group
+        n, local = world_size_of(group), opt.exchange.local_size
+        chunk_of_worker, chunk_of_server = (group.local_rank, group.node) if local > 1 else (0, rank_of(group))
+        for b in opt.exchange.buckets:
+            padded = b.comm.stop - b.comm.start
+            full = torch.ones(padded, dtype=ratio.dtype, device=ratio.device)
+            full[:b.numel] = ratio[b.start:b.end]
+            mine = kept[b.start:b.end]
+            full[b.numel:] = torch.where(mine.any(), (ratio[b.start:b.end] * mine).sum() / mine.sum().clamp(min=1),
+                                         torch.ones((), dtype=ratio.dtype, device=ratio.device))
+            worker = full.view(local, -1)[chunk_of_worker]
+            flat["worker_error"][b.worker].mul_(worker)
+            flat["server_error"][b.server].mul_(worker.view(n // local, -1)[chunk_of_server])
+
+    def step(self, opt: StagedOptimizer, stage: str, grads: torch.Tensor, received: List[torch.Tensor]) -> None:
+        """A variance step (the averaged gradient into both moments) or a 1-bit step (the 1-bit
+        average of the ranks' momenta, or in DeepSpeed's rule of the gradients into the momentum),
+        then Adam's update with the variance as it stands."""
+        flat, lay = opt._flat, opt._layout
+        beta1, beta2 = opt._betas()
+        m, v = flat["exp_avg"], flat["exp_avg_sq"]
+        if stage == WARMUP:
+            carried = self._scales_of_the_errors(opt)
+            F.update_moments_(m, v, grads, beta1, beta2)
+            flat["variance_updates"] += 1
+            flat["var_interval"], flat["var_counter"] = F.interval_after(
+                flat["var_interval"], flat["var_counter"], opt.defaults["var_update_scaler"])
+            # the per-layer scales follow what the 1-bit steps send: the momentum, or DeepSpeed's
+            # gradient (whose layers are in other proportions: the noise averages out of the
+            # momentum); elements that never had a gradient at a variance step stay masked (1-bit
+            # signs cannot send a 0)
+            flat["momentum_scale"] = self._layer_scales(opt, m if opt._compresses_update() else grads)
+            flat["momentum_mask"] = v != 0
+            self._rescale_errors_(opt, carried)  # the errors the 1-bit steps carry, into the new scales
+        elif opt._compresses_update():  # each rank's momentum, averaged as 1-bit Adam's stage 2 does
+            local = opt._scratch.buffer("local_momentum", lay.numel)
+            torch.mul(m, beta1, out=local).add_(grads, alpha=1 - beta1)
+            m.copy_(opt._unscaled(received, local))
+        else:  # DeepSpeed's: the 1-bit average of the gradients into the momentum
+            m.mul_(beta1).add_(opt._unscaled(received, grads), alpha=1 - beta1)
+        bc1, bc2 = self.bias_corrections(opt)
+        update = opt._scratch.buffer("update", lay.numel)
+        den = F.adam_denominator(v, bc2, opt.defaults["eps"], out=update)
+        F.adam_direction(m, den, bc1, out=update)
+        if stage != WARMUP:  # the 1-bit average over a variance that is not this step's
+            opt._bound_direction_(update)
+        lay.add_weight_decay_(update, opt.param_groups)
+        opt._apply_(update, lay.ones())
+
+
+class ZeroOneAdam(StagedOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, *, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
@@ -99,47 +256,15 @@ class ZeroOneAdam(LocalSteps, StagedOptimizer):
                         compression_space=compression_space,
                         bound_direction=_checked_bound_direction(bound_direction), maximize=maximize,
                         **_exchange_defaults(warmup_dtype, bucket_cap_mb))
-        super().__init__(params, defaults, schedule=None, process_group=process_group,
+        super().__init__(params, defaults, [VarianceThinning(), LocalSteps()], process_group=process_group,
                          overlap_with_backward=overlap_with_backward, agree_every=agree_every, fused=fused)
 
-    # ------------------------------------------------------------------ state
-    def _new_state(self, layout: FlatLayout) -> None:
-        super()._new_state(layout)
-        flat, d, layers = self._flat, layout.numel, len(layout.params)
-        f32 = dict(dtype=torch.float32, device=layout.device)
-        # Every entry exists from the start (DCP loads into a template of the same entries); those
-        # that differ between ranks from the freeze on are saved under this rank's key.
-        flat.update({
-            "variance_updates": 0, "var_interval": 1, "var_counter": 0,
-            "momentum_scale": torch.ones(layers, **f32),
-            "momentum_mask": torch.zeros(d, dtype=torch.bool, device=layout.device),
-        })
-        self._new_local_state(layout)
-        self.exchange.new_error_buffers(flat, layout.device)
-
-    def _setup(self, layout: FlatLayout) -> Dict[str, Any]:
-        setup = super()._setup(layout)
-        flat = self._flat
-        setup["schedule (var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)"] = tuple(
-            self.defaults[k] for k in ("var_freeze_step", "var_update_scaler", "local_step_scaler",
-                                       "local_step_clipper"))
-        setup["0/1 Adam schedule (var_interval, var_counter, variance_updates, local_interval, local_counter)"] = (
-            flat["var_interval"], flat["var_counter"], flat["variance_updates"], flat["local_interval"],
-            flat["local_counter"])
-        self._local_setup(setup, layout)
-        return setup
-
     @property
-    def stage(self) -> str:
-        """What the next step exchanges: ``"warmup"`` (a variance step: the full-precision
-        average), ``"compression"`` (a 1-bit step, or a sync after the freeze) or ``"local"``."""
-        if "flat" not in self.state:
-            return WARMUP
-        flat = self._flat
-        s = flat["step"] + 1
-        if flat["frozen_at"] is None:
-            return WARMUP if s % flat["var_interval"] == 0 else COMPRESSION
-        return self._local_stage()
+    def parameters_synchronized(self) -> bool:
+        """Whether every rank's parameters are alike now: before the freeze and after a sync; not
+        after a local step (a checkpoint then needs each rank's parameters)."""
+        flat = self.state.get("flat")
+        return flat is None or flat["frozen_at"] is None or not bool(flat["lr_sums"].any())
 
     def freeze_stats(self) -> Dict[str, Any]:
         """Where the schedules stand: ``stage`` (the next step's), ``frozen_at`` (the step at whose
@@ -152,163 +277,6 @@ class ZeroOneAdam(LocalSteps, StagedOptimizer):
             out.update(frozen_at=flat["frozen_at"], variance_updates=flat["variance_updates"],
                        var_interval=flat["var_interval"], local_interval=flat["local_interval"])
         return out
-
-    def _bias_corrections(self) -> tuple[float, float]:
-        """``1 - beta1^s`` and ``1 - beta2^k``, ``k`` the variance updates so far: the variance is an
-        average over those alone."""
-        if not self.defaults["bias_correction"]:
-            return 1.0, 1.0
-        beta1, beta2 = self._betas()
-        return 1 - beta1 ** self._flat["step"], 1 - beta2 ** self._flat["variance_updates"]
-
-    # ------------------------------------------------------------------ the exchange's callback
-    def _adam_denominator(self) -> torch.Tensor:
-        """``sqrt(v_hat) + eps`` as the next update will use it: the variance as it stands in the
-        variance phase (it changes at variance steps only), the frozen one after."""
-        flat = self._flat
-        if flat["frozen_at"] is not None:
-            return self._frozen_denominators()[0]
-        _, bc2 = self._bias_corrections()
-        return F.adam_denominator(flat["exp_avg_sq"], bc2, self.defaults["eps"],
-                                  out=self._scratch.buffer("variance_denominator", self._layout.numel))
-
-    def _layer_scales(self, sent: torch.Tensor) -> torch.Tensor:
-        """Each layer's ``k_l`` from the size of what a 1-bit step will send (the momentum, or the
-        gradient), over Adam's denominator in the update space."""
-        lay = self._layout
-        if self._compresses_update():
-            sent = sent / self._adam_denominator()
-        norms = lay.norms(sent)
-        return F.momentum_scales(norms, lay.per_layer(lay.numels))
-
-    def _inverse_denominator(self) -> torch.Tensor:
-        """In the variance phase the denominator moves with every variance step, and the update
-        space divides by it as it stands (the staged optimizers' scales are rebuilt then: the layer
-        scales are replaced at every variance step)."""
-        if self._flat["frozen_at"] is not None:
-            return super()._inverse_denominator()
-        return torch.reciprocal(self._adam_denominator())
-
-    def _bucket_momentum(self, b: Bucket) -> torch.Tensor:
-        """What bucket ``b`` sends through the 1-bit all-reduce, each layer scaled (and in the update
-        space divided by Adam's denominator): at a 1-bit step this rank's momentum, or its gradient
-        in DeepSpeed's rule; at a sync, its update sum times the frozen denominator."""
-        flat = self._flat
-        scale, _ = self._compression_scales()
-        buf = self._comm_region(b)
-        mine = buf[:b.numel]
-        if flat["frozen_at"] is None:
-            grad = self._scratch.buffers["grad"][b.start:b.end]
-            if self._compresses_update():
-                beta1, _ = self._betas()
-                torch.mul(flat["exp_avg"][b.start:b.end], beta1, out=mine)
-                mine.add_(grad, alpha=1 - beta1).mul_(scale[b.start:b.end])
-                self._bound_sent_(mine, b)
-            else:
-                torch.mul(grad, scale[b.start:b.end], out=mine)
-        else:
-            self._sync_payload(b, mine)
-        return buf
-
-    # ------------------------------------------------------------------ the errors across a variance step
-    def _scales_of_the_errors(self) -> Optional[torch.Tensor]:
-        """Per element, the scale the carried compression errors are in: what the last 1-bit step
-        multiplied its values by (``k_l``, over Adam's denominator in the update space); None with
-        one process (no errors)."""
-        if "worker_error" not in self._flat:
-            return None
-        return self._compression_scales()[0].clone()
-
-    def _rescale_errors_(self, before: Optional[torch.Tensor]) -> None:
-        """After a variance step changed the scales (``k_l``, and the denominator in the update
-        space), the errors the 1-bit steps carry are brought into the new ones: each element's times
-        its new scale over its old. An error is what an earlier exchange left unsent of the scaled
-        values; the next exchange adds it to values scaled anew and divides the result by the new
-        scale, so left as it was it would come back in another unit: the error feedback would no
-        longer return what was left out (DeepSpeed compresses each tensor's gradient unscaled, and
-        its errors keep their unit). A masked element (scale 0) keeps its error, as does any element
-        whose scale was not finite. The padding has no scale of its own: its error is what the
-        bucket's 1-bit scale left there, in the unit of the bucket's values, so it takes the mean
-        ratio of the bucket's elements (exactly their unit when the bucket holds one layer, as
-        DeepSpeed's tensors are compressed). With a hierarchical group a rank holds the errors of
-        its local rank's chunk of each bucket (worker) and of its node's part of that chunk
-        (server)."""
-        if before is None:
-            return
-        after, _ = self._compression_scales()
-        # (before the first variance update the update space's scale is not finite: 0 / 0)
-        kept = torch.isfinite(before) & torch.isfinite(after) & (before != 0) & (after != 0)
-        ratio = torch.where(kept, after / torch.where(kept, before, torch.ones_like(before)), torch.ones_like(after))
-        flat, group = self._flat, self.process_group
-        n, local = world_size_of(group), self.exchange.local_size
-        chunk_of_worker, chunk_of_server = (group.local_rank, group.node) if local > 1 else (0, rank_of(group))
-        for b in self.exchange.buckets:
-            padded = b.comm.stop - b.comm.start
-            full = torch.ones(padded, dtype=ratio.dtype, device=ratio.device)
-            full[:b.numel] = ratio[b.start:b.end]
-            mine = kept[b.start:b.end]
-            full[b.numel:] = torch.where(mine.any(), (ratio[b.start:b.end] * mine).sum() / mine.sum().clamp(min=1),
-                                         torch.ones((), dtype=ratio.dtype, device=ratio.device))
-            worker = full.view(local, -1)[chunk_of_worker]
-            flat["worker_error"][b.worker].mul_(worker)
-            flat["server_error"][b.server].mul_(worker.view(n // local, -1)[chunk_of_server])
-
-    # ------------------------------------------------------------------ steps
-    def _take_step(self, stage: str, grads: torch.Tensor) -> None:
-        flat = self._flat
-        if flat["frozen_at"] is None:
-            self._variance_phase_step(stage, grads)
-            if flat["step"] == self.defaults["var_freeze_step"]:
-                self._freeze()
-            return
-        self._local_phase_step(stage)
-
-    def _variance_phase_step(self, stage: str, grads: torch.Tensor) -> None:
-        """A variance step (the averaged gradient into both moments) or a 1-bit step (the 1-bit
-        average of the ranks' momenta, or in DeepSpeed's rule of the gradients into the momentum),
-        then Adam's update with the variance as it stands."""
-        flat, lay = self._flat, self._layout
-        beta1, beta2 = self._betas()
-        m, v = flat["exp_avg"], flat["exp_avg_sq"]
-        if stage == WARMUP:
-            carried = self._scales_of_the_errors()
-            F.update_moments_(m, v, grads, beta1, beta2)
-            flat["variance_updates"] += 1
-            flat["var_interval"], flat["var_counter"] = F.interval_after(
-                flat["var_interval"], flat["var_counter"], self.defaults["var_update_scaler"])
-            # the per-layer scales follow what the 1-bit steps send: the momentum, or DeepSpeed's
-            # gradient (whose layers are in other proportions: the noise averages out of the
-            # momentum); elements that never had a gradient at a variance step stay masked (1-bit
-            # signs cannot send a 0)
-            flat["momentum_scale"] = self._layer_scales(m if self._compresses_update() else grads)
-            flat["momentum_mask"] = v != 0
-            self._rescale_errors_(carried)  # the errors the 1-bit steps carry, into the new scales
-        elif self._compresses_update():  # each rank's momentum, averaged as 1-bit Adam's stage 2 does
-            local = self._scratch.buffer("local_momentum", lay.numel)
-            torch.mul(m, beta1, out=local).add_(grads, alpha=1 - beta1)
-            m.copy_(self._averaged(local))
-        else:  # DeepSpeed's: the 1-bit average of the gradients into the momentum
-            m.mul_(beta1).add_(self._averaged(grads), alpha=1 - beta1)
-        bc1, bc2 = self._bias_corrections()
-        update = self._scratch.buffer("update", lay.numel)
-        den = F.adam_denominator(v, bc2, self.defaults["eps"], out=update)
-        F.adam_direction(m, den, bc1, out=update)
-        if stage != WARMUP:  # the 1-bit average over a variance that is not this step's
-            self._bound_direction_(update)
-        lay.add_weight_decay_(update, self.param_groups)
-        self._apply_(update, lay.ones())
-
-    def _freeze(self) -> None:
-        """End of the variance phase: the variance frozen (bias-corrected), the errors restarted
-        (they will hold another quantity), the scales set for the update sums, and the
-        parameters kept as the first sync point."""
-        flat, lay = self._flat, self._layout
-        _, bc2 = self._bias_corrections()
-        v = flat["exp_avg_sq"]
-        flat["momentum_mask"] = v != 0
-        v.div_(bc2)
-        flat["frozen_at"] = flat["step"]  # from here the denominator is the frozen one
-        self._start_local_phase()
 
 
 ZeroOneAdam.__doc__ = fr"""0/1 Adam (Lu et al., "Maximizing Communication Efficiency for Large-scale Training via 0/1

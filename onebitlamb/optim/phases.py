@@ -1,0 +1,276 @@
+"""The phases of a run: what each step of a phase sends, and how it applies what comes back.
+
+An optimizer here is a schedule of phases over the machinery ``StagedOptimizer`` holds (the flat
+layout, the state, the exchange, the checks). Its first phase runs until its :meth:`Phase.ends`
+says so; then the second :meth:`Phase.begin`\\ s (the freeze) and runs to the end of the run:
+
+============  =============================================  ====================================
+optimizer     first phase                                    second phase (from the freeze)
+============  =============================================  ====================================
+Lamb          ``Warmup(trust_ratio=True)``, never ending     -
+OneBitLamb    ``Warmup(trust_ratio=True, schedule)``         ``OneBitMomentum("factor" | "live")``
+OneBitAdam    ``Warmup(trust_ratio=False, schedule)``        ``OneBitMomentum("adam")``
+ZeroOneAdam   ``VarianceThinning`` (``zero_one.py``)         ``LocalSteps`` (``local_steps.py``)
+============  =============================================  ====================================
+
+Each step of a phase runs one of three exchanges (its *stage*): ``"warmup"``, the full-precision
+average of the gradients (in place); ``"compression"``, the error-compensated 1-bit all-reduce of
+what :meth:`Phase.payload` puts in each bucket, whose averages come back per bucket; ``"local"``,
+none (only the agreed check that every rank's gradient is finite). A phase reads and writes the
+optimizer's flat state (``opt._flat``) and uses its shared helpers; it holds nothing of its own
+but its settings, so an optimizer is copied, pickled and saved as before phases were objects.
+The state's form is the same as well: ``frozen_at`` (None before the freeze) says which phase runs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Protocol, Tuple
+
+import torch
+
+from onebitlamb.optim import functional as F
+from onebitlamb.optim.exchange import COMPRESSION, LOCAL, WARMUP  # noqa: F401 (the stages, named by the exchange)
+from onebitlamb.optim.layout import Bucket, FlatLayout
+
+
+
+class PhaseHost(Protocol):
+    """What a phase uses of the optimizer it runs in (``StagedOptimizer``): the flat state and
+    layout, the scratch buffers, the settings, and the helpers every phase shares."""
+
+    defaults: Dict[str, Any]
+    param_groups: List[Dict[str, Any]]
+    exchange: Any  # exchange.Exchange: its buckets, its error buffers
+    process_group: Any
+    _flat: Dict[str, Any]
+    _layout: FlatLayout
+    _scratch: Any  # layout.Scratch
+    _last_coeff: Optional[torch.Tensor]
+
+    def _betas(self) -> Tuple[float, float]: ...
+    def _compresses_update(self) -> bool: ...
+    def _compression_scales(self) -> Tuple[torch.Tensor, torch.Tensor]: ...
+    def _frozen_denominators(self) -> Tuple[torch.Tensor, torch.Tensor]: ...
+    def _bound_direction_(self, update: torch.Tensor, step: Optional[int] = None) -> bool: ...
+    def _bound_sent_(self, sent: torch.Tensor, b: Bucket) -> None: ...
+    def _unscaled(self, received: List[torch.Tensor], local: torch.Tensor) -> torch.Tensor: ...
+    def _apply_(self, update: torch.Tensor, coeff: torch.Tensor) -> None: ...
+
+
+
+class Phase:
+    """One part of a run. Subclasses override what applies to them; the defaults are those of a
+    phase that exchanges nothing compressed and adds nothing to the state."""
+
+    # whether this phase's steps may run the 1-bit all-reduce from its first step, so that the
+    # compression errors exist from the start of the run (0/1 Adam), not from the freeze
+    compresses_from_start = False
+
+    def __repr__(self) -> str:  # the settings: part of what the ranks agree on, and of a test's view
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+    def init_state(self, opt: PhaseHost, layout: FlatLayout) -> None:
+        """Add the phase's entries to a new flat state (all of them from the start: DCP loads into a
+        template of the same entries)."""
+
+    def check_state(self, opt: PhaseHost) -> None:
+        """Check a loaded state's entries of this phase."""
+
+    def setup(self, opt: PhaseHost, layout: FlatLayout, setup: Dict[str, Any]) -> None:
+        """Add what every rank must have alike for this phase (``checks.agree_on_setup``), over
+        ``layout`` (the one being set up)."""
+
+    def rank_entries(self, opt: PhaseHost, params: List[torch.Tensor]) -> Dict[str, Any]:
+        """What the saved state keeps of this rank's own beside its compression errors."""
+        return {}
+
+    def stage(self, opt: PhaseHost) -> str:
+        """The exchange the next step runs (``WARMUP``, ``COMPRESSION`` or ``LOCAL``)."""
+        return WARMUP
+
+    def payload(self, opt: PhaseHost, b: Bucket, out: torch.Tensor) -> None:
+        """What bucket ``b`` sends through the 1-bit all-reduce at a ``COMPRESSION`` step, into
+        ``out`` (its ``b.numel`` elements; the exchange pads). Called in ``step()`` or, behind the
+        backward, on the exchange's hook thread, once the bucket's gradients are in ``opt``'s flat
+        gradient buffer."""
+        raise NotImplementedError(f"{type(self).__name__} sends nothing compressed")
+
+    def step(self, opt: PhaseHost, stage: str, grads: torch.Tensor, received: List[torch.Tensor]) -> None:
+        """The update after the step's exchange (every rank's gradient finite): ``grads`` holds the
+        average in the warm-up stage, this rank's own gradients otherwise; ``received`` the 1-bit
+        averages of the buckets (``opt.exchange.buckets``' order; empty with one process or when
+        nothing compressed was exchanged)."""
+        raise NotImplementedError
+
+    def ends(self, opt: PhaseHost) -> bool:
+        """Whether the step just taken is this phase's last (then the next phase begins)."""
+        return False
+
+    def begin(self, opt: PhaseHost) -> None:
+        """Start this phase at the end of the previous one's last step (the freeze): set what its
+        steps need and mark the state (``frozen_at``)."""
+        raise NotImplementedError
+
+    def inverse_denominator(self, opt: PhaseHost) -> torch.Tensor:
+        """``1 / (sqrt(v_hat) + eps)`` as the update space divides what it sends: the frozen one."""
+        return opt._frozen_denominators()[1]
+
+    def bias_corrections(self, opt: PhaseHost) -> tuple[float, float]:
+        """``1 - beta1^t`` and ``1 - beta2^t``, ``t`` the steps taken (1, 1 without bias correction)."""
+        if not opt.defaults["bias_correction"]:
+            return 1.0, 1.0
+        beta1, beta2 = opt._betas()
+        t = opt._flat["step"]
+        return 1 - beta1 ** t, 1 - beta2 ** t
+
+
+class Warmup(Phase):
+    """Stage 1, and all of LAMB: Adam's moments from the averaged gradients and, with
+    ``trust_ratio``, LAMB's layer-wise trust ratio (else Adam's step, coefficient 1). With a freeze
+    ``schedule`` (``freeze.py``) it also keeps what the freeze will keep (the trust ratio's running
+    average) and records what the automatic freeze reads, and ends at the step the schedule names;
+    without one it never ends (plain LAMB)."""
+
+    def __init__(self, trust_ratio: bool, schedule: Any = None) -> None:
+        self.trust_ratio = trust_ratio
+        self.schedule = schedule
+
+    def init_state(self, opt: PhaseHost, layout: FlatLayout) -> None:
+        if self.schedule is not None:
+            self.schedule.init_state(opt._flat, len(layout.params), layout.device)
+
+    def check_state(self, opt: PhaseHost) -> None:
+        if self.schedule is not None:
+            self.schedule.check_state(opt._flat)
+
+    def ends(self, opt: PhaseHost) -> bool:
+        return self.schedule is not None and self.schedule.due(opt._flat)
+
+    def step(self, opt: PhaseHost, stage: str, grads: torch.Tensor, received: List[torch.Tensor]) -> None:
+        flat, lay, defaults = opt._flat, opt._layout, opt.defaults
+        beta1, beta2 = opt._betas()
+        F.update_moments_(flat["exp_avg"], flat["exp_avg_sq"], grads, beta1, beta2)
+        bc1, bc2 = self.bias_corrections(opt)
+        update = opt._scratch.buffer("update", lay.numel)
+        den = F.adam_denominator(flat["exp_avg_sq"], bc2, defaults["eps"], out=update)
+        F.adam_direction(flat["exp_avg"], den, bc1, out=update)
+        lay.add_weight_decay_(update, opt.param_groups)
+        if self.trust_ratio:
+            coeff, defined = F.trust_ratios(lay.param_norms(), lay.norms(update),
+                                            defaults["min_coeff"], defaults["max_coeff"])
+            if self.schedule is not None:  # the running average becomes the frozen coefficient
+                F.update_ema_(flat["coeff_ema"], flat["coeff_ema_count"], coeff, defined, defaults["coeff_beta"])
+        else:
+            coeff = lay.ones()
+        if self.schedule is not None and self.schedule.watches:
+            self.schedule.record(flat, self._variance_levels(opt, bc2), self._trust_levels(opt))
+        opt._apply_(update, coeff)
+
+    @staticmethod
+    def _variance_levels(opt: PhaseHost, bias_correction2: float) -> torch.Tensor:
+        """Each layer's ``log ||v_hat||``, the statistic whose settling the automatic freeze reads."""
+        return torch.log(opt._layout.norms(opt._flat["exp_avg_sq"]) / bias_correction2)
+
+    def _trust_levels(self, opt: PhaseHost) -> Optional[torch.Tensor]:
+        """Each layer's ``log`` of the trust ratio a freeze now would keep; ``-inf`` (left out of the
+        median) for a layer whose ratio was never defined."""
+        if not self.trust_ratio:
+            return None
+        flat = opt._flat
+        kept = F.corrected_ema(flat["coeff_ema"], flat["coeff_ema_count"], opt.defaults["coeff_beta"])
+        return torch.where(flat["coeff_ema_count"] > 0, torch.log(kept), torch.full_like(kept, -math.inf))
+
+
+# stage 2's layer-wise coefficient: 1-bit LAMB's frozen trust ratio times its per-layer factor
+# (from a variance kept fresh after the freeze), LAMB's own ratio recomputed every step, or none
+STAGE2_RULES = ("factor", "live", "adam")
+
+
+class OneBitMomentum(Phase):
+    """Stage 2 of 1-bit LAMB and 1-bit Adam: the variance frozen; each step sends this rank's
+    momentum (``b1 m + (1 - b1) g``, each layer scaled to a common RMS, over the frozen denominator
+    in the update space) through the 1-bit all-reduce, and steps with the average. ``rule``
+    (``STAGE2_RULES``) sets each layer's coefficient."""
+
+    def __init__(self, rule: str) -> None:
+        if rule not in STAGE2_RULES:
+            raise ValueError(f"Invalid stage 2 rule: {rule!r} (must be one of {STAGE2_RULES})")
+        self.rule = rule
+
+    @property
+    def keeps_fresh_variance(self) -> bool:
+        """Whether the state keeps a variance fresh after the freeze (the factor's)."""
+        return self.rule == "factor"
+
+    def stage(self, opt: PhaseHost) -> str:
+        return COMPRESSION
+
+    def begin(self, opt: PhaseHost) -> None:
+        """The freeze: the variance (bias-corrected) and the trust ratio frozen, the per-layer
+        momentum scaling and the mask of never-updated elements fixed, the errors made."""
+        flat, lay = opt._flat, opt._layout
+        _, bc2 = self.bias_corrections(opt)
+        v = flat["exp_avg_sq"]
+        flat["momentum_mask"] = v != 0
+        if self.keeps_fresh_variance:
+            flat["exp_avg_sq_fresh"] = v.clone()
+        v.div_(bc2)  # now v_frozen = v_hat
+        flat["frozen_at"] = flat["step"]
+        flat["frozen_coeff"] = (F.corrected_ema(flat["coeff_ema"], flat["coeff_ema_count"], opt.defaults["coeff_beta"])
+                                if self.rule != "adam" else lay.ones())
+        flat["prev_factor"] = lay.ones()
+        sent = flat["exp_avg"]
+        if opt._compresses_update():  # the layers' scales are those of what is sent: m / den
+            sent = sent / opt._frozen_denominators()[0]
+        flat["momentum_scale"] = F.momentum_scales(lay.norms(sent), lay.per_layer(lay.numels))
+        opt.exchange.new_error_buffers(flat, lay.device)
+
+    def payload(self, opt: PhaseHost, b: Bucket, out: torch.Tensor) -> None:
+        """This rank's new momentum of bucket ``b`` (from its own gradient), each layer scaled."""
+        beta1, _ = opt._betas()
+        scale, _ = opt._compression_scales()
+        torch.mul(opt._flat["exp_avg"][b.start:b.end], beta1, out=out)
+        out.add_(opt._scratch.buffers["grad"][b.start:b.end], alpha=1 - beta1)
+        out.mul_(scale[b.start:b.end])
+        opt._bound_sent_(out, b)
+
+    def step(self, opt: PhaseHost, stage: str, grads: torch.Tensor, received: List[torch.Tensor]) -> None:
+        """The averaged momentum, the frozen variance and the rule's coefficient."""
+        flat, lay, defaults = opt._flat, opt._layout, opt.defaults
+        beta1, beta2 = opt._betas()
+        d = lay.numel
+        m = flat["exp_avg"]
+        m_prev = opt._scratch.buffer("momentum_prev", d)
+        m_prev.copy_(m)
+        if received:  # the buckets' averages, scaled: undone, and masked, in one pass
+            _, unscale = opt._compression_scales()
+            for b, avg in zip(opt.exchange.buckets, received):
+                torch.mul(avg, unscale[b.start:b.end], out=m[b.start:b.end])
+        else:  # one process
+            m.mul_(beta1).add_(grads, alpha=1 - beta1).mul_(flat["momentum_mask"])
+        den, inverse_den = opt._frozen_denominators()
+        bc1, bc2 = self.bias_corrections(opt)
+        update = opt._scratch.buffer("update", d)
+        coeff = flat["frozen_coeff"]
+        if self.rule == "factor":
+            max_ratio, plain_norms = F.fresh_variance_statistics_(
+                flat["exp_avg_sq_fresh"], m, m_prev, den, inverse_den, bc1, bc2, beta1, beta2,
+                defaults["eps"], lay.slices, lay.offsets, update, scratch=opt._scratch.buffer("ratio", d))
+            if opt._bound_direction_(update):
+                plain_norms = lay.norms(update)
+            lay.add_weight_decay_(update, opt.param_groups)
+            update_norms = lay.decayed_update_norms(update, plain_norms, opt.param_groups)
+            factor = F.scaling_factors(max_ratio, plain_norms, update_norms,
+                                       lay.hyper(opt.param_groups, "weight_decay"), flat["prev_factor"],
+                                       defaults["factor_min"], defaults["factor_max"], defaults["factor_threshold"])
+            flat["prev_factor"] = factor
+            coeff = coeff * factor
+        else:
+            F.adam_direction(m, den, bc1, out=update)
+            opt._bound_direction_(update)
+            lay.add_weight_decay_(update, opt.param_groups)
+            if self.rule == "live":  # LAMB's own ratio, on the exchanged momentum and the frozen variance
+                coeff, _ = F.trust_ratios(lay.param_norms(), lay.norms(update), defaults["min_coeff"],
+                                          defaults["max_coeff"])
+        opt._apply_(update, coeff)
+
