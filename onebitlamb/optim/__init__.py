@@ -1,12 +1,14 @@
-"""LAMB, 1-bit LAMB, 1-bit Adam and 0/1 Adam: one staged machinery, their update rules, the schedules.
+"""LAMB, 1-bit LAMB, 1-bit Adam and 0/1 Adam: each a schedule of phases over one shared machinery.
 
 functional.py   the maths on flat buffers (pure functions)
 layout.py       the flat layout of the parameters and the state built on it
 freeze.py       when the warm-up ends: a fixed step or AutoFreeze
 checks.py       what is refused, what the ranks must agree on, non-finite steps
-staged.py       the two stages and the freeze, shared by the three optimizers
+exchange.py     what crosses the ranks: the warm-up's average, the 1-bit all-reduce, behind the backward
+phases.py       what a phase's steps send and how they apply what comes back: the warm-up, 1-bit stage 2
+staged.py       the step, the state and its saved form, shared by the four optimizers
 optimizers.py   the public classes
-zero_one.py     0/1 Adam: the thinning variance schedule, then local steps
+zero_one.py     0/1 Adam: its variance phase (the thinning schedule), then local steps
 local_steps.py  local steps after a freeze and the syncs that average them (0/1 Adam's second phase)
 elastic.py      a checkpoint of n ranks re-sharded for m
 """
