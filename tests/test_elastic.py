@@ -2,14 +2,15 @@
 is kept, the ranks agree after, and training continues as well as an uninterrupted run. Issue 39."""
 from __future__ import annotations
 
+import functools
 import io
 
 import pytest
 import torch
 
 import onebitlamb
-from onebitlamb.comm.launch import spawn_local
 from onebitlamb.optim.state_format import flat_of
+from rank_pool import run_ranks
 
 STEPS, FREEZE, SAVED_AT = 60, 15, 30
 
@@ -52,6 +53,13 @@ def _first_part(rank, n, bucket_cap_mb=None, local_size=None):
     return blob.getvalue()
 
 
+@functools.lru_cache(maxsize=None)
+def _saved(n, *args):
+    """_first_part on n ranks, run once per session for the tests that resume the same checkpoint
+    (it is seeded: a second run would return the same bytes)."""
+    return tuple(run_ranks(_first_part, n, args, timeout_s=120, collective_timeout_s=60))
+
+
 def _second_part(rank, m, blobs, bucket_cap_mb=None, local_size=None):
     """Load the n ranks' checkpoint resharded for m ranks, train to STEPS."""
     saved = [torch.load(io.BytesIO(b), weights_only=True) for b in blobs]
@@ -72,7 +80,7 @@ def _uninterrupted(rank, n):
 
 
 def test_reshard_keeps_the_mean_worker_error_and_the_server_vector():
-    blobs = spawn_local(_first_part, 4, (), timeout_s=120, collective_timeout_s=60)
+    blobs = _saved(4)
     states = [torch.load(io.BytesIO(b), weights_only=True)["optimizer"] for b in blobs]
     flats = [flat_of(s) for s in states]
     d = sum(flats[0]["layer_numels"])
@@ -104,14 +112,14 @@ def test_a_run_saved_on_n_ranks_continues_on_m(n, m):
     """Saved after step 30 (frozen at 15) on n ranks, continued on m to step 60: the m ranks end
     bit-identical, still compressing, and as close to the teacher as uninterrupted runs on n and
     on m ranks (within the spread between those two, and a margin)."""
-    blobs = spawn_local(_first_part, n, (), timeout_s=120, collective_timeout_s=60)
-    out = spawn_local(_second_part, m, (blobs,), timeout_s=120, collective_timeout_s=60)
+    blobs = _saved(n)
+    out = run_ranks(_second_part, m, (blobs,), timeout_s=120, collective_timeout_s=60)
     for r in range(1, m):
         for a, b in zip(out[0][0], out[r][0]):
             assert torch.equal(a, b)
     assert out[0][2] == "compression"
     resumed = out[0][1]
-    straight = [spawn_local(_uninterrupted, k, (), timeout_s=120, collective_timeout_s=60)[0] for k in (n, m)]
+    straight = [run_ranks(_uninterrupted, k, (), timeout_s=120, collective_timeout_s=60)[0] for k in (n, m)]
     low, high = min(straight), max(straight)
     margin = 0.1 * high
     assert low - margin <= resumed <= high + margin, (resumed, straight)
@@ -126,7 +134,7 @@ def _padded(numel, ranks):
 def test_a_run_with_several_buckets_is_resharded_bucket_by_bucket():
     """overlap_with_backward's buckets (each parameter alone here) each have their own padded
     region: each is resharded as a whole buffer would be, and the run goes on on 3 ranks."""
-    blobs = spawn_local(_first_part, 2, (1e-4,), timeout_s=120, collective_timeout_s=60)
+    blobs = run_ranks(_first_part, 2, (1e-4,), timeout_s=120, collective_timeout_s=60)
     states = [torch.load(io.BytesIO(b), weights_only=True)["optimizer"] for b in blobs]
     flats = [flat_of(s) for s in states]
     assert flats[0]["buckets"] == [[512, 515], [416, 512], [384, 416], [0, 384]]  # 12x32, 32, 32x3, 3 reversed
@@ -143,7 +151,7 @@ def test_a_run_with_several_buckets_is_resharded_bucket_by_bucket():
         assert torch.equal(torch.cat([f["server_error"][s_new:s_new + p_new // 3] for f in new])[:size], server)
         w_old, s_old, w_new, s_new = w_old + p_old, s_old + p_old // 2, w_new + p_new, s_new + p_new // 3
     assert [f["worker_error"].numel() for f in new] == [w_new] * 3
-    out = spawn_local(_second_part, 3, (blobs, 1e-4), timeout_s=120, collective_timeout_s=60)
+    out = run_ranks(_second_part, 3, (blobs, 1e-4), timeout_s=120, collective_timeout_s=60)
     assert out[0][2] == "compression" and all(torch.equal(a, b) for a, b in zip(out[0][0], out[2][0]))
 
 
@@ -154,7 +162,7 @@ def test_nodes_and_flat_groups_reshard_into_each_other():
     and its server error is their chunk k of it."""
     d = 12 * 32 + 32 + 32 * 3 + 3  # 515
     D, L = _padded(d, 4), 2
-    hier = spawn_local(_first_part, 4, (None, 2), timeout_s=120, collective_timeout_s=60)
+    hier = run_ranks(_first_part, 4, (None, 2), timeout_s=120, collective_timeout_s=60)
     flats = [flat_of(torch.load(io.BytesIO(b), weights_only=True)["optimizer"]) for b in hier]
     assert [f["worker_error"].numel() for f in flats] == [D // L] * 4  # chunk r of each node's average
     correction = torch.cat([(flats[r]["worker_error"].double() + flats[2 + r]["worker_error"].double()) / 2
@@ -165,11 +173,11 @@ def test_nodes_and_flat_groups_reshard_into_each_other():
     for f in flat_two:
         assert torch.allclose(f["worker_error"][:d].double(), correction[:d], atol=1e-7) and f["local_size"] == 1
     assert torch.equal(torch.cat([f["server_error"] for f in flat_two])[:d], server[:d])
-    out = spawn_local(_second_part, 2, (hier,), timeout_s=120, collective_timeout_s=60)
+    out = run_ranks(_second_part, 2, (hier,), timeout_s=120, collective_timeout_s=60)
     assert out[0][2] == "compression" and all(torch.equal(a, b) for a, b in zip(out[0][0], out[1][0]))
 
-    flat = spawn_local(_first_part, 2, (), timeout_s=120, collective_timeout_s=60)
-    out = spawn_local(_second_part, 4, (flat, None, 2), timeout_s=120, collective_timeout_s=60)
+    flat = _saved(2)
+    out = run_ranks(_second_part, 4, (flat, None, 2), timeout_s=120, collective_timeout_s=60)
     assert out[0][2] == "compression"
     assert all(torch.equal(a, b) for r in range(1, 4) for a, b in zip(out[0][0], out[r][0]))
     initial = _held_out_loss(_problem()[1], _problem()[0])
@@ -210,11 +218,11 @@ def test_the_newest_complete_set_of_rank_files_wins_and_a_mixed_set_is_named(tmp
     an earlier save is refused on every rank, naming the steps."""
     import shutil
     folder, early = str(tmp_path / "ckpt"), str(tmp_path / "early")
-    spawn_local(_save_rank_files, 4, (folder, 5), timeout_s=120, collective_timeout_s=60)
-    spawn_local(_save_rank_files, 2, (folder, 9, early), timeout_s=120, collective_timeout_s=60)
-    assert spawn_local(_load_rank_files, 4, (folder,), timeout_s=120, collective_timeout_s=60) == [9] * 4
-    assert spawn_local(_load_rank_files, 2, (folder,), timeout_s=120, collective_timeout_s=60) == [9] * 2
+    run_ranks(_save_rank_files, 4, (folder, 5), timeout_s=120, collective_timeout_s=60)
+    run_ranks(_save_rank_files, 2, (folder, 9, early), timeout_s=120, collective_timeout_s=60)
+    assert run_ranks(_load_rank_files, 4, (folder,), timeout_s=120, collective_timeout_s=60) == [9] * 4
+    assert run_ranks(_load_rank_files, 2, (folder,), timeout_s=120, collective_timeout_s=60) == [9] * 2
     name = "onebitlamb-optimizer-rank1-of-2.pt"
     shutil.copy(f"{early}/{name}", f"{folder}/{name}")
-    for message in spawn_local(_load_rank_files, 2, (folder,), timeout_s=120, collective_timeout_s=60):
+    for message in run_ranks(_load_rank_files, 2, (folder,), timeout_s=120, collective_timeout_s=60):
         assert "saved at different steps" in message and "{0: 9, 1: 3}" in message
