@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from onebitlamb.comm import GLOBAL_STATS, CommStats, compressed_allreduce, padded_size
-from onebitlamb.comm.launch import spawn_local
+from rank_pool import run_ranks
 
 WORLD_SIZES = [2, 3, 4]
 ORACLE_SIZES = [3, 1001]     # d: both need padding, the first to a single byte per chunk
@@ -184,7 +184,7 @@ def _all_checks(rank, n):
 
 @functools.lru_cache(maxsize=None)
 def results(n):
-    return spawn_local(_all_checks, n, timeout_s=120)
+    return run_ranks(_all_checks, n, timeout_s=120)
 
 
 # --- the tests ---------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import onebitlamb
-from onebitlamb.comm.launch import spawn_local
+from rank_pool import run_ranks
 from onebitlamb.compression import onebit
 from onebitlamb.compression.packing import unpack_signs
 from reference import Reference
@@ -127,7 +127,7 @@ def test_rows_without_gradient_never_move_on_two_ranks(space):
     Both ranks, every step: those rows exactly as they started, the rest as the reference's
     simulation of the 2 workers."""
     n, steps, freeze = 2, 30, 10
-    out = spawn_local(_masked_rows_run, n, (steps, freeze, space), timeout_s=120)
+    out = run_ranks(_masked_rows_run, n, (steps, freeze, space), timeout_s=120)
     assert out[0]["stages"] == ["warmup"] * freeze + ["compression"] * (steps - freeze)
     start = initial_params(MASK_SHAPES)
     ref = Reference(initial_params(MASK_SHAPES), "onebitlamb", MASK_LRS, MASK_WDS, freeze_step=freeze, n=n,

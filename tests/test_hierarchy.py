@@ -14,7 +14,7 @@ import torch
 
 from onebitlamb.comm import (CommStats, NodeGroups, allreduce_mean_, compressed_allreduce, error_sizes,
                              node_groups, padded_size, world_size_of)
-from onebitlamb.comm.launch import spawn_local
+from rank_pool import run_ranks
 from reference import HierarchicalAllReduceSim
 
 TOPOLOGIES = {4: [(2, 2), (4, 1), (1, 4)], 2: [(2, 1), (1, 2)]}   # world: [(nodes N, local size L)]
@@ -126,7 +126,7 @@ def _checks(rank, n):
 
 @functools.lru_cache(maxsize=None)
 def results(n):
-    return spawn_local(_checks, n, timeout_s=60, collective_timeout_s=30)
+    return run_ranks(_checks, n, timeout_s=60, collective_timeout_s=30)
 
 
 def _gathered(n, N, L, key):

@@ -10,7 +10,7 @@ import torch
 import onebitlamb
 from onebitlamb.comm import node_groups
 from onebitlamb.comm.hierarchy import INTRA_OPS
-from onebitlamb.comm.launch import spawn_local
+from rank_pool import run_ranks
 from toy import classifier, train
 
 STEPS, FREEZE, SAVE_AT = 10, 3, 6
@@ -55,7 +55,7 @@ def _run(rank, n):
 
 
 def test_a_hierarchical_group_trains_alike_sends_less_across_nodes_and_resumes_exactly():
-    ranks = spawn_local(_run, 4, (), timeout_s=150, collective_timeout_s=60)
+    ranks = run_ranks(_run, 4, (), timeout_s=150, collective_timeout_s=60)
     for out in ranks:
         for name in ("flat", "nodes"):
             assert all(torch.equal(a, b) for a, b in zip(out[name]["params"], ranks[0][name]["params"]))
@@ -95,7 +95,7 @@ def _zero_one_run(rank, n):
 
 
 def test_zero_one_adam_over_a_hierarchical_group_keeps_the_ranks_alike_and_resumes_exactly():
-    ranks = spawn_local(_zero_one_run, 4, (), timeout_s=150, collective_timeout_s=60)
+    ranks = run_ranks(_zero_one_run, 4, (), timeout_s=150, collective_timeout_s=60)
     for full, resumed, crossed in ranks:
         assert crossed and all(bool(torch.isfinite(a).all()) for a in full)
         assert all(torch.equal(a, b) for a, b in zip(full, ranks[0][0]))  # step 10 was a sync

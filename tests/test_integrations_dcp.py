@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import onebitlamb
-from onebitlamb.comm.launch import spawn_local
+from rank_pool import run_ranks
 from onebitlamb.optim.state_format import flat_of
 from toy import classifier, train
 
@@ -52,7 +52,7 @@ def _run(rank, n, kind, folder, bucket_cap_mb=None):
 @pytest.mark.parametrize("kind,bucket_cap_mb", [("OneBitLamb", None), ("OneBitAdam", None), ("OneBitLamb", 1e-4),
                                                 ("ZeroOneAdam", None)])
 def test_dcp_keeps_every_ranks_errors_and_resumes_exactly(kind, bucket_cap_mb, tmp_path):
-    out = spawn_local(_run, 2, (kind, str(tmp_path / "ckpt"), bucket_cap_mb), timeout_s=120, collective_timeout_s=60)
+    out = run_ranks(_run, 2, (kind, str(tmp_path / "ckpt"), bucket_cap_mb), timeout_s=120, collective_timeout_s=60)
     (error0, same0, full0, resumed0), (error1, same1, full1, resumed1) = out
     assert error0.abs().max() > 0 and not torch.equal(error0, error1)  # the ranks' errors differ
     assert same0 and same1  # each rank got its own state back, not rank 0's

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import onebitlamb
-from onebitlamb.comm.launch import spawn_local
+from rank_pool import run_ranks
 
 STEPS, FREEZE = 12, 5
 
@@ -73,8 +73,8 @@ def _run(rank, n, kind, mode, warmup_dtype=torch.float32):
 @pytest.mark.parametrize("kind", ["OneBitLamb", pytest.param("OneBitAdam", marks=pytest.mark.slow),
                                   pytest.param("Lamb", marks=pytest.mark.slow)])
 def test_registered_ddp_follows_the_plain_run_and_is_silent_after_the_freeze(kind):
-    plain = spawn_local(_run, 2, (kind, "plain"), timeout_s=120, collective_timeout_s=60)
-    registered = spawn_local(_run, 2, (kind, "registered"), timeout_s=120, collective_timeout_s=60)
+    plain = run_ranks(_run, 2, (kind, "plain"), timeout_s=120, collective_timeout_s=60)
+    registered = run_ranks(_run, 2, (kind, "registered"), timeout_s=120, collective_timeout_s=60)
     for (p_params, p_steps, p_bytes), (r_params, r_steps, r_bytes) in zip(plain, registered):
         # 2 ranks: a+b is exact either way round, so DDP's buckets and the flat buffer agree bitwise
         assert all(torch.equal(a, b) for a, b in zip(p_params, r_params))
@@ -91,8 +91,8 @@ def test_registered_ddp_follows_the_plain_run_and_is_silent_after_the_freeze(kin
 def test_registered_ddp_averages_only_at_zero_one_adams_variance_steps():
     """0/1 Adam under DDP: DDP's hook averages at the variance steps only, and sends nothing at the
     1-bit steps, the syncs and the local steps; every rank as in the plain run, bit for bit."""
-    plain = spawn_local(_run, 2, ("ZeroOneAdam", "plain"), timeout_s=120, collective_timeout_s=60)
-    registered = spawn_local(_run, 2, ("ZeroOneAdam", "registered"), timeout_s=120, collective_timeout_s=60)
+    plain = run_ranks(_run, 2, ("ZeroOneAdam", "plain"), timeout_s=120, collective_timeout_s=60)
+    registered = run_ranks(_run, 2, ("ZeroOneAdam", "registered"), timeout_s=120, collective_timeout_s=60)
     for (p_params, p_steps, p_bytes), (r_params, r_steps, r_bytes) in zip(plain, registered):
         assert all(torch.equal(a, b) for a, b in zip(p_params, r_params))
         assert {stage for stage, _ in r_steps} == {"warmup", "compression", "local"}
@@ -103,10 +103,10 @@ def test_registered_ddp_averages_only_at_zero_one_adams_variance_steps():
 def test_registered_ddp_sends_the_warmup_in_bfloat16_as_the_optimizer_does():
     """With warmup_dtype=torch.bfloat16 DDP's hook averages in bfloat16 too: the same run as the
     plain usage's, bit for bit, at half the warm-up bytes of the float32 run."""
-    full = spawn_local(_run, 2, ("OneBitLamb", "plain"), timeout_s=120, collective_timeout_s=60)
+    full = run_ranks(_run, 2, ("OneBitLamb", "plain"), timeout_s=120, collective_timeout_s=60)
     half = ("OneBitLamb", "plain", torch.bfloat16)
-    plain = spawn_local(_run, 2, half, timeout_s=120, collective_timeout_s=60)
-    registered = spawn_local(_run, 2, ("OneBitLamb", "registered", torch.bfloat16), timeout_s=120,
+    plain = run_ranks(_run, 2, half, timeout_s=120, collective_timeout_s=60)
+    registered = run_ranks(_run, 2, ("OneBitLamb", "registered", torch.bfloat16), timeout_s=120,
                              collective_timeout_s=60)
     for (f_params, _, f_bytes), (p_params, _, p_bytes), (r_params, _, r_bytes) in zip(full, plain, registered):
         assert all(torch.equal(a, b) for a, b in zip(p_params, r_params)) and p_bytes == r_bytes
@@ -117,13 +117,13 @@ def test_registered_ddp_sends_the_warmup_in_bfloat16_as_the_optimizer_does():
 
 @pytest.mark.parametrize("kind", ["OneBitLamb", "Lamb"])
 def test_a_ddp_model_without_register_ddp_is_stopped_at_the_first_step(kind):
-    errors = spawn_local(_run, 2, (kind, "ddp"), timeout_s=120, collective_timeout_s=60)
+    errors = run_ranks(_run, 2, (kind, "ddp"), timeout_s=120, collective_timeout_s=60)
     assert errors[0] == errors[1]
     assert "identical on all 2 ranks" in errors[0] and "onebitlamb.register_ddp(ddp_model, optimizer)" in errors[0]
 
 
 def test_a_registered_optimizer_refuses_gradients_ddp_did_not_average():
-    errors = spawn_local(_run, 2, ("OneBitLamb", "no_sync"), timeout_s=120, collective_timeout_s=60)
+    errors = run_ranks(_run, 2, ("OneBitLamb", "no_sync"), timeout_s=120, collective_timeout_s=60)
     assert all("DDP averaged no gradient since the last step" in e for e in errors)
 
 
@@ -151,6 +151,6 @@ def _mismatched_params(rank, n):
 def test_register_ddp_refuses_parameters_the_two_do_not_share():
     """An optimizer's parameter outside DDP would never be averaged in the warm-up; a DDP parameter
     outside the optimizer, never after the freeze (the hook then sends no bucket)."""
-    for extra, missing in spawn_local(_mismatched_params, 2, (), timeout_s=60, collective_timeout_s=30):
+    for extra, missing in run_ranks(_mismatched_params, 2, (), timeout_s=60, collective_timeout_s=30):
         assert "2 of OneBitLamb's trainable parameters are not parameters of the DDP model" in extra
         assert "1 of the DDP model's trainable parameters are not OneBitLamb's (2.bias)" in missing

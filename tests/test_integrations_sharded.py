@@ -6,6 +6,7 @@ import torch
 
 import onebitlamb
 from onebitlamb.comm.launch import spawn_local
+from rank_pool import run_ranks
 
 
 def _model():
@@ -37,11 +38,13 @@ def _zero(rank, n):
 
 
 def test_fsdp2_parameters_are_refused_at_construction():
+    # a fresh process: FSDP2 builds a DeviceMesh, which torch keeps in a process-wide registry that
+    # would outlive the process group the persistent ranks destroy after each call
     for message in spawn_local(_fsdp, 2, (), timeout_s=120, collective_timeout_s=60):
         assert "got a sharded parameter (DTensor" in message and "onebitlamb.register_ddp" in message
 
 
 def test_zero_redundancy_optimizer_is_refused_at_the_first_step():
-    for message in spawn_local(_zero, 2, (), timeout_s=120, collective_timeout_s=60):
+    for message in run_ranks(_zero, 2, (), timeout_s=120, collective_timeout_s=60):
         assert "the ranks built different optimizers: parameter sizes" in message
         assert "under a ZeroRedundancyOptimizer" in message and "onebitlamb.register_ddp" in message

@@ -11,12 +11,12 @@ WARM, COMP = 2, 3
 
 @pytest.fixture(scope="module")
 def per_rank():
-    from onebitlamb.comm.launch import spawn_local
+    from rank_pool import run_ranks
     from benchmarks.netsim.worker import ddp_steps
 
     spec = {"model": TINY, "batch": 2, "optimizers": ["onebitlamb", "lamb"], "warmup_steps": WARM,
             "compression_steps": COMP, "skip_steps": 1}
-    return spawn_local(ddp_steps, 2, (spec,), timeout_s=120)
+    return run_ranks(ddp_steps, 2, (spec,), timeout_s=120)
 
 
 def test_ddp_averages_the_warmup_in_the_backward_and_sends_nothing_after_the_freeze(per_rank):

@@ -16,12 +16,12 @@ WARM, COMP, N, L = 2, 3, 2, 2
 
 @pytest.fixture(scope="module")
 def per_rank():
-    from onebitlamb.comm.launch import spawn_local
+    from rank_pool import run_ranks
     from benchmarks.netsim.worker import hierarchy_steps
 
     spec = {"model": TINY, "batch": 2, "optimizers": ["onebitlamb"], "warmup_steps": WARM,
             "compression_steps": COMP, "skip_steps": 1, "local_size": L, "latency_calls": 3}
-    return spawn_local(hierarchy_steps, N * L, (spec,), timeout_s=120)
+    return run_ranks(hierarchy_steps, N * L, (spec,), timeout_s=120)
 
 
 def test_node_groups_halve_the_bytes_a_node_sends_to_the_other_node(per_rank):

@@ -136,13 +136,13 @@ def test_targets_table_and_plot(tmp_path):
 
 
 def _two_ranks_on_loopback():
-    from onebitlamb.comm.launch import spawn_local
+    from rank_pool import run_ranks
     from benchmarks.netsim.worker import hierarchy_steps
 
     spec = {"model": TINY, "batch": 2, "optimizers": ["onebitlamb"], "warmup_steps": 2, "compression_steps": 2,
             "skip_steps": 1, "local_size": 1, "latency_calls": 2, "bucket_cap_mb": 0.01,
             "modes": ["flat", "overlap", "solo", "hier-overlap"]}
-    return spawn_local(hierarchy_steps, 2, (spec,), timeout_s=120)
+    return run_ranks(hierarchy_steps, 2, (spec,), timeout_s=120)
 
 
 def test_worker_starts_the_overlapped_buckets_in_the_backward():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import onebitlamb
-from onebitlamb.comm.launch import spawn_local
+from rank_pool import run_ranks
 
 STEPS, FREEZE = 10, 4
 ONE_BUCKET, PER_LAYER = 1000.0, 1e-4  # MiB: the whole model; 26 elements (each parameter alone)
@@ -91,7 +91,7 @@ def _equal(a, b):
 
 
 def _spawn(n, *args):
-    return spawn_local(_run, n, args, timeout_s=180, collective_timeout_s=60)
+    return run_ranks(_run, n, args, timeout_s=180, collective_timeout_s=60)
 
 
 # the overlap belongs to the exchange, the same for every optimizer: OneBitLamb's run goes through
@@ -212,7 +212,7 @@ def _refusals(rank, n):
 
 
 def test_bad_arguments_are_refused_on_every_rank():
-    for messages in spawn_local(_refusals, 2, timeout_s=120, collective_timeout_s=60):
+    for messages in run_ranks(_refusals, 2, timeout_s=120, collective_timeout_s=60):
         assert len(messages) == 7
         for bad, message in zip(("0", "-1.0", "nan", "True", "'25'"), messages):
             assert f"bucket_cap_mb: {bad}" in message

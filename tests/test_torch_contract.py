@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import onebitlamb
-from onebitlamb.comm.launch import spawn_local
+from rank_pool import run_ranks
 
 CLASSES = {"lamb": onebitlamb.Lamb, "onebitlamb": onebitlamb.OneBitLamb, "onebitadam": onebitlamb.OneBitAdam,
            "zerooneadam": onebitlamb.ZeroOneAdam}
@@ -89,7 +89,7 @@ def _copied_run(rank, n):
 
 
 def test_a_copy_on_several_ranks_uses_the_default_group_and_steps_like_the_original():
-    out = spawn_local(_copied_run, 2, (), timeout_s=120, collective_timeout_s=30)
+    out = run_ranks(_copied_run, 2, (), timeout_s=120, collective_timeout_s=30)
     for same, stage, sent, _, refused in out:
         assert same and stage == "compression" and sent
         assert "not the whole world cannot be copied" in refused and "load_state_dict" in refused
@@ -186,7 +186,7 @@ def _no_grad_on_rank_1_run(rank, n):
 
 
 def test_a_rank_without_gradients_enters_every_collective():
-    out = spawn_local(_no_grad_on_rank_1_run, 2, (), timeout_s=120, collective_timeout_s=30)
+    out = run_ranks(_no_grad_on_rank_1_run, 2, (), timeout_s=120, collective_timeout_s=30)
     assert out[0][1] == out[1][1] == "compression"
     assert all(torch.equal(a, b) for a, b in zip(out[0][0], out[1][0]))
 
@@ -221,7 +221,7 @@ def _scaler_run(rank, n, kind, unscale_first):
 def test_grad_scaler_loop_with_one_rank_overflowing_keeps_the_ranks_together(kind, unscale_first):
     """0/1 Adam: the overflows at a variance step (2) and at a sync (6); its 6 steps end with a sync
     (the ranks' parameters alike), the next step local."""
-    out = spawn_local(_scaler_run, 2, (kind, unscale_first), timeout_s=120, collective_timeout_s=30)
+    out = run_ranks(_scaler_run, 2, (kind, unscale_first), timeout_s=120, collective_timeout_s=30)
     (p0, skipped0, scales0, stage0), (p1, skipped1, scales1, stage1) = out
     assert skipped0 == skipped1 == [t in (2, 6) for t in range(1, 9)]
     assert scales0 == scales1 and scales0[-1] == 2.0 ** 10 * 0.5 ** 2  # backed off twice, on both ranks
@@ -302,7 +302,7 @@ def _one_cycle_run(rank, n):
 
 
 def test_one_cycle_lr_on_two_ranks_through_the_freeze():
-    out = spawn_local(_one_cycle_run, 2, (), timeout_s=120, collective_timeout_s=30)
+    out = run_ranks(_one_cycle_run, 2, (), timeout_s=120, collective_timeout_s=30)
     assert out[0][1] == out[1][1] == "compression"
     assert all(torch.equal(a, b) and torch.isfinite(a).all() for a, b in zip(out[0][0], out[1][0]))
 
@@ -319,5 +319,5 @@ def _same_batch_run(rank, n, kind):
 
 @pytest.mark.parametrize("kind", ["onebitlamb", "lamb"])
 def test_the_same_batch_on_every_rank_is_no_false_alarm(kind):
-    out = spawn_local(_same_batch_run, 2, (kind,), timeout_s=120, collective_timeout_s=30)
+    out = run_ranks(_same_batch_run, 2, (kind,), timeout_s=120, collective_timeout_s=30)
     assert out[0] == out[1]

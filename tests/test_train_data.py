@@ -139,9 +139,9 @@ def _vocabulary_of_a_tied_corpus(_rank, _n):
 def test_the_same_texts_give_the_same_vocabulary_in_every_process():
     """In separate processes (each with its own hash seeds) the trainer alone chose different
     merges on this corpus nearly every time; train_tokenizer must not."""
-    from onebitlamb.comm.launch import spawn_local
+    from rank_pool import run_ranks
 
-    first, *others = spawn_local(_vocabulary_of_a_tied_corpus, 3, (), timeout_s=120)
+    first, *others = run_ranks(_vocabulary_of_a_tied_corpus, 3, (), timeout_s=120)
     assert len(first) == 60 and all(vocab == first for vocab in others)
     tokens = dict(first)
     assert "##a" in tokens and "##x" in tokens

@@ -599,17 +599,17 @@ def _shared_out_check(rank, world, folders):
 
 def test_every_rank_must_write_and_see_out(tmp_path):
     """What torchrun's ranks on machines without a shared file system meet: each sees its own folder."""
-    from onebitlamb.comm.launch import spawn_local
+    from rank_pool import run_ranks
 
     shared = tmp_path / "shared"
     shared.mkdir()
-    assert spawn_local(_shared_out_check, 2, ([str(shared)] * 2,), timeout_s=60) == [[], []]  # probes removed
+    assert run_ranks(_shared_out_check, 2, ([str(shared)] * 2,), timeout_s=60) == [[], []]  # probes removed
     apart = [tmp_path / "node0", tmp_path / "node1"]
     for folder in apart:
         folder.mkdir()
-    errors = spawn_local(_shared_out_check, 2, ([str(f) for f in apart],), timeout_s=60)
+    errors = run_ranks(_shared_out_check, 2, ([str(f) for f in apart],), timeout_s=60)
     assert errors[0] == errors[1] and "rank 1 does not see the files rank 0 writes" in errors[0]
-    errors = spawn_local(_shared_out_check, 2, ([str(shared), str(tmp_path / "missing")],), timeout_s=60)
+    errors = run_ranks(_shared_out_check, 2, ([str(shared), str(tmp_path / "missing")],), timeout_s=60)
     assert errors[0] == errors[1] and "rank 1 cannot write" in errors[0] and "shared file system" in errors[0]
 
 
@@ -627,8 +627,8 @@ def _ranks_agree_check(rank, world, drift):
 
 
 def test_a_rank_whose_parameters_drifted_is_named_before_a_checkpoint():
-    from onebitlamb.comm.launch import spawn_local
+    from rank_pool import run_ranks
 
-    assert spawn_local(_ranks_agree_check, 2, (False,), timeout_s=60) == [None, None]
-    errors = spawn_local(_ranks_agree_check, 2, (True,), timeout_s=60)
+    assert run_ranks(_ranks_agree_check, 2, (False,), timeout_s=60) == [None, None]
+    errors = run_ranks(_ranks_agree_check, 2, (True,), timeout_s=60)
     assert all("after step 12 the parameters of rank(s) [1] differ from rank 0's" in e for e in errors), errors

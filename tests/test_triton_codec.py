@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install '.[gp
 
 from codec_checks import (DTYPES, bits, check_compress, check_pack_and_unpack,  # noqa: E402
                           check_server_sum_and_expansion, inputs)
-from onebitlamb.comm.launch import spawn_local  # noqa: E402
+from rank_pool import run_ranks  # noqa: E402
 from onebitlamb.compression.packing import pack_signs, unpack_signs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: tests/test_cuda.py "
@@ -90,7 +90,7 @@ def _allreduce_worker(rank, world):
 
 
 def test_compressed_allreduce_fused_on_two_ranks():
-    results = spawn_local(_allreduce_worker, 2, timeout_s=120)
+    results = run_ranks(_allreduce_worker, 2, timeout_s=120)
     for fused in (False, True):
         for a, b in zip(results[0][fused], results[1][fused]):
             assert torch.equal(a, b)  # every rank expands the same messages

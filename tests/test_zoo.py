@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from benchmarks.zoo import OPTIMIZERS, ZOO, make_optimizer, param_groups, run_cases
-from onebitlamb.comm.launch import spawn_local
 from onebitlamb.optim.freeze import EarlyFreezeWarning
+from rank_pool import run_ranks
 
 STEPS, LR = 40, 1e-2
 MAX_MOVE_RATIO = 20.0
@@ -47,7 +47,7 @@ def _zoo_runs():
     cases = [dict(family=f, optimizer=o, lr=LR, steps=STEPS) for f in ZOO for o in OPTIMIZERS]
     cases += [dict(family=f, optimizer=o, **EARLY) for f in EARLY_FAMILIES
               for o in ("lamb", "adamw", "onebitlamb", "onebitlamb-momentum", "onebitadam")]
-    out = spawn_local(run_cases, 2, (cases,), timeout_s=600, collective_timeout_s=120)[0]
+    out = run_ranks(run_cases, 2, (cases,), timeout_s=600, collective_timeout_s=120)[0]
     return {(r["family"], r["optimizer"], r["steps"]): r for r in out}
 
 
