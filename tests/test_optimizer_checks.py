@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import onebitlamb
-from onebitlamb.comm.launch import spawn_local
 from onebitlamb.optim.staged import MAX_CONSECUTIVE_SKIPS
 from onebitlamb.optim.state_format import flat_of
+from rank_pool import run_ranks
 
 CLASSES = {"lamb": onebitlamb.Lamb, "onebitlamb": onebitlamb.OneBitLamb, "onebitadam": onebitlamb.OneBitAdam}
 
@@ -116,7 +116,7 @@ def _disagreeing_run(rank, n, what):
 def test_ranks_that_built_different_optimizers_fail_at_the_first_step(what, named):
     """Before: a different lr or layer split drifted apart silently, a different freeze_step hung
     until the process group's timeout, a different parameter count aborted inside gloo."""
-    errors = spawn_local(_disagreeing_run, 2, (what,), timeout_s=120, collective_timeout_s=60)
+    errors = run_ranks(_disagreeing_run, 2, (what,), timeout_s=120, collective_timeout_s=60)
     assert errors[0] == errors[1] and errors[0] is not None
     assert "the ranks built different optimizers" in errors[0]
     import re
@@ -143,7 +143,7 @@ def _one_rank_differs(rank, n, what):
 def test_a_setting_of_one_rank_only_is_an_error_on_every_rank_not_a_wait(what, named):
     """The overlap made its thread's process group (a collective) at construction: a rank built
     without it left the others waiting there until the timeout."""
-    for message in spawn_local(_one_rank_differs, 2, (what,), timeout_s=60, collective_timeout_s=20):
+    for message in run_ranks(_one_rank_differs, 2, (what,), timeout_s=60, collective_timeout_s=20):
         assert message is not None and "built different optimizers" in message and named in message, message
 
 
@@ -166,8 +166,8 @@ def test_a_constructor_error_on_one_rank_is_named_by_the_rank_left_waiting():
     error, when the other rank's process is gone or the wait times out, names the first step's
     agreement and the likely cause (a constructor that refused an argument on another rank), not
     only gloo's words."""
-    (kind0, said0, _), (kind1, said1, waited) = spawn_local(_one_rank_refused_at_construction, 2, (),
-                                                            timeout_s=60, collective_timeout_s=4)
+    (kind0, said0, _), (kind1, said1, waited) = run_ranks(_one_rank_refused_at_construction, 2, (),
+                                                          timeout_s=60, collective_timeout_s=4)
     assert kind0 == "ValueError" and "overlap_with_backward" in said0
     assert kind1 == "RuntimeError" and "rank 1 waited in the first step's agreement" in said1, said1
     assert "constructor refused an argument given on that rank only" in said1 and waited < 30
@@ -197,7 +197,7 @@ def _drifting_run(rank, n, kind, what):
                                              ("onebitadam", "lr", "param groups")])
 def test_ranks_that_drift_apart_after_the_first_step_fail_at_the_next_agreement(kind, what, named):
     """``agree_every`` (1000 by default): the drift is named at the next comparison, on every rank."""
-    for out in spawn_local(_drifting_run, 2, (kind, what), timeout_s=120, collective_timeout_s=60):
+    for out in run_ranks(_drifting_run, 2, (kind, what), timeout_s=120, collective_timeout_s=60):
         assert out is not None and out[0] == 3, out
         assert "drifted apart by step 3" in out[1] and named in out[1], out[1]
 
@@ -246,8 +246,8 @@ def test_a_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(kind):
     """NaN or inf on rank 1 at a warm-up step (3) and at compression steps (8, 9): both ranks skip
     those steps and end bit for bit where a run that never made them ends."""
     poisoned = (3, 8, 9)
-    out = spawn_local(_nan_run, 2, (kind, poisoned, ()), timeout_s=120, collective_timeout_s=60)
-    clean = spawn_local(_nan_run, 2, (kind, (), poisoned), timeout_s=120, collective_timeout_s=60)
+    out = run_ranks(_nan_run, 2, (kind, poisoned, ()), timeout_s=120, collective_timeout_s=60)
+    clean = run_ranks(_nan_run, 2, (kind, (), poisoned), timeout_s=120, collective_timeout_s=60)
     for r in range(2):
         assert out[r]["skipped_steps"] == 3
         assert [i + 1 for i, s in enumerate(out[r]["skipped"]) if s] == list(poisoned)
@@ -265,7 +265,7 @@ def test_a_huge_but_finite_gradient_on_one_rank_is_skipped_on_every_rank(kind):
     step (3) and a compression step (8) every rank skips, the state stays finite and the same on
     both ranks at every step, and the run ends bit for bit where a run without those steps ends."""
     poisoned = (3, 8)
-    out = spawn_local(_huge_gradient_runs, 2, (kind, poisoned), timeout_s=120, collective_timeout_s=60)
+    out = run_ranks(_huge_gradient_runs, 2, (kind, poisoned), timeout_s=120, collective_timeout_s=60)
     for value in (3e38, 1e30):
         for r in range(2):
             run, clean = out[r][value], out[r]["clean"]
@@ -333,7 +333,7 @@ def _loss_scaled_run(rank, n):
 
 
 def test_loss_scaling_recipe_keeps_the_ranks_together():
-    out = spawn_local(_loss_scaled_run, 2, (), timeout_s=120, collective_timeout_s=60)
+    out = run_ranks(_loss_scaled_run, 2, (), timeout_s=120, collective_timeout_s=60)
     assert out[0][1] == out[1][1] == [False, False, False, True, False, False, False, False]
     for a, b in zip(out[0][0], out[1][0]):
         assert torch.equal(a, b) and torch.isfinite(a).all()

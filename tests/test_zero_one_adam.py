@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import onebitlamb
-from onebitlamb.comm.launch import spawn_local
+from rank_pool import run_ranks
 from reference import ZeroOneReference
 
 from toy import SHAPES, SCALES, grads_for, initial_params, through_a_checkpoint  # noqa: E402,F401
@@ -82,7 +82,7 @@ def _run(rank, n, resume_at, kw):
 @functools.lru_cache(maxsize=None)
 def _spawned(n):
     """Both multi-rank comparisons run in one start of ``n`` ranks (starting them is most of the time)."""
-    return spawn_local(_run, n, (RESUME_AT, {}), timeout_s=180)
+    return run_ranks(_run, n, (RESUME_AT, {}), timeout_s=180)
 
 
 class Reference(ZeroOneReference):
@@ -199,7 +199,7 @@ def test_the_errors_keep_their_unit_across_a_variance_step():
     but rounding, on a flat group and on a hierarchical one (whose ranks hold the errors of a
     chunk: the rescaling must pick the right one). Left in the old unit, the runs part at step 7,
     the first 1-bit step after a variance step that moved the scales."""
-    ranks = spawn_local(_scales_held, 4, (), timeout_s=120, collective_timeout_s=60)
+    ranks = run_ranks(_scales_held, 4, (), timeout_s=120, collective_timeout_s=60)
     for r, out in enumerate(ranks):
         for name in ("flat", "nodes", "nodes, a layer a chunk"):
             for t, (a, b) in enumerate(zip(out[name, False], out[name, True]), start=1):
@@ -296,7 +296,7 @@ def _disagreeing(rank, n):
 
 
 def test_ranks_that_disagree_on_the_schedule_stop_at_the_first_step():
-    messages = spawn_local(_disagreeing, 2, (), timeout_s=60)
+    messages = run_ranks(_disagreeing, 2, (), timeout_s=60)
     assert all(m is not None and "var_freeze_step" in m and "rank 0" in m and "rank 1" in m for m in messages)
 
 
@@ -337,7 +337,7 @@ def _nan_on_one_rank_at_a_local_step(rank, n):
 
 
 def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank_and_resharding_and_buckets():
-    out = spawn_local(_nan_on_one_rank_at_a_local_step, 2, (), timeout_s=120)
+    out = run_ranks(_nan_on_one_rank_at_a_local_step, 2, (), timeout_s=120)
     assert out[0]["buckets"] == 3 and all(
         torch.equal(a, b) and bool(torch.isfinite(a).all()) for a, b in zip(out[0]["bucketed"], out[1]["bucketed"]))
     for r in out:
@@ -441,7 +441,7 @@ def test_a_refused_step_changes_nothing_and_the_run_goes_on(refused):
     every rank, and nothing of the state moves (not the momentum, the update sum, the errors or the
     step count), so the run goes on at the next call. Before, the errors kept that step's
     non-finite values and every later sync was refused."""
-    out = spawn_local(_one_refused_step, 2, (refused,), timeout_s=120, collective_timeout_s=60)
+    out = run_ranks(_one_refused_step, 2, (refused,), timeout_s=120, collective_timeout_s=60)
     for outcomes, changed, _ in out:
         assert outcomes == ["ok"] * (refused - 1) + ["refused"] + ["ok"] * (14 - refused), outcomes
         assert changed == [], changed
@@ -505,7 +505,7 @@ def test_a_resume_with_rank_0s_model_between_syncs_is_refused_on_every_rank():
     both ranks, naming the rank and the two fixes. Each rank's own model resumes bit for bit, and so
     does rank 0's model at a sync, where the ranks' parameters agree. A state saved before the
     check (no checksum) still loads and is not checked."""
-    out = spawn_local(_checkpoint_patterns, 2, (), timeout_s=180, collective_timeout_s=60)
+    out = run_ranks(_checkpoint_patterns, 2, (), timeout_s=180, collective_timeout_s=60)
     for rank, result in enumerate(out):
         assert result["own model between syncs"] == (False, None, True)
         synchronized, message, _ = result["rank 0's model between syncs"]
