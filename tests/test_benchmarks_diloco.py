@@ -13,7 +13,7 @@ from torch import nn
 import onebitlamb
 from benchmarks import diloco
 from benchmarks.diloco import DiLoCo, own_group
-from onebitlamb.comm.launch import spawn_local
+from rank_pool import run_ranks
 
 WORLD = 2
 SGD_LR = 0.1
@@ -81,7 +81,7 @@ def _on_ranks(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks():
-    return spawn_local(_on_ranks, WORLD, timeout_s=180, collective_timeout_s=60)
+    return run_ranks(_on_ranks, WORLD, timeout_s=180, collective_timeout_s=60)
 
 
 def test_h1_outer_lr1_without_momentum_is_synchronous_sgd_on_the_mean_gradient(ranks):

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from onebitlamb.comm import CommStats, padded_size, quantized_average_, quantized_error_sizes, quantized_wire_bytes
-from onebitlamb.comm.launch import spawn_local
 from onebitlamb.compression.blockwise import BLOCK, INT2, INT4, INT8, BlockwiseCodec, blockwise_codec
 from onebitlamb.compression.wire import BFLOAT16, FLOAT32, warmup_format, wire_format
+from rank_pool import run_ranks
 
 F32 = np.float32
 F32_MAX = float(np.finfo(np.float32).max)
@@ -438,7 +438,7 @@ def _all_checks(rank, n):
 
 @functools.lru_cache(maxsize=None)
 def results(n):
-    return spawn_local(_all_checks, n, timeout_s=180)
+    return run_ranks(_all_checks, n, timeout_s=180)
 
 
 @pytest.mark.parametrize("name", [s[0] for s in SCENARIOS])

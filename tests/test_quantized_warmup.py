@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import onebitlamb
-from onebitlamb.comm.launch import spawn_local
+from rank_pool import run_ranks
 from reference import Reference
 from test_blockwise_codec import loop_decode, loop_encode
 from test_optimizers import LRS, _assert_ranks_agree_and_resume_exactly, _distributed_run, rel_err
@@ -73,8 +73,8 @@ class QuantizedAverageSim:
 @pytest.mark.parametrize("n,bits", [(2, 8), (3, 4)])
 def test_quantised_warmup_matches_the_reference_ranks_agree_and_resumes_are_exact(n, bits):
     steps, freeze = 24, 10
-    out = spawn_local(functools.partial(_distributed_run, warmup_dtype=f"int{bits}"), n,
-                      ("onebitlamb", steps, freeze, (5, 15)), timeout_s=240)
+    out = run_ranks(functools.partial(_distributed_run, warmup_dtype=f"int{bits}"), n,
+                    ("onebitlamb", steps, freeze, (5, 15)), timeout_s=240)
     # every rank the same parameters at the end, and a resume inside the warm-up (step 5: its errors
     # restored from the state) or after the freeze ends where the uninterrupted run did
     _assert_ranks_agree_and_resume_exactly(out)
@@ -115,7 +115,7 @@ def _float32_against_int8(rank, n):
 
 
 def test_lamb_with_an_int8_warmup_stays_near_float32_and_keeps_only_warmup_errors():
-    out = spawn_local(_float32_against_int8, 2, (), timeout_s=120)[0]
+    out = run_ranks(_float32_against_int8, 2, (), timeout_s=120)[0]
     for a, b in zip(out["int8"], out["float32"]):
         assert not torch.equal(a, b)  # the codes round: another run
         assert rel_err(a, b) < 2e-2
@@ -151,7 +151,7 @@ def _resume_resharded(rank, n, states):
 
 
 def test_a_skipped_step_leaves_the_warmup_errors_and_a_resharded_state_resumes_on_more_ranks():
-    out = spawn_local(_skip_then_reshard, 2, (), timeout_s=120)
+    out = run_ranks(_skip_then_reshard, 2, (), timeout_s=120)
     assert all(o["skipped"] and o["unchanged"] for o in out)
     old = [onebitlamb.optim.state_format.flat_of(o["state"]) for o in out]
     new = onebitlamb.reshard_state_dicts([o["state"] for o in out], 3)
@@ -169,7 +169,7 @@ def test_a_skipped_step_leaves_the_warmup_errors_and_a_resharded_state_resumes_o
     joined_old, joined_new = joined_old[:1024], joined_new[:1024]
     assert torch.equal(joined_old, joined_new)
     assert joined_old.abs().sum() > 0  # the errors held something to re-shard
-    after = spawn_local(_resume_resharded, 3, (new,), timeout_s=120)
+    after = run_ranks(_resume_resharded, 3, (new,), timeout_s=120)
     for r in (1, 2):
         assert all(torch.equal(a, b) for a, b in zip(after[0], after[r]))
 
@@ -197,7 +197,7 @@ def test_settings_the_quantised_warmup_cannot_serve_are_refused_by_name():
     with pytest.raises(ValueError, match="'int8' with overlap_with_backward=True"):
         onebitlamb.OneBitAdam([torch.nn.Parameter(torch.zeros(2))], freeze_step=5, warmup_dtype="int8",
                               overlap_with_backward=True)
-    messages = spawn_local(_refusals, 2, (), timeout_s=120)[0]
+    messages = run_ranks(_refusals, 2, (), timeout_s=120)[0]
     assert len(messages) == 2
     assert "'int8' with node_groups()" in messages[0]
     assert "register_ddp" in messages[1] and "'int8'" in messages[1]
