@@ -18,17 +18,18 @@ Each call gets a default gloo process group of its own, with the call's collecti
 store that rank 0 holds for the pool's life (building the group on loopback takes milliseconds; the
 fresh interpreter took seconds). After the call every process group is destroyed, which also
 removes the groups the function created, so a call starts with none but its own default group, as
-in a fresh process. The group's rendezvous is the barrier between two calls.
+in a fresh process. The group's rendezvous, and a barrier on it before the function runs, are
+the barrier between two calls.
 
 Between calls a rank is put back as a fresh worker of ``spawn_local`` would find it: environment
 variables, working directory, ``sys.path``, warning filters (and the "already warned" registries),
 torch's default dtype and device, a fresh random seed for torch, ``random`` and numpy, one intra-op
-thread, gradients enabled, no anomaly detection, no deterministic mode, torch.compile's caches and
-the library's ``GLOBAL_STATS`` emptied, and any function of ``torch.distributed`` a
-test replaced (to count calls) put back. (No ``gc.collect()``: with torch loaded it took
-0.15-0.3 s a call.) What cannot be put back (a module-level attribute a function
-patched and did not restore, a thread it left running) is for the caller to avoid: such a function
-keeps using ``spawn_local``.
+thread, gradients enabled, no anomaly detection, no deterministic mode; torch.compile's caches,
+accelerate's process-wide state and the library's ``GLOBAL_STATS`` emptied; any function of
+``torch.distributed`` a test replaced (to count calls) put back. (No ``gc.collect()``: with torch
+loaded it took 0.15-0.3 s a call.) What cannot be put back (a module-level attribute a function
+patched and did not restore, a thread it left running, modules it put in ``sys.modules``) is for
+the caller to avoid: such a function keeps using ``spawn_local``.
 
 When a call fails, times out, or a rank dies, the pool is torn down (its processes killed) and the
 next call starts a fresh one, so a failure cannot leak into later tests. ``shutdown()`` ends every
@@ -50,12 +51,15 @@ import traceback
 from multiprocessing.connection import wait
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from onebitlamb.comm.launch import WorkerError, _died, _passive_waits_if_oversubscribed, exit_with
+from onebitlamb.comm.launch import WorkerError, _died, _passive_waits_if_oversubscribed, exit_with, spawn_local
 
 #: Seconds a pool may take to start: every rank imports torch and connects to rank 0's store, on a
 #: busy 2-core machine. Not counted in a call's ``timeout_s`` (spawn_local's fresh start is, but it
 #: is the same for every call there and paid once here).
 START_TIMEOUT_S = 180.0
+#: Seconds the other ranks' reports are awaited after a rank reported a failure (all of them are
+#: then in the error, the failure first).
+FAILURE_GRACE_S = 3.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,6 +96,7 @@ def _serve(rank: int, world_size: int, conn, parent: int) -> None:
         if message is None:
             _leave(conn, 0)
         call, collective_timeout_s, payload = message
+        reply, sent = None, False
         try:
             fn, args = torch.load(io.BytesIO(payload), weights_only=False)
             dist.init_process_group("gloo", store=dist.PrefixStore(f"call{call}", store), rank=rank,
@@ -100,12 +105,16 @@ def _serve(rank: int, world_size: int, conn, parent: int) -> None:
             try:
                 dist.barrier()  # every pair connected before a rank may finish and close its end
                 out = fn(rank, world_size, *args)
+            except BaseException:  # everything, including KeyboardInterrupt, goes to the parent...
+                conn.send((call, False, traceback.format_exc()))
+                sent = True  # ...before the group below goes: its peers' errors then come second
+                raise
             finally:
                 dist.destroy_process_group()  # the default group and every group fn created
             buffer = io.BytesIO()
             torch.save(out, buffer)
             reply = (call, True, buffer.getvalue())
-        except BaseException:  # report everything, including KeyboardInterrupt, to the parent
+        except BaseException:
             reply = (call, False, traceback.format_exc())
         finally:
             out = fn = args = None
@@ -113,7 +122,8 @@ def _serve(rank: int, world_size: int, conn, parent: int) -> None:
                 clean.restore()
             except BaseException:
                 reply = (call, False, "restoring the rank after the call:\n" + traceback.format_exc())
-        conn.send(reply)
+        if not sent:
+            conn.send(reply)
 
 
 def _leave(conn, code: int) -> None:
@@ -176,6 +186,10 @@ class _Snapshot:
         torch.use_deterministic_algorithms(False)
         if "torch._dynamo" in sys.modules:
             torch._dynamo.reset()
+        accelerate = sys.modules.get("accelerate.state")  # its state is per process, shared by every Accelerator
+        if accelerate is not None:
+            accelerate.AcceleratorState._reset_state(reset_partial_state=True)
+            accelerate.GradientState._reset_state()
         stats = sys.modules.get("onebitlamb.comm.stats")
         if stats is not None:
             stats.GLOBAL_STATS.reset()
@@ -233,7 +247,7 @@ class RankPool:
             ok = True
         finally:
             if not ok:
-                self.close()
+                self.close(ask=False)
 
     def _recv(self, rank: int, deadline: float):
         conn, proc = self.conns[rank], self.procs[rank]
@@ -273,7 +287,7 @@ class RankPool:
             return out
         finally:
             if not finished:
-                self.close()
+                self.close(ask=False)  # the ranks may be inside the call still
 
     def _collect(self, call: int, timeout_s: float) -> List[Any]:
         import torch
@@ -284,9 +298,20 @@ class RankPool:
         failed: set = set()
         waiting = {conn: rank for rank, conn in enumerate(self.conns)}
         deadline = time.monotonic() + timeout_s
-        while waiting:
-            remaining = deadline - time.monotonic()
+        grace_until = 0.0
+        while True:
+            if failures and (not waiting or time.monotonic() >= grace_until):
+                # a rank killed by a signal breaks its peers' connections, and then the kill is the cause
+                dead = _died(self.procs, set(outputs) | failed, grace_s=1.0, signalled=True)
+                if dead:
+                    raise WorkerError(dead, killed=True)
+                raise WorkerError("\n".join(failures))
+            if not waiting:
+                break
+            remaining = (grace_until if failures else deadline) - time.monotonic()
             if remaining <= 0:
+                if failures:
+                    continue  # the grace is over: raised above
                 raise TimeoutError(f"{n} workers did not finish within {timeout_s:.0f}s")
             sentinels = {self.procs[rank].sentinel: conn for conn, rank in waiting.items()}
             ready = wait(list(waiting) + list(sentinels), timeout=min(remaining, 1.0))
@@ -313,29 +338,26 @@ class RankPool:
                 else:
                     failures.append(f"rank {rank}:\n{value}")
                     failed.add(rank)
-            if failures:
-                # the other ranks are probably blocked in a collective with the failed one; a rank
-                # killed by a signal breaks its peers' connections, and then the kill is the cause
-                dead = _died(self.procs, set(outputs) | failed, grace_s=1.0, signalled=True)
-                if dead:
-                    raise WorkerError(dead, killed=True)
-                raise WorkerError("\n".join(failures))
             if lost:
                 dead = _died(self.procs, set(outputs), grace_s=5.0)
                 raise WorkerError(dead or "a worker closed its connection without a report", killed=True)
+            if failures and not grace_until:
+                # the other ranks' reports for a moment: a rank blocked in a collective with the failed
+                # one fails too once the failed rank's group is gone, after that rank's report
+                grace_until = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         return [outputs[r] for r in range(n)]
 
-    def close(self) -> None:
-        """Stop the ranks: asked first when they are idle, then killed. Only this pool's processes."""
+    def close(self, ask: bool = True) -> None:
+        """Stop the ranks: asked first (``ask``: they are idle), then killed. Only this pool's processes."""
         procs, conns = self.procs, self.conns
         self.procs, self.conns = [], []
         for conn, p in zip(conns, procs):
             try:
-                if p.is_alive():
+                if ask and p.is_alive():
                     conn.send(None)
             except (OSError, ValueError):
                 pass
-        end = time.monotonic() + 2.0
+        end = time.monotonic() + (2.0 if ask else 0.0)
         for p in procs:
             p.join(timeout=max(0.0, end - time.monotonic()))
         for p in procs:
@@ -364,7 +386,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     persistent ranks: each rank's return value, in rank order. For a function that leaves nothing
     behind that a fresh process would not have (see the module's docstring); one that needs its
     own process (killing ranks, per-worker threads or environment set at start, the training CLI)
-    uses spawn_local."""
+    uses spawn_local. With ``ONEBITLAMB_TEST_FRESH_RANKS=1`` in the environment every call goes to
+    spawn_local instead (to tell a pool problem from a test's, or to time the suite without it)."""
+    if os.environ.get("ONEBITLAMB_TEST_FRESH_RANKS"):  # every call in fresh processes, as before the pool
+        return spawn_local(fn, world_size, args, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)
     p = pool(world_size)
     with _lock:
         return p.run(fn, args, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)

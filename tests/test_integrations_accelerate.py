@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 
 import onebitlamb
-from onebitlamb.comm.launch import spawn_local
+from rank_pool import run_ranks
 
 STEPS, FREEZE, SAVE_AT = 8, 3, 5  # saved after the freeze, so the compression errors are not zero
 
 
 def _accelerator(rank, n, accumulation=1):
-    # the process group is spawn_local's; accelerate's CPU path reads the ranks from the environment
+    # the process group is run_ranks's; accelerate's CPU path reads the ranks from the environment
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n),
                       OMP_NUM_THREADS="1")
     from accelerate import Accelerator
@@ -129,7 +129,7 @@ def _resume(rank, n, folder, unsaved):
 
 def test_prepare_silences_ddp_after_the_freeze_and_resumes_every_rank_exactly(tmp_path):
     folder, unsaved = str(tmp_path / "ckpt"), str(tmp_path / "accelerate-only")
-    full = spawn_local(_train, 2, (folder, 1), timeout_s=120, collective_timeout_s=60)
+    full = run_ranks(_train, 2, (folder, 1), timeout_s=120, collective_timeout_s=60)
     for params, plain, calls, error, stage in full:
         assert stage == "compression"
         assert all(torch.equal(a, b) for a, b in zip(params, plain))  # the plain usage's run, bitwise
@@ -144,7 +144,7 @@ def test_prepare_silences_ddp_after_the_freeze_and_resumes_every_rank_exactly(tm
         "onebitlamb-optimizer-rank0-of-2.pt", "onebitlamb-optimizer-rank1-of-2.pt"]
 
     shutil.copytree(folder, unsaved, ignore=shutil.ignore_patterns("onebitlamb-*"))
-    resumed = spawn_local(_resume, 2, (folder, unsaved), timeout_s=120, collective_timeout_s=60)
+    resumed = run_ranks(_resume, 2, (folder, unsaved), timeout_s=120, collective_timeout_s=60)
     for rank, (params, errors, untouched, loaded_error) in enumerate(resumed):
         assert torch.equal(loaded_error, full[rank][3])  # this rank's own errors, not rank 0's
         assert all(torch.equal(a, b) for a, b in zip(params, full[rank][0]))  # the uninterrupted run, bitwise
@@ -157,7 +157,7 @@ def test_prepare_silences_ddp_after_the_freeze_and_resumes_every_rank_exactly(tm
 
 
 def test_prepare_follows_the_plain_run_under_gradient_accumulation(tmp_path):
-    runs = spawn_local(_train, 2, (str(tmp_path / "ckpt"), 2), timeout_s=120, collective_timeout_s=60)
+    runs = run_ranks(_train, 2, (str(tmp_path / "ckpt"), 2), timeout_s=120, collective_timeout_s=60)
     for params, plain, calls, _, _ in runs:
         assert all(torch.equal(a, b) for a, b in zip(params, plain))
         # the first micro-batch runs under no_sync; the second averages in the warm-up, then sends nothing

@@ -13,6 +13,11 @@ from onebitlamb.comm.launch import WorkerError
 from rank_pool import pool, run_ranks
 
 
+@pytest.fixture(autouse=True)
+def _the_pool(monkeypatch):
+    monkeypatch.delenv("ONEBITLAMB_TEST_FRESH_RANKS", raising=False)  # these tests are the pool's
+
+
 def _sum_of_ranks(rank, n, extra):
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
@@ -38,8 +43,9 @@ def _state(rank, n):
     from onebitlamb.comm import GLOBAL_STATS
     import warnings
     from torch.distributed import distributed_c10d as c10d
-    return dict(dtype=torch.get_default_dtype(), seed=torch.initial_seed(), leftover=os.environ.get("RANK_POOL_LEFTOVER"),
-                omp=os.environ.get("OMP_NUM_THREADS"), cwd=os.getcwd(), threads=torch.get_num_threads(),
+    return dict(dtype=torch.get_default_dtype(), seed=torch.initial_seed(),
+                leftover=os.environ.get("RANK_POOL_LEFTOVER"), omp=os.environ.get("OMP_NUM_THREADS"),
+                cwd=os.getcwd(), threads=torch.get_num_threads(),
                 groups=len(c10d._world.pg_map), stats=GLOBAL_STATS.calls,
                 error_filter=any(f[0] == "error" for f in warnings.filters))
 
