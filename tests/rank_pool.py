@@ -43,7 +43,6 @@ import datetime
 import io
 import multiprocessing as mp
 import os
-import pickle
 import sys
 import threading
 import time
