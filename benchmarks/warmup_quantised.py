@@ -1,6 +1,7 @@
 """The warm-up's average quantised (``--warmup-dtype int8`` / ``int4``) against float32, paired by seed.
 
     python -m benchmarks.warmup_quantised --seeds 5                 # 1-bit LAMB on the demo
+    python -m benchmarks.warmup_quantised --seeds 5 --codecs int8   # the int8 row alone
     python -m benchmarks.warmup_quantised --seeds 5 --optimizer onebitadam
     python -m benchmarks.warmup_quantised --seeds 3 --preset b1024
 
@@ -16,6 +17,7 @@ BENCHMARKS.md. Run from the repository root.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Dict, List, Optional, Sequence
 
@@ -27,15 +29,23 @@ from benchmarks.variants import DEFAULT, LAMB, Variant, main_for
 CODECS = ("int8", "int4")
 
 
-def _with_codecs(base: Variant, name: str, folder: str) -> List[Variant]:
+def _with_codecs(base: Variant, name: str, folder: str, codecs: Sequence[str] = CODECS) -> List[Variant]:
     """``base`` (the float32 warm-up) and one row per codec, in folders of their own."""
     return [base] + [Variant(convergence.Row(f"{name}, {codec} warm-up average", f"{folder}-{codec}warmup",
-                                             [*base.row.flags, "--warmup-dtype", codec])) for codec in CODECS]
+                                             [*base.row.flags, "--warmup-dtype", codec])) for codec in codecs]
 
 
-ONEBITLAMB = [LAMB, *_with_codecs(DEFAULT, "1-bit LAMB, automatic freeze", DEFAULT.row.folder)]
 _ADAM = Variant(convergence.ROWS[2])  # 1-bit Adam with the main job's defaults
-ONEBITADAM = [LAMB, *_with_codecs(_ADAM, "1-bit Adam, automatic freeze", _ADAM.row.folder)]
+
+
+def rows(optimizer: str = "onebitlamb", codecs: Sequence[str] = CODECS) -> List[Variant]:
+    """LAMB, the optimizer's float32 warm-up (its main job's defaults) and one row per codec."""
+    if optimizer == "onebitadam":
+        return [LAMB, *_with_codecs(_ADAM, "1-bit Adam, automatic freeze", _ADAM.row.folder, codecs)]
+    return [LAMB, *_with_codecs(DEFAULT, "1-bit LAMB, automatic freeze", DEFAULT.row.folder, codecs)]
+
+
+ONEBITLAMB, ONEBITADAM = rows("onebitlamb"), rows("onebitadam")
 
 
 def paired_to_float32(seeds: Sequence[int], variants: Sequence[Variant], results: Dict[tuple, dict]) -> str:
@@ -65,10 +75,13 @@ def paired_to_float32(seeds: Sequence[int], variants: Sequence[Variant], results
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = command_line(argv)
-    adam = "--optimizer" in argv and argv[argv.index("--optimizer") + 1] == "onebitadam"
-    if "--optimizer" in argv:
-        del argv[argv.index("--optimizer"):argv.index("--optimizer") + 2]
-    variants = ONEBITADAM if adam else ONEBITLAMB
+    # this module's own options, before the experiments' common ones (main_for)
+    mine = argparse.ArgumentParser(add_help=False)
+    mine.add_argument("--optimizer", choices=("onebitlamb", "onebitadam"), default="onebitlamb")
+    mine.add_argument("--codecs", nargs="+", choices=CODECS, default=list(CODECS))
+    own, argv = mine.parse_known_args(argv)
+    adam = own.optimizer == "onebitadam"
+    variants = rows(own.optimizer, own.codecs)
     title = "The warm-up's average quantised" + (": 1-bit Adam" if adam else "")
     name = "warmup-quantised" + ("-onebitadam" if adam else "")
     return main_for("benchmarks.warmup_quantised", __doc__, title, name, {"demo": variants, "b1024": variants},
