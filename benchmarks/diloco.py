@@ -498,6 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lamb", action="store_true",
                         help="also run (or reuse) onebitlamb pretrain --optimizer lamb with the same flags, in "
                              "OUT/PRESET/SEED/lamb, and measure the grid against it")
+    parser.add_argument("--beside", nargs="+", default=[], metavar="RUN",
+                        help="finished runs of the main job (their folders, OUT/PRESET/SEED/NAME) to put in the table "
+                             "beside DiLoCo's, named by their folders: 1-bit LAMB's, for instance")
     parser.add_argument("--results", default=None, metavar="FILE",
                         help="write the table as the 'diloco' section of this markdown file (default: print only)")
     add_arguments(parser, skip=SKIPPED_FLAGS)
@@ -532,6 +535,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if not runs:
         return 1
+    for folder in args.beside:
+        try:
+            with open(os.path.join(folder, "metrics.json")) as f:
+                runs[os.path.basename(os.path.normpath(folder))] = json.load(f)
+        except (OSError, ValueError) as exc:
+            print(f"python -m benchmarks.diloco: error: --beside {folder}: no finished run there ({exc})",
+                  file=sys.stderr)
+            return 2
     from benchmarks.report import write_section
     from onebitlamb.train.compare import format_table
 

@@ -229,3 +229,18 @@ def test_a_finished_run_is_reused_and_one_of_other_settings_refused(entry, capsy
     assert "reusing the finished run" in capsys.readouterr().err
     assert diloco.main([*flags, "--lr", "0.01"]) == 2
     assert "holds a finished run of other settings" in capsys.readouterr().err
+
+
+def test_runs_beside_diloco_join_the_section_and_a_missing_one_is_refused(entry, tmp_path, capsys):
+    out, flags = entry
+    root = out / "tiny-4steps" / "1234"
+    results = tmp_path / "results.md"
+    import shutil
+    shutil.copytree(root / "lamb", tmp_path / "lamb-again")
+    assert diloco.main([*flags, "--lamb", "--beside", str(tmp_path / "lamb-again"), "--results", str(results)]) == 0
+    text = results.read_text()
+    assert "<!-- begin diloco -->" in text and "| diloco-H3 | 3 |" in text
+    # the run beside is the same LAMB run under its folder's name: its gap to LAMB is 0
+    assert "| lamb-again | - | - |" in text and "| +0.00% |" in text
+    assert diloco.main([*flags, "--beside", str(tmp_path / "nothing")]) == 2
+    assert "--beside" in capsys.readouterr().err
