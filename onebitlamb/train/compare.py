@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Dict, List
 
+from onebitlamb.compression.wire import warmup_format
 from onebitlamb.train import config, files, pretrain
 from onebitlamb.train.checkpoints import check_run_names, existing_run
 from onebitlamb.train.ranks import under_torchrun
@@ -205,8 +206,10 @@ def comparison(runs: Dict[str, dict]) -> dict:
             row["volume_reduction_vs_lamb"] = ref["bytes_sent_per_rank"] / max(m["bytes_sent_per_rank"], 1)
         if m.get("freeze_step") and name != "zerooneadam":  # 0/1 Adam sends 1 bit before its freeze too
             w = m["freeze_step"] / m["steps"]
-            # fp32 until the freeze, then 1 bit per value: the bound the measured reduction approaches
-            row["ideal_volume_reduction_fp32"] = 1.0 / (w + (1 - w) / 32)
+            # the warm-up's wire format until the freeze (r: its bytes an element over float32's), then 1 bit
+            # per value: the bound the measured reduction approaches
+            r = warmup_format(m.get("config", {}).get("warmup_dtype", "float32")).bytes_per_element / 4
+            row["ideal_volume_reduction_fp32"] = 1.0 / (w * r + (1 - w) / 32)
         out[name] = row
     return out
 
@@ -235,7 +238,8 @@ def format_table(runs: Dict[str, dict]) -> str:
         if "ideal_volume_reduction_fp32" in r:
             m = runs[name]
             notes.append(f"{LABELS.get(name, name)}: warm-up {m['freeze_step']}/{m['steps']} steps uncompressed; "
-                         f"ideal whole-run reduction vs fp32 LAMB 1/(w+(1-w)/32) = {r['ideal_volume_reduction_fp32']:.2f}x")
+                         f"ideal whole-run reduction vs fp32 LAMB 1/(w r+(1-w)/32) = {r['ideal_volume_reduction_fp32']:.2f}x "
+                         f"(r: the warm-up's bytes an element over float32's)")
     world = next(iter(runs.values())).get("world_size")
     notes.append(f"{world} workers; bytes and rounds (collectives called) are what each worker sent through the "
                  f"optimizer (optimizer.comm_stats); "
