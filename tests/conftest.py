@@ -15,6 +15,13 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 
 # One intra-op thread per process: the tests start several ranks on a 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# pytest's own process too: torch took its thread count when imported above, before the variable
+# was set (2 here), and small in-process runs then crawled (an LSTM's 100 steps in test_zoo.py: 0.2 s
+# on one thread, 7 s on two idle cores, 25-66 s on two busy ones)
+try:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+except ValueError:  # a list of nested levels ("4,2"): left to torch
+    pass
 
 # The repository root, for the unpackaged benchmarks/ (``import benchmarks``) under a bare `pytest` too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
