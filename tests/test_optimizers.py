@@ -379,6 +379,8 @@ def test_freeze_step_is_required_and_validated():
     ({"total_steps": 100, "tolerance": 0}, "Invalid tolerance: 0"),
     ({"total_steps": 100, "transient": -1.0}, "Invalid transient: -1.0"),
     ({"total_steps": 100, "transient_end": 5.0}, "Invalid transient_end: 5.0"),
+    ({"total_steps": 100, "trust_tolerance": -0.1}, "Invalid trust_tolerance: -0.1"),
+    ({"total_steps": 100, "trust_tolerance": float("inf")}, "Invalid trust_tolerance: inf"),
 ])
 def test_invalid_auto_freeze(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -693,23 +695,25 @@ def test_trust_rise_by_hand():
     history[:, 1] = torch.tensor([1.0, 1.2, 1.1, 0.9])   # peaked inside it, now 0.1 below its start
     history[:, 2] = torch.tensor([0.5, 0.5, 0.6, 0.7])   # rising by 0.2
     assert trust_rise(history, count=4) == pytest.approx(0.2)  # the median layer
-    assert trust_rise(history, count=3) is None and not trust_peak_passed(None)  # the window is not full yet
+    assert not trust_peak_passed(0.2, 0.15) and trust_peak_passed(0.2, 0.25) and trust_peak_passed(0.15, 0.15)
+    assert trust_rise(history, count=3) is None and not trust_peak_passed(None, 1.0)  # the window is not full yet
     history[3, 2] = 0.4  # the middle layer now 0.1 below its start
-    assert trust_rise(history, count=9) == pytest.approx(-0.1) and trust_peak_passed(-0.1)
+    assert trust_rise(history, count=9) == pytest.approx(-0.1) and trust_peak_passed(-0.1, 0.0)
     history[:, 1] = -math.inf  # a layer whose trust ratio was never defined is left out
     assert trust_rise(history, count=9) == pytest.approx(-0.1)  # the lower middle of (0.3, -0.1)
     assert trust_rise(torch.full((4, 2), -math.inf), count=9) is None
 
 
-def _rising_trust_run(steps=120, resume_at=None, floor=5):
+def _rising_trust_run(steps=120, resume_at=None, floor=5, trust_tolerance=0.0):
     """A small regression net whose trust ratios rise for a while after its variance has settled
     (its weights grow, its Adam direction does not). Returns the optimizer, the step-by-step
-    trust ratios (layer_diagnostics) and freeze statistics."""
+    trust ratios (layer_diagnostics) and freeze statistics. The wait ends at a rise of 0 unless
+    told otherwise: this net's ratios rise by less than the default tolerance a window."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     x = torch.randn(256, 8)
     y = (x @ torch.randn(8, 1)).tanh()
-    policy = _auto(100, floor=floor, cap=100, window=10, tolerance=1.0)
+    policy = _auto(100, floor=floor, cap=100, window=10, tolerance=1.0, trust_tolerance=trust_tolerance)
     opt = onebitlamb.OneBitLamb(model.parameters(), lr=1e-2, freeze_step=policy)
     ratios, stats = [], []
     for t in range(1, steps + 1):
@@ -727,13 +731,15 @@ def _rising_trust_run(steps=120, resume_at=None, floor=5):
     return opt, ratios, stats
 
 
-def test_one_bit_lamb_waits_until_the_median_trust_ratio_stops_rising():
+@pytest.mark.parametrize("tolerance", [0.0, 0.02])
+def test_one_bit_lamb_waits_until_the_median_trust_ratio_stops_rising(tolerance):
     """The variance criterion first holds at the step R where the spread is within the tolerance;
     the freeze comes at the first step from R + window on (a window that starts at R) where the
-    median layer's running-average trust ratio is no higher than ``window`` steps before.
-    Both recomputed here: R from the spreads, the rise from the trust ratios each step applied
-    (bias-corrected average with coeff_beta 0.9, as the frozen coefficient is)."""
-    opt, ratios, stats = _rising_trust_run()
+    median layer's running-average trust ratio is at most ``trust_tolerance`` higher (log scale)
+    than ``window`` steps before. Both recomputed here: R from the spreads, the rise from the
+    trust ratios each step applied (bias-corrected average with coeff_beta 0.9, as the frozen
+    coefficient is)."""
+    opt, ratios, stats = _rising_trust_run(trust_tolerance=tolerance)
     ready = next(t for t, s in enumerate(stats, start=1) if s["spread"] is not None and s["spread"] <= 1.0)
     assert opt.freeze_stats()["ready_step"] == ready
     window, beta = 10, 0.9
@@ -742,16 +748,27 @@ def test_one_bit_lamb_waits_until_the_median_trust_ratio_stops_rising():
         average = beta * average + (1 - beta) * torch.tensor(row)
         levels.append(torch.log(average / (1 - beta ** t)))
     expected = next(t for t in range(ready + window, len(levels) + 1)
-                    if float((levels[t - 1] - levels[t - 1 - window]).sort().values[1]) <= 0)
+                    if float((levels[t - 1] - levels[t - 1 - window]).sort().values[1]) <= tolerance)
     frozen_at = opt.state["flat"]["frozen_at"]
     assert frozen_at == expected and frozen_at > ready + window, (frozen_at, expected, ready)
     rises = [s["trust_rise"] for s in stats]
     assert rises[ready - 1:ready + window - 1] == [None] * window  # the window restarted at R
-    assert all(r > 0 for r in rises[ready + window - 1:frozen_at - 1])  # waited while it rose
-    assert rises[frozen_at - 1] <= 0                           # the freeze's own step decided it
+    assert all(r > tolerance for r in rises[ready + window - 1:frozen_at - 1])  # waited while it rose
+    assert rises[frozen_at - 1] <= tolerance                   # the freeze's own step decided it
     assert opt.freeze_stats()["trust_peak_step"] == frozen_at
-    resumed, _, _ = _rising_trust_run(resume_at=ready + 2)  # a checkpoint taken while it waited
+    resumed, _, _ = _rising_trust_run(resume_at=ready + 2, trust_tolerance=tolerance)  # taken while it waited
     assert resumed.state["flat"]["frozen_at"] == frozen_at
+
+
+def test_a_rise_within_the_trust_tolerance_ends_the_wait_at_once():
+    """With the default tolerance (0.15) this net's slow rise does not hold the freeze: it comes
+    one window after the criterion held, where the wait for 0 came later."""
+    exact, _, _ = _rising_trust_run()
+    lenient, _, stats = _rising_trust_run(trust_tolerance=onebitlamb.AutoFreeze(total_steps=1).trust_tolerance)
+    ready = lenient.freeze_stats()["ready_step"]
+    assert ready == exact.freeze_stats()["ready_step"]
+    assert lenient.state["flat"]["frozen_at"] == ready + 10 < exact.state["flat"]["frozen_at"]
+    assert 0 < stats[ready + 10 - 1]["trust_rise"] <= 0.15
 
 
 def test_with_the_wait_the_floor_bounds_the_freeze_not_the_criterion():

@@ -275,7 +275,8 @@ def test_the_automatic_freeze_records_every_step_and_plots_its_decision(main_job
         assert freeze == 45
     else:
         assert ready is not None and ready < waited and freeze == max(waited, 18), (ready, waited, freeze)
-        assert records[waited - 1]["trust_rise"] <= 0
+        import onebitlamb
+        assert records[waited - 1]["trust_rise"] <= onebitlamb.AutoFreeze(total_steps=60).trust_tolerance
     for gone in ("freeze_spread", "freeze_levels", "variance_rise", "trust_rise", "freeze_ready_step",
                  "trust_peak_step", "unfrozen_at"):
         assert gone not in m
