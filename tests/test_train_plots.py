@@ -112,6 +112,9 @@ def test_freeze_figure_with_the_spread(figures):
     fig = figures(plots.freeze_figure(_run(steps=40, freeze=20, spread_from=5)))
     assert len(fig.axes) == 3  # the levels, the spread, the trust-ratio rise on its own scale
     assert_no_holes(fig)
+    trust = fig.axes[2]  # the wait's threshold drawn where the policy applies it, not at 0
+    (line,) = [l for l in trust.get_lines() if l.get_label().startswith("the wait ends")]
+    assert list(line.get_ydata()) == [0.15, 0.15] and "(0.15)" in line.get_label()
 
 
 def test_no_freeze_figure_without_the_automatic_freeze(figures):

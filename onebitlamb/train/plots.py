@@ -266,8 +266,8 @@ def freeze_figure(metrics: dict, highlighted: int = 4):
     layer's ``log ||v_hat||`` over the warm-up, the layers that rose most in colour (on a plateau a
     layer sits low and flat; its exit is the rise). Bottom: the spread the criterion watches (the
     least settled layer's movement over the window) against AutoFreeze's thresholds; for 1-bit LAMB,
-    on its own scale, the median layer's trust-ratio rise, which the freeze waits to reach 0 from the
-    step the criterion held. A run whose warm-up ended before a window had passed (a short run) has
+    on its own scale, the median layer's trust-ratio rise, which the freeze waits to fall to
+    ``trust_tolerance`` from the step the criterion held. A run whose warm-up ended before a window had passed (a short run) has
     no spread: the top alone. None for a run without the automatic freeze."""
     records = metrics.get("freeze") or []
     if metrics.get("config", {}).get("freeze") != "auto":
@@ -316,7 +316,8 @@ def freeze_figure(metrics: dict, highlighted: int = 4):
         ax_trust = ax_spread.twinx()
         ax_trust.plot(steps, [float("nan") if v is None else v for v in trust], color="tab:green", lw=1.2,
                       label="median trust-ratio rise (right scale)")
-        ax_trust.axhline(0.0, color="tab:green", ls=":", lw=1)
+        ax_trust.axhline(policy.trust_tolerance, color="tab:green", ls=":", lw=1,
+                         label=f"the wait ends at or below ({policy.trust_tolerance:g})")
         ax_trust.set_ylabel("trust-ratio rise over the window (log)", color="tab:green")
         ax_trust.legend(fontsize=8, loc="lower right")
     for step, text, style in ((last.get("floor_step"), "floor", "--"), (last.get("cap_step"), "cap", "-.")):
