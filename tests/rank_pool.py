@@ -48,7 +48,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import wait
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from onebitlamb.comm.launch import WorkerError, _died, _passive_waits_if_oversubscribed, exit_with, spawn_local
 
@@ -403,3 +403,13 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
+
+
+def raised(fn: Callable[[], Any]) -> Optional[Tuple[str, str]]:
+    """What ``fn()`` raised, as ``(type name, message)``, or None: a rank's expected errors come
+    back as data, so the test sees every rank's, where a raise would end the call at the first."""
+    try:
+        fn()
+    except Exception as exc:  # the test inspects type and message
+        return type(exc).__name__, str(exc)
+    return None

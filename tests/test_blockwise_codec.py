@@ -18,7 +18,7 @@ import torch
 from onebitlamb.comm import CommStats, padded_size, quantized_average_, quantized_error_sizes, quantized_wire_bytes
 from onebitlamb.compression.blockwise import BLOCK, INT2, INT4, INT8, BlockwiseCodec, blockwise_codec
 from onebitlamb.compression.wire import BFLOAT16, FLOAT32, warmup_format, wire_format
-from rank_pool import run_ranks
+from rank_pool import raised, run_ranks
 
 F32 = np.float32
 F32_MAX = float(np.finfo(np.float32).max)
@@ -351,14 +351,6 @@ def _inputs(rank, d, calls, seed):
     return [sample(d, seed=10_000 * seed + 100 * rank + t, scale=1.0 + rank) for t in range(calls)]
 
 
-def _raised(fn):
-    try:
-        fn()
-    except Exception as exc:  # the test inspects type and message
-        return type(exc).__name__, str(exc)
-    return None
-
-
 def _all_checks(rank, n):
     res = {}
     # 1. successive calls, for the oracle; the bytes of each call
@@ -405,14 +397,14 @@ def _all_checks(rank, n):
         if rank == bad_rank:
             values[d - 2] = value
         before = (values.clone(), e_w.clone(), e_s.clone())
-        raised = _raised(lambda: quantized_average_(values, e_w, e_s, stats=CommStats()))
+        error = raised(lambda: quantized_average_(values, e_w, e_s, stats=CommStats()))
         unchanged = all(torch.equal(a.view(torch.int32), b.view(torch.int32))  # bits: NaN equals itself
                         for a, b in zip(before, (values, e_w, e_s)))
-        res["nonfinite"].append(dict(raised=raised, unchanged=unchanged))
+        res["nonfinite"].append(dict(raised=error, unchanged=unchanged))
     # the sum of values and worker error overflowing float32 counts as non-finite too
     values = torch.full((d,), F32_MAX)
     overflow_error = torch.full((w,), F32_MAX if rank == 0 else 0.0)
-    res["overflow"] = _raised(lambda: quantized_average_(values, overflow_error, torch.zeros(s), stats=CommStats()))
+    res["overflow"] = raised(lambda: quantized_average_(values, overflow_error, torch.zeros(s), stats=CommStats()))
     after = torch.full((d,), float(rank))
     quantized_average_(after, torch.zeros(w), torch.zeros(s), stats=CommStats())
     res["after_nonfinite"] = after.numpy()
@@ -427,11 +419,11 @@ def _all_checks(rank, n):
         return lambda: quantized_average_(a["values"], a["worker_error"], a["server_error"], stats=CommStats())
 
     res["bad"] = {
-        "worker_error size": _raised(call(worker_error=torch.zeros(padded_size(d, n)))),
-        "server_error size": _raised(call(server_error=torch.zeros(s + 1))),
-        "float16": _raised(call(values=torch.zeros(d, dtype=torch.float16))),
-        "2-D": _raised(call(values=torch.zeros(10, 10))),
-        "codec": _raised(lambda: quantized_average_(torch.zeros(d), torch.zeros(w), torch.zeros(s), codec="int3")),
+        "worker_error size": raised(call(worker_error=torch.zeros(padded_size(d, n)))),
+        "server_error size": raised(call(server_error=torch.zeros(s + 1))),
+        "float16": raised(call(values=torch.zeros(d, dtype=torch.float16))),
+        "2-D": raised(call(values=torch.zeros(10, 10))),
+        "codec": raised(lambda: quantized_average_(torch.zeros(d), torch.zeros(w), torch.zeros(s), codec="int3")),
     }
     return res
 

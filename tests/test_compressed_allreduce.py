@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from onebitlamb.comm import GLOBAL_STATS, CommStats, compressed_allreduce, padded_size
-from rank_pool import run_ranks
+from rank_pool import raised, run_ranks
 
 WORLD_SIZES = [2, 3, 4]
 ORACLE_SIZES = [3, 1001]     # d: both need padding, the first to a single byte per chunk
@@ -80,14 +80,6 @@ def _oracle_inputs(rank, d, D, calls):
     return inputs
 
 
-def _raised(fn):
-    try:
-        fn()
-    except Exception as exc:  # the test inspects type and message
-        return type(exc).__name__, str(exc)
-    return None
-
-
 def _all_checks(rank, n):
     res = {}
     # 1. successive calls on padded sizes, for the oracle; outputs compared across ranks
@@ -150,16 +142,16 @@ def _all_checks(rank, n):
 
     bad_D = 8 * n + 8  # a multiple of 8 but not of 8n
     res["bad"] = {
-        "D not a multiple of 8n": _raised(call(buffer=torch.zeros(bad_D), worker_error=torch.zeros(bad_D),
+        "D not a multiple of 8n": raised(call(buffer=torch.zeros(bad_D), worker_error=torch.zeros(bad_D),
                                                server_error=torch.zeros(bad_D // n))),
-        "worker_error size": _raised(call(worker_error=torch.zeros(D + 8 * n))),
-        "server_error size": _raised(call(server_error=torch.zeros(D))),
-        "dtype mismatch": _raised(call(worker_error=torch.zeros(D, dtype=torch.float16))),
-        "float64": _raised(call(buffer=torch.zeros(D, dtype=torch.float64),
+        "worker_error size": raised(call(worker_error=torch.zeros(D + 8 * n))),
+        "server_error size": raised(call(server_error=torch.zeros(D))),
+        "dtype mismatch": raised(call(worker_error=torch.zeros(D, dtype=torch.float16))),
+        "float64": raised(call(buffer=torch.zeros(D, dtype=torch.float64),
                                 worker_error=torch.zeros(D, dtype=torch.float64),
                                 server_error=torch.zeros(D // n, dtype=torch.float64))),
-        "not a tensor": _raised(call(buffer=[0.0] * D)),
-        "2-D": _raised(call(buffer=torch.zeros(n, 8))),
+        "not a tensor": raised(call(buffer=[0.0] * D)),
+        "2-D": raised(call(buffer=torch.zeros(n, 8))),
     }
 
     # 6. non-finite input on one rank: every rank raises, and the group is still usable afterwards
@@ -168,7 +160,7 @@ def _all_checks(rank, n):
         buf = torch.ones(D)
         if rank == bad_rank:
             buf[3] = value
-        res["nonfinite"].append(_raised(lambda: compressed_allreduce(buf, torch.zeros(D), torch.zeros(D // n),
+        res["nonfinite"].append(raised(lambda: compressed_allreduce(buf, torch.zeros(D), torch.zeros(D // n),
                                                                      stats=CommStats())))
     after_nan = torch.full((D,), float(rank))
     compressed_allreduce(after_nan, torch.zeros(D), torch.zeros(D // n), stats=CommStats())

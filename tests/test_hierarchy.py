@@ -14,7 +14,7 @@ import torch
 
 from onebitlamb.comm import (CommStats, NodeGroups, allreduce_mean_, compressed_allreduce, error_sizes,
                              node_groups, padded_size, world_size_of)
-from rank_pool import run_ranks
+from rank_pool import raised, run_ranks
 from reference import HierarchicalAllReduceSim
 
 TOPOLOGIES = {4: [(2, 2), (4, 1), (1, 4)], 2: [(2, 1), (1, 2)]}   # world: [(nodes N, local size L)]
@@ -35,14 +35,6 @@ def _inputs(rank, d, D, calls, dtype=torch.float32):
             b[t % d] = 0.0
         out.append(b.to(dtype))
     return out
-
-
-def _raised(fn):
-    try:
-        fn()
-    except Exception as exc:  # the test inspects type and message
-        return type(exc).__name__, str(exc)
-    return None
 
 
 def _run_topology(rank, n, groups):
@@ -94,29 +86,29 @@ def _checks(rank, n):
         return res
     # bad topologies: every rank raises the same ValueError, and the world stays usable
     res["bad"] = {
-        "local_size 3": _raised(lambda: node_groups(3)),
-        "local_size 0": _raised(lambda: node_groups(0)),
-        "disagree": _raised(lambda: node_groups(1 if rank == 0 else 2)),
+        "local_size 3": raised(lambda: node_groups(3)),
+        "local_size 0": raised(lambda: node_groups(0)),
+        "disagree": raised(lambda: node_groups(1 if rank == 0 else 2)),
     }
     os.environ.pop("LOCAL_WORLD_SIZE", None)
-    res["bad"]["env unset"] = _raised(lambda: node_groups())
+    res["bad"]["env unset"] = raised(lambda: node_groups())
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     groups = node_groups()  # torchrun's variable
     res["from env"] = (groups.nodes, groups.local_size)
     # bad buffers raise before any communication
     D = padded_size(1001, n)
-    res["bad"]["flat-sized worker_error"] = _raised(
+    res["bad"]["flat-sized worker_error"] = raised(
         lambda: compressed_allreduce(torch.zeros(D), torch.zeros(D), torch.zeros(D // n), groups, CommStats()))
-    res["bad"]["D not a multiple of 8n"] = _raised(
+    res["bad"]["D not a multiple of 8n"] = raised(
         lambda: compressed_allreduce(torch.zeros(8 * n + 8), torch.zeros(4 * n + 4), torch.zeros(2), groups))
     res["error_sizes"] = dict(flat=error_sizes(D), hier=error_sizes(D, groups),
-                              bad=_raised(lambda: error_sizes(D + 8, groups)))
+                              bad=raised(lambda: error_sizes(D + 8, groups)))
     # a NaN on one rank: every rank raises, and the groups still work afterwards
     buf = torch.ones(D)
     if rank == 3:
         buf[5] = float("nan")
     worker, server = error_sizes(D, groups)
-    res["nonfinite"] = _raised(lambda: compressed_allreduce(buf, torch.zeros(worker), torch.zeros(server),
+    res["nonfinite"] = raised(lambda: compressed_allreduce(buf, torch.zeros(worker), torch.zeros(server),
                                                             groups, CommStats()))
     after = torch.full((D,), float(rank))
     compressed_allreduce(after, torch.zeros(worker), torch.zeros(server), groups, CommStats())
