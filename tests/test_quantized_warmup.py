@@ -118,7 +118,9 @@ def test_lamb_with_an_int8_warmup_stays_near_float32_and_keeps_only_warmup_error
     out = run_ranks(_float32_against_int8, 2, (), timeout_s=120)[0]
     for a, b in zip(out["int8"], out["float32"]):
         assert not torch.equal(a, b)  # the codes round: another run
-        assert rel_err(a, b) < 2e-2
+        # measured: at most 0.25% per layer after 20 steps; with blocks shared across layers (before
+        # each tensor had whole blocks of its own) the smallest layer was 3.5% away
+        assert rel_err(a, b) < 1e-2
     assert out["errors"] == ["warmup_server_error", "warmup_worker_error"]
 
 
