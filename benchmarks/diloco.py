@@ -52,7 +52,6 @@ import datetime
 import json
 import math
 import os
-import random
 import shlex
 import sys
 import time
@@ -67,10 +66,9 @@ import onebitlamb
 from onebitlamb.comm import CommStats, allreduce_mean_
 from onebitlamb.train import data, files, plots, runlog
 from onebitlamb.train.config import SetupError, TrainConfig, add_arguments, changed_settings, config_from_args
-from onebitlamb.train.loop import clip_gradients, forward_backward, param_groups, prepare_corpus
+from onebitlamb.train.loop import clip_gradients, forward_backward, lr_factor, prepare_corpus, start_rank
 from onebitlamb.train.metrics import evaluate_mlm
-from onebitlamb.train.model import build_model
-from onebitlamb.train.ranks import check_ranks_agree, gather_bytes, rank_device
+from onebitlamb.train.ranks import check_ranks_agree, gather_bytes
 
 # the paper's outer optimizer: SGD with Nesterov momentum
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
@@ -187,12 +185,6 @@ def inner_lamb(groups, cfg: TrainConfig, process_group: dist.ProcessGroup) -> on
                            weight_decay=cfg.weight_decay, process_group=process_group)
 
 
-def lr_factor(cfg: TrainConfig):
-    """The main job's schedule (``loop._train_rank``): linear warm-up, then linear decay to 0."""
-    warm, total = cfg.warmup_steps, cfg.steps
-    return lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm))
-
-
 # ----------------------------------------------------------------------------------------------
 # The job: one rank's run
 
@@ -214,20 +206,11 @@ class Settings:
 def train_rank(rank: int, world: int, cfg: TrainConfig, settings: Settings) -> dict:
     """One rank's DiLoCo run of the main job; rank 0 writes the results. Returns the summary
     (``error`` set when the run stopped: a non-finite loss or outer gradient)."""
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    device = rank_device()
+    setup = start_rank(cfg, rank, world)  # the main job's seeds, data and model
+    device, corpus, accum, model, names = setup.device, setup.corpus, setup.accum, setup.model, setup.names
+    eval_inputs, eval_labels = setup.eval_inputs, setup.eval_labels
     master = rank == 0
-
-    corpus = prepare_corpus(cfg, log=lambda *a: None)  # the cache the launcher made
-    accum = cfg.global_batch // (world * cfg.micro_batch)
-    eval_inputs, eval_labels = data.eval_batch(corpus, cfg.eval_samples, cfg.seed, cfg.mask_prob)
-    eval_inputs, eval_labels = eval_inputs[rank::world].to(device), eval_labels[rank::world].to(device)
-
-    model = build_model(cfg.model, cfg.seed).to(device)
-    model.train()
-    groups, names = param_groups(model, cfg.weight_decay)
-    inner = inner_lamb(groups, cfg, own_group(rank, world, cfg.timeout))
+    inner = inner_lamb(setup.groups, cfg, own_group(rank, world, cfg.timeout))
     scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lr_factor(cfg))
     diloco = DiLoCo(names.values(), settings.H, outer_lr=settings.outer_lr, outer_momentum=settings.outer_momentum)
 

@@ -71,29 +71,53 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
                            f"complete: continue with --resume (--timeout sets the wait)") from exc
 
 
-def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
+@dataclasses.dataclass
+class RankStart:
+    """What a rank of the main job starts from, before its optimizer: the data (the cached corpus;
+    every step's global batch is a function of (seed, step)), this rank's share of the held-out
+    batch, and the model, built from the seed, so every rank holds the same initial weights."""
+    device: torch.device
+    corpus: data.Corpus
+    accum: int  # micro-batches a step, per rank
+    eval_inputs: torch.Tensor
+    eval_labels: torch.Tensor
+    model: torch.nn.Module
+    groups: list  # the optimizer's parameter groups (``param_groups``)
+    names: dict   # parameter name -> parameter
+
+
+def start_rank(cfg: TrainConfig, rank: int, world: int) -> RankStart:
+    """Seeds, data and model of one rank: the part of a run that does not depend on its optimizer
+    (the main job's and ``benchmarks/diloco.py``'s)."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     device = rank_device()
+    corpus = prepare_corpus(cfg, log=lambda *a: None)
+    eval_inputs, eval_labels = data.eval_batch(corpus, cfg.eval_samples, cfg.seed, cfg.mask_prob)
+    model = build_model(cfg.model, cfg.seed).to(device)
+    model.train()
+    groups, names = param_groups(model, cfg.weight_decay)
+    return RankStart(device, corpus, cfg.global_batch // (world * cfg.micro_batch), eval_inputs[rank::world].to(device),
+                     eval_labels[rank::world].to(device), model, groups, names)
+
+
+def lr_factor(cfg: TrainConfig):
+    """The learning-rate schedule, as ``LambdaLR``'s factor of step ``s``: linear warm-up over
+    ``cfg.warmup_steps``, then linear decay to 0 at ``cfg.steps``."""
+    warm, total = cfg.warmup_steps, cfg.steps
+    return lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm))
+
+
+def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
+    setup = start_rank(cfg, rank, world)
+    device, corpus, accum, model, names = setup.device, setup.corpus, setup.accum, setup.model, setup.names
+    eval_inputs, eval_labels = setup.eval_inputs, setup.eval_labels
     master = rank == 0
     stop_requested = _install_stop_handler()
 
-    # data: the cached corpus; every step's global batch is a function of (seed, step)
-    corpus = prepare_corpus(cfg, log=lambda *a: None)
-    accum = cfg.global_batch // (world * cfg.micro_batch)
-    eval_inputs, eval_labels = data.eval_batch(corpus, cfg.eval_samples, cfg.seed, cfg.mask_prob)
-    eval_inputs, eval_labels = eval_inputs[rank::world].to(device), eval_labels[rank::world].to(device)
-
-    # model: the same seed on every rank, so the same initial weights
-    model = build_model(cfg.model, cfg.seed).to(device)
-    model.train()
-
-    # optimizer, and the schedule: linear warm-up, then linear decay to 0
-    groups, names = param_groups(model, cfg.weight_decay)
-    optimizer = make_optimizer(cfg, groups)
-    warm, total = cfg.warmup_steps, cfg.steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
+    optimizer = make_optimizer(cfg, setup.groups)
+    warm = cfg.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
 
     # the run's record (saved in every checkpoint): one entry per step, the evaluations, the diagnostics
     state = TrainState(model, optimizer, scheduler,
