@@ -104,6 +104,10 @@ def _worker(fn, rank, world_size, init_method, timeout_s, threads, args, results
             "gloo", init_method=init_method, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        # Every rank through the rendezvous before any runs fn: rank 0 holds the store, and with a
+        # fn that calls no collective it could finish and exit while another rank still read the
+        # store to join ("Failed to recv, got 0 bytes", seen under load).
+        dist.barrier()
         try:
             out = fn(rank, world_size, *args)
         finally:
