@@ -25,10 +25,11 @@ Jobs, in the order they run when present in the spec:
   may add the flat and the hierarchical optimizer with ``overlap_with_backward`` (the serial step
   against the one whose exchange runs behind the backward);
 - ``train``: per optimizer, timed steps of each kind it takes (``KINDS``: the warm-up, the
-  compression stage; 0/1 Adam's variance steps, 1-bit steps, local steps and syncs) of the BERT
-  pretraining workload on synthetic token batches, with per-kind wire and accounted bytes; just
-  before, the same steps with no communication at all (each rank alone in a one-rank group, all
-  ranks at once so that they contend for the CPUs as in the networked run).
+  compression stage; 0/1 Adam's variance steps, 1-bit steps, local steps and syncs; DiLoCo's local
+  steps and syncs) of the BERT pretraining workload on synthetic token batches, with per-kind wire
+  and accounted bytes; just before, the same steps with no communication at all (each rank alone
+  in a one-rank group, all ranks at once so that they contend for the CPUs as in the networked
+  run).
 
 Each rank times its own steps; a step is the whole loop body (forward, backward, optimizer step,
 which includes the communication). In ``train`` every step starts after a barrier and its
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import random
 import statistics
@@ -51,10 +53,12 @@ import torch.distributed as dist
 from onebitlamb.optim import functional as F
 from onebitlamb.optim.staged import COMPRESSION, LOCAL, WARMUP  # the stage names optimizer.stage reports
 
-SYNC = "sync"  # 0/1 Adam's compression steps after its variance froze: the update sums averaged
+SYNC = "sync"  # 0/1 Adam's compression steps after its variance froze (the update sums averaged); DiLoCo's syncs
 # the kinds of step ``train`` times, in the order of the tables: LAMB's and the warm-up's (0/1
-# Adam's variance steps: the full-precision average), the 1-bit steps, then 0/1 Adam's local
-# steps (no exchange beyond the agreed finite check) and syncs
+# Adam's variance steps: the full-precision average), the 1-bit steps, then the local steps and
+# syncs (0/1 Adam's: the agreed finite check alone, and the 1-bit average of the update sums;
+# DiLoCo's: no collective at all, and the float32 average of the parameters' change). Each
+# optimizer's rows are its own: a kind's name says where in a run the step falls, not what it sends
 KINDS = (WARMUP, COMPRESSION, LOCAL, SYNC)
 # 0/1 Adam in ``train``: the variance interval doubling after 4 refreshes, then syncs and local
 # steps alternating (an interval of 2 from the second step after the freeze), so that every kind
@@ -67,20 +71,83 @@ def read_counter(interface: str, name: str = "tx_bytes") -> int:
         return int(f.read())
 
 
-def make_optimizer(name: str, params, lr: float, freeze_step: int, group, **exchange):
-    """``exchange``: the optimizers' other keyword-only exchange options (buckets, overlap)."""
+class DiLoCoSteps:
+    """DiLoCo (``benchmarks.diloco.DiLoCo``, the reference implementation) as ``train_one`` drives an
+    optimizer: ``step()`` is the inner LAMB's step on this rank's own group ``alone`` (it sends
+    nothing), then the outer step, which every ``H``-th step syncs over ``process_group`` (one
+    float32 all-reduce of the parameters' change, the outer SGD-Nesterov step, the parameters
+    reloaded). ``stage`` is the kind of the next step, ``LOCAL`` or ``SYNC``; ``comm_stats`` what
+    the syncs sent."""
+
+    def __init__(self, params, lr: float, H: int, process_group, alone) -> None:
+        import onebitlamb
+        from benchmarks.diloco import DiLoCo
+
+        params = list(params)
+        self.inner = onebitlamb.Lamb(params, lr=lr, process_group=alone)
+        self.outer = DiLoCo(params, H, process_group=process_group)
+
+    @property
+    def stage(self) -> str:
+        return SYNC if self.outer.since_sync + 1 >= self.outer.H else LOCAL
+
+    @property
+    def comm_stats(self):
+        return self.outer.comm_stats
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.inner.step()
+        self.outer.step()
+
+
+def make_optimizer(name: str, params, lr: float, freeze_step: int, group, *, alone=None, **exchange):
+    """``exchange``: the optimizers' other keyword-only exchange options (buckets, overlap);
+    ``alone``: this rank's own one-rank group, for DiLoCo's inner LAMB."""
     import onebitlamb
 
     if name == "lamb":
         return onebitlamb.Lamb(params, lr=lr, process_group=group, **exchange)
     if name == "onebitlamb":
         return onebitlamb.OneBitLamb(params, lr=lr, freeze_step=freeze_step, process_group=group, **exchange)
+    if name == "onebitlamb-int8":  # the warm-up's average blockwise int8 with error feedback (comm.quantized)
+        return onebitlamb.OneBitLamb(params, lr=lr, freeze_step=freeze_step, process_group=group,
+                                     warmup_dtype="int8", **exchange)
     if name == "onebitadam":
         return onebitlamb.OneBitAdam(params, lr=lr, freeze_step=freeze_step, process_group=group, **exchange)
     if name == "zerooneadam":  # ``freeze_step``: its var_freeze_step
         return onebitlamb.ZeroOneAdam(params, lr=lr, var_freeze_step=freeze_step, process_group=group,
                                       **ZERO_ONE_SCHEDULE, **exchange)
-    raise ValueError(f"unknown optimizer {name!r} (lamb, onebitlamb, onebitadam, zerooneadam)")
+    if name == "diloco":  # ``freeze_step``: its H
+        if alone is None or exchange:
+            raise ValueError("diloco takes its inner LAMB's own group (alone) and no exchange options")
+        return DiLoCoSteps(params, lr, freeze_step, group, alone)
+    raise ValueError(f"unknown optimizer {name!r} (lamb, onebitlamb, onebitlamb-int8, onebitadam, zerooneadam, "
+                     f"diloco)")
+
+
+def timed_kinds(name: str, warm: int, comp: int) -> Dict[str, int]:
+    """How many timed steps of each kind ``train_one`` takes of optimizer ``name``: ``warm`` of the
+    full-precision kinds (a float32 average of the whole model, seconds behind a slow link),
+    ``comp`` of the others. LAMB takes warm-up steps only; 1-bit LAMB with the int8 warm-up too:
+    after the freeze it compresses as 1-bit LAMB does (the warm-up's wire format is all it changes),
+    so its compression steps are 1-bit LAMB's, measured in that row."""
+    if name in ("lamb", "onebitlamb-int8"):
+        return {WARMUP: warm}
+    if name == "zerooneadam":
+        return {WARMUP: warm, COMPRESSION: comp, LOCAL: comp, SYNC: comp}
+    if name == "diloco":
+        return {LOCAL: comp, SYNC: warm}
+    return {WARMUP: warm, COMPRESSION: comp}
+
+
+def diloco_H(syncs: int, local_steps: int) -> int:
+    """The smallest H whose first ``syncs`` syncs come with at least ``local_steps`` local steps
+    (``H - 1`` before each): DiLoCo's steps cost the same whatever H is, and a sync is the
+    expensive kind, so none is taken beyond those wanted."""
+    return 1 + max(1, math.ceil(local_steps / syncs))
 
 
 def zero_one_freeze_step(variance_steps: int, onebit_steps: int) -> int:
@@ -165,22 +232,24 @@ def _two_stage_rounds(runs: list, batches: list, skip: int, warm: int, comp: int
             yield stage, timed, batch, runs[k]
 
 
-def train_one(name: str, spec: dict, rank: int, group, interface: Optional[str]) -> dict:
-    """Run one optimizer through every kind of step it takes; per kind: step times, wire and
-    accounted bytes. The first ``skip_steps`` of each kind are untimed, as are the steps of a kind
-    already timed often enough (0/1 Adam's kinds interleave)."""
+def train_one(name: str, spec: dict, rank: int, group, interface: Optional[str], alone=None) -> dict:
+    """Run one optimizer through every kind of step it takes (``timed_kinds``); per kind: step
+    times, wire and accounted bytes. The first ``skip_steps`` of each kind are untimed, as are the
+    steps of a kind already timed often enough (0/1 Adam's and DiLoCo's kinds interleave).
+    ``alone``: this rank's own group (DiLoCo's inner LAMB runs on it)."""
     from onebitlamb.train.model import build_model
 
     cfg = _model_config(spec)
     warm, comp, skip = spec["warmup_steps"], spec["compression_steps"], spec.get("skip_steps", 1)
-    wanted = {WARMUP: warm} if name == "lamb" else {WARMUP: warm, COMPRESSION: comp}
-    freeze_step = skip + warm
+    wanted = timed_kinds(name, warm, comp)
+    freeze_step = skip + warm  # a 1-bit optimizer's; the int8 warm-up's run ends before it compresses
     if name == "zerooneadam":
-        wanted.update({LOCAL: comp, SYNC: comp})
         freeze_step = zero_one_freeze_step(skip + warm, skip + comp)
+    elif name == "diloco":  # its H
+        freeze_step = diloco_H(skip + wanted[SYNC], skip + wanted[LOCAL])
     model = build_model(cfg, seed=spec.get("seed", 0))
     model.train()
-    opt = make_optimizer(name, model.parameters(), spec.get("lr", 1e-3), freeze_step, group)
+    opt = make_optimizer(name, model.parameters(), spec.get("lr", 1e-3), freeze_step, group, alone=alone)
     batches = _batches(cfg, spec["batch"], 4, seed=1000 * rank + 7)
     barrier_bytes = _barrier_bytes(interface, group)
     records = {kind: {"step_times": [], "opt_step_times": [], "wire": 0, "accounted": 0} for kind in wanted}
@@ -569,8 +638,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             result["train"], result["compute_only"] = {}, {}
             for name in spec["optimizers"]:
                 _barrier(world_group)
-                result["compute_only"][name] = train_one(name, spec, rank, solo, None)
-                result["train"][name] = train_one(name, spec, rank, world_group, interface)
+                result["compute_only"][name] = train_one(name, spec, rank, solo, None, solo)
+                result["train"][name] = train_one(name, spec, rank, world_group, interface, solo)
         _barrier(world_group)
     finally:
         dist.destroy_process_group()
