@@ -1,4 +1,4 @@
-"""Network benchmark: LAMB, 1-bit LAMB, 1-bit Adam and 0/1 Adam pretraining a small BERT on emulated hosts.
+"""Network benchmark: LAMB, 1-bit LAMB (float32 or int8 warm-up), 1-bit Adam, 0/1 Adam and DiLoCo pretraining a small BERT on emulated hosts.
 
     sudo .venv/bin/python -m benchmarks.network      # from the repository root; default: 2 hosts, 10M..1G + unshaped
     sudo .venv/bin/python -m benchmarks.network --rates 10M,1G --hosts 4 --no-write   # print the tables only
@@ -11,7 +11,7 @@ launch per rate trains every optimizer through each kind of step it takes, each 
 same steps with no communication (all hosts computing at once, as they share the CPUs): the
 compute-only time the cost model (``onebitlamb.comm.costmodel``) starts from, measured minutes
 apart from the step it predicts on a machine whose load varies. For each rate: step time in the
-warm-up and in the compression stage (and 0/1 Adam's local steps and syncs), LAMB's share of a
+warm-up and in the compression stage (and 0/1 Adam's and DiLoCo's local steps and syncs), LAMB's share of a
 step spent communicating, the compression-stage and end-to-end speed-up, the bytes each host's
 interface counted per step, and the cost model's prediction beside every measured step. Then
 the whole run: the main job's demo run (``--schedules``: each optimizer's steps by kind, as its
@@ -33,18 +33,24 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from benchmarks import emulated
+from benchmarks import diloco, emulated, warmup_quantised
 from benchmarks.convergence import ROWS as CONVERGENCE_ROWS
-from benchmarks.emulated import LABELS, OPTIMIZERS, Settings, kb, mean, ms, parse_rate, quartiles, rate_label, slowest
+from benchmarks.emulated import Settings, kb, mean, ms, parse_rate, quartiles, rate_label, slowest
 from benchmarks.netsim.runner import run_workers
-from benchmarks.netsim.worker import KINDS, LOCAL, SYNC
+from benchmarks.netsim.worker import COMPRESSION, KINDS, LOCAL, SYNC, WARMUP
 from benchmarks.netsim.topology import Network, cleanup_stale
 from benchmarks.report import command_line, machine_line, write_section
 from onebitlamb.comm import costmodel
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-# 0/1 Adam runs here only: the other emulated benchmarks compare the two-stage optimizers stage by stage
-NETWORK_OPTIMIZERS = (*OPTIMIZERS, "zerooneadam")
+# 0/1 Adam, 1-bit LAMB with the int8 warm-up and DiLoCo run here only: the other emulated benchmarks
+# compare the two-stage optimizers stage by stage; in the order of the tables
+NETWORK_OPTIMIZERS = ("lamb", "onebitlamb", "onebitlamb-int8", "onebitadam", "zerooneadam", "diloco")
+LABELS = {**emulated.LABELS, "onebitlamb-int8": "1-bit LAMB, int8 warm-up", "diloco": "DiLoCo"}
+# the kinds of step an optimizer takes exactly as another does, timed once in that one's row
+# (``worker.timed_kinds``): after its freeze 1-bit LAMB with the int8 warm-up compresses as 1-bit LAMB
+SAME_STEPS = {("onebitlamb-int8", COMPRESSION): "onebitlamb"}
+DILOCO_H = 16  # the DiLoCo run whose schedule the whole-run table times (``benchmarks.diloco``)
 PAIRED = ("lamb", "onebitlamb", "onebitadam")  # the interleaved loopback steps: LAMB against the compression stage
 SCHEDULES = os.path.join("runs", "convergence", "demo", "1234")  # the convergence benchmark's demo runs
 
@@ -152,13 +158,8 @@ def summarise(raw: dict) -> dict:
                 per = [r["train"][name][stage] for r in ranks]
                 measured = mean(p["median_s"] for p in per)
                 comp = synchronous_compute_s([r["compute_only"][name][stage]["step_times"] for r in ranks])
-                if stage == LOCAL:  # only the agreed finite check
-                    predicted = costmodel.predict_step(comp, costmodel.finite_flag_collectives(n), link)
-                elif stage in ("compression", SYNC):
-                    predicted = costmodel.predict_step(comp, onebit_bytes + costmodel.finite_flag_collectives(n),
-                                                       link, codec_s)
-                else:
-                    predicted = costmodel.predict_step(comp, lamb_bytes, link)
+                collectives, onebit = step_collectives(name, stage, d, n)
+                predicted = costmodel.predict_step(comp, collectives, link, codec_s if onebit else 0.0)
                 rows.append({
                     "rate_bps": rate, "optimizer": name, "stage": stage, "measured_s": measured,
                     "predicted_s": predicted, "compute_s": comp, "alpha_s": alpha,
@@ -172,8 +173,32 @@ def summarise(raw: dict) -> dict:
             "paired": summarise_paired(raw["paired"]) if raw.get("paired") else []}
 
 
-def _speedups(rows: List[dict], w: float) -> List[dict]:
+def step_collectives(name: str, kind: str, d: int, n: int):
+    """The bytes one rank sends in each collective of optimizer ``name``'s step of ``kind`` (the
+    cost model's), and whether the 1-bit codec runs in it."""
+    flag = costmodel.finite_flag_collectives(n)
+    if name == "diloco":  # a local step sends nothing; a sync averages the parameters' change in float32
+        return ([] if kind == LOCAL else costmodel.lamb_collectives(d, n)), False
+    if kind == LOCAL:  # 0/1 Adam's: only the agreed finite check
+        return flag, False
+    if kind in (COMPRESSION, SYNC):
+        return costmodel.onebit_collectives(d, n) + flag, True
+    return costmodel.warmup_collectives(d, n, "int8" if name == "onebitlamb-int8" else "float32"), False
+
+
+def by_kind(rows: List[dict]) -> Dict[tuple, dict]:
+    """The measured rows by (rate, optimizer, kind), with each kind of ``SAME_STEPS`` filled from
+    the row that timed it."""
     by = {(r["rate_bps"], r["optimizer"], r["stage"]): r for r in rows}
+    for (name, kind), source in SAME_STEPS.items():
+        for rate in {r["rate_bps"] for r in rows if r["optimizer"] == name}:
+            if (rate, source, kind) in by:
+                by.setdefault((rate, name, kind), by[rate, source, kind])
+    return by
+
+
+def _speedups(rows: List[dict], w: float) -> List[dict]:
+    by = by_kind(rows)
     rates = []
     for r in rows:
         if r["rate_bps"] not in rates:
@@ -183,7 +208,7 @@ def _speedups(rows: List[dict], w: float) -> List[dict]:
         lamb = by.get((rate, "lamb", "warmup"))
         if lamb is None:
             continue
-        for name in ("onebitlamb", "onebitadam"):
+        for name in ("onebitlamb", "onebitlamb-int8", "onebitadam"):
             warm, comp = by.get((rate, name, "warmup")), by.get((rate, name, "compression"))
             if warm is None or comp is None:
                 continue
@@ -203,18 +228,30 @@ def _speedups(rows: List[dict], w: float) -> List[dict]:
     return out
 
 
-def load_schedules(folder: str, optimizers: Sequence[str]) -> Dict[str, Dict[str, int]]:
-    """Per optimizer, how many steps of each kind (``KINDS``) its run of the convergence benchmark
-    under ``folder`` took (the stages its ``log.csv`` records; 0/1 Adam's compression steps after
-    its ``freeze_step`` are syncs). Optimizers whose run is missing are left out."""
+def schedule_folders() -> Dict[str, str]:
+    """Each optimizer's run under ``--schedules``: the convergence benchmark's rows, 1-bit LAMB's
+    with the int8 warm-up (``benchmarks.warmup_quantised``) and DiLoCo's at H = ``DILOCO_H``
+    (``benchmarks.diloco``), whose log's stages are its local steps and syncs."""
     folders = {row.flags[row.flags.index("--optimizer") + 1]: row.folder for row in CONVERGENCE_ROWS}
+    (int8,) = [v.row for v in warmup_quantised.ONEBITLAMB if v.row.flags[-2:] == ["--warmup-dtype", "int8"]]
+    folders["onebitlamb-int8"] = int8.folder
+    folders["diloco"] = diloco.Settings(DILOCO_H).name
+    return folders
+
+
+def load_schedules(folder: str, optimizers: Sequence[str]) -> Dict[str, Dict[str, int]]:
+    """Per optimizer, how many steps of each kind (``KINDS``) its run (``schedule_folders``) under
+    ``folder`` took (the stages its ``log.csv`` records; 0/1 Adam's compression steps after its
+    ``freeze_step`` are syncs). Optimizers whose run is missing or unfinished (no metrics.json)
+    are left out."""
+    folders = schedule_folders()
     out = {}
     for name in optimizers:
         run = os.path.join(folder, folders[name])
         if not os.path.exists(os.path.join(run, "metrics.json")):
             continue
         with open(os.path.join(run, "metrics.json")) as f:
-            frozen_at = json.load(f)["freeze_step"]
+            frozen_at = json.load(f).get("freeze_step")
         counts = {kind: 0 for kind in KINDS}
         with open(os.path.join(run, "log.csv")) as f:
             for line in csv.DictReader(f):
@@ -228,8 +265,9 @@ def load_schedules(folder: str, optimizers: Sequence[str]) -> Dict[str, Dict[str
 
 def whole_run_rows(rows: List[dict], schedules: Dict[str, Dict[str, int]]) -> List[dict]:
     """Per rate and optimizer with a schedule: the whole run's time, each step at the measured
-    time of its kind at that rate, and LAMB's whole run over it."""
-    by = {(r["rate_bps"], r["optimizer"], r["stage"]): r["measured_s"] for r in rows}
+    time of its kind at that rate (``by_kind``: 1-bit LAMB's compression steps for the int8
+    warm-up's), and LAMB's whole run over it."""
+    by = {key: r["measured_s"] for key, r in by_kind(rows).items()}
     rates = list(dict.fromkeys(r["rate_bps"] for r in rows))
     out = []
     for rate in rates:
@@ -260,6 +298,10 @@ def format_whole_run(whole: List[dict], folder: str) -> str:
         lines.append("| " + " | ".join([rate_label(rate)] + [
             f"{cells[n]['whole_run_s'] / 60:.1f} min ({cells[n]['speedup']:.2f}x)" if n in cells else "-"
             for n in names]) + " |")
+    shared = [f"{LABELS[name]}'s {kind} steps at {LABELS[source]}'s time (the same steps on the wire)"
+              for (name, kind), source in SAME_STEPS.items() if name in names and counts[name].get(kind)]
+    if shared:
+        lines += ["", "; ".join(shared) + "."]
     return "\n".join(lines)
 
 
@@ -341,6 +383,7 @@ def check_targets(summary: dict) -> List[str]:
         out.append(f"{'met ' if p['speedup_median'] >= 1.0 else 'MISSED'} {LABELS[p['optimizer']]} compression "
                    f"step not slower than LAMB on loopback (interleaved, median of {p['rounds']} rounds): "
                    f"{p['speedup_median']:.3f}x")
+    rows = [r for r in rows if (r["optimizer"], COMPRESSION) not in SAME_STEPS]  # each step measured once
     for r in rows:
         if r["step_speedup"] < 1.0:
             out.append(f"MISSED {LABELS[r['optimizer']]} compression step slower than LAMB at "
@@ -432,6 +475,10 @@ def settings_from_args(args) -> Settings:
         raise ValueError(f"unknown optimizer(s) {unknown}; choose from {', '.join(NETWORK_OPTIMIZERS)}")
     if "lamb" not in optimizers:
         raise ValueError("the comparison needs lamb among --optimizers (it is the baseline)")
+    for (name, kind), source in SAME_STEPS.items():
+        if name in optimizers and source not in optimizers:
+            raise ValueError(f"{name} takes its {kind} steps' time from {source} (the same steps): "
+                             f"add {source} to --optimizers")
     if args.hosts < 2:
         raise ValueError(f"--hosts must be >= 2 (there is nothing to communicate with one), got {args.hosts}")
     if args.warmup_steps < 1 or args.compression_steps < 1:
@@ -473,12 +520,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     schedules = load_schedules(args.schedules, s.optimizers)
     summary["whole_run"] = whole_run_rows(summary["rows"], schedules)
     tables = format_tables(summary, s.warmup_fraction)
-    missing = [LABELS[name] for name in s.optimizers if name not in schedules]
     if summary["whole_run"]:
         tables += "\n\n" + format_whole_run(summary["whole_run"], args.schedules)
+    missing = [name for name in s.optimizers if name not in schedules]
     if missing:
-        tables += (f"\n\nNo whole run for {', '.join(missing)}: no finished run in {args.schedules} "
-                   f"(`python -m benchmarks.convergence` trains them).")
+        folders = schedule_folders()
+        runs = [f"{LABELS[name]} ({folders[name]}"
+                + (", unfinished" if os.path.exists(os.path.join(args.schedules, folders[name], "log.csv")) else "")
+                + ")" for name in missing]
+        tables += (f"\n\nNo whole run for {', '.join(runs)}: no finished run in {args.schedules} "
+                   f"(`python -m benchmarks.convergence`, `benchmarks.warmup_quantised` and `benchmarks.diloco` "
+                   f"train them).")
     targets = check_targets(summary)
     print(tables)
     print()
@@ -489,7 +541,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plot(summary, args.plot)
     m = s.model
     body = "\n".join([
-        "## Network: LAMB vs 1-bit LAMB / 1-bit Adam / 0/1 Adam on emulated hosts",
+        "## Network: LAMB vs 1-bit LAMB / 1-bit Adam / 0/1 Adam on emulated hosts",  # README links this heading
         "",
         f"Command: `{command_line(argv if argv is not None else None)}` (as root)",
         "",
@@ -498,8 +550,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"all sharing this machine's CPUs. BERT hidden {m['hidden']}, {m['layers']} layers, "
         f"{summary['calibration']['params']:,} parameters, {s.batch} x 64 tokens per host per step; "
         f"{s.warmup_steps} timed warm-up and {s.compression_steps} timed compression steps per optimizer "
-        f"(0/1 Adam: variance and 1-bit steps, and as many local steps and syncs; one untimed step of each kind "
-        f"first; every step after a barrier). Run took {raw['elapsed_s'] / 60:.1f} min. "
+        f"(0/1 Adam: variance and 1-bit steps, and as many local steps and syncs; DiLoCo: as many local steps "
+        f"as compression steps, as many syncs as warm-up steps; 1-bit LAMB with the int8 warm-up: warm-up steps "
+        f"only; one untimed step of each kind first; every step after a barrier). "
+        f"Run took {raw['elapsed_s'] / 60:.1f} min. "
         f"Method and discussion: docs/netsim.md. Plot: docs/{Path(args.plot).name}.",
         "",
         tables,

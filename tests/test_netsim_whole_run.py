@@ -24,16 +24,74 @@ def runs(tmp_path):
     # 0/1 Adam frozen after step 4: its compression steps up to 4 are 1-bit steps, after it syncs
     write_run(tmp_path / "zerooneadam", ["warmup", "warmup", "compression", "warmup", "local", "compression",
                                          "local", "compression", "local", "compression"], 4)
+    write_run(tmp_path / "onebitlamb-auto-int8warmup", ["warmup"] * 2 + ["compression"] * 8, 2)
+    write_run(tmp_path / "diloco-H16", (["local"] * 3 + ["sync"]) * 2 + ["local", "sync"], None)  # H 4, a last sync
     return tmp_path
 
 
 def test_steps_by_kind_come_from_each_run_log(runs):
-    schedules = network.load_schedules(str(runs), ["lamb", "onebitlamb", "onebitadam", "zerooneadam"])
+    schedules = network.load_schedules(str(runs), network.NETWORK_OPTIMIZERS)
     assert schedules == {
         "lamb": {"warmup": 10},
         "onebitlamb": {"warmup": 3, "compression": 7},
+        "onebitlamb-int8": {"warmup": 2, "compression": 8},
         "zerooneadam": {"warmup": 3, "compression": 1, "local": 3, "sync": 3},
+        "diloco": {"local": 7, "sync": 3},
     }  # no run of 1-bit Adam: left out
+
+
+def test_an_unfinished_run_has_no_schedule(runs):
+    (runs / "onebitlamb-auto-int8warmup" / "metrics.json").unlink()  # a run still writing its log
+    assert "onebitlamb-int8" not in network.load_schedules(str(runs), ["lamb", "onebitlamb-int8"])
+
+
+def test_the_new_rows_runs_are_the_benchmarks_that_write_them():
+    folders = network.schedule_folders()
+    assert folders["onebitlamb-int8"] == "onebitlamb-auto-int8warmup"  # benchmarks.warmup_quantised
+    assert folders["diloco"] == "diloco-H16"  # benchmarks.diloco at H 16, the paper's outer step
+
+
+def test_the_int8_warm_up_times_its_compression_steps_at_one_bit_lambs():
+    """Its warm-up is its own row; after the freeze it sends what 1-bit LAMB sends, timed once."""
+    schedules = {"lamb": {"warmup": 10}, "onebitlamb": {"warmup": 3, "compression": 7},
+                 "onebitlamb-int8": {"warmup": 2, "compression": 8}, "diloco": {"local": 7, "sync": 3}}
+    times = {("lamb", "warmup"): 2.0, ("onebitlamb", "warmup"): 2.1, ("onebitlamb", "compression"): 0.3,
+             ("onebitlamb-int8", "warmup"): 0.6, ("diloco", "local"): 0.1, ("diloco", "sync"): 2.05}
+    rows = [{"rate_bps": 1e7, "optimizer": name, "stage": kind, "measured_s": t} for (name, kind), t in times.items()]
+    whole = {r["optimizer"]: r for r in network.whole_run_rows(rows, schedules)}
+    assert whole["onebitlamb-int8"]["whole_run_s"] == pytest.approx(2 * 0.6 + 8 * 0.3)
+    assert whole["diloco"]["whole_run_s"] == pytest.approx(7 * 0.1 + 3 * 2.05)
+    assert whole["diloco"]["speedup"] == pytest.approx(20.0 / (7 * 0.1 + 3 * 2.05))
+    text = network.format_whole_run(list(whole.values()), "runs")
+    assert "| steps by kind | LAMB | 1-bit LAMB | 1-bit LAMB, int8 warm-up | DiLoCo |" in text
+    assert "| (warm-up / compression / local / sync) | 10 / 0 / 0 / 0 | 3 / 7 / 0 / 0 | 2 / 8 / 0 / 0 | 0 / 0 / 7 / 3 |" in text
+    assert "1-bit LAMB, int8 warm-up's compression steps at 1-bit LAMB's time" in text
+    # without 1-bit LAMB's compression step there is no whole run of the int8 warm-up's
+    rows = [r for r in rows if (r["optimizer"], r["stage"]) != ("onebitlamb", "compression")]
+    assert "onebitlamb-int8" not in {r["optimizer"] for r in network.whole_run_rows(rows, schedules)}
+
+
+def test_the_int8_warm_up_needs_one_bit_lamb_among_the_optimizers():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    network.add_arguments(parser)
+    with pytest.raises(ValueError, match="add onebitlamb"):
+        network.settings_from_args(parser.parse_args(["--optimizers", "lamb,onebitlamb-int8"]))
+    s = network.settings_from_args(parser.parse_args([]))
+    assert list(s.optimizers) == list(network.NETWORK_OPTIMIZERS)
+
+
+def test_each_new_rows_step_is_priced_as_it_travels():
+    from onebitlamb.comm import costmodel
+
+    d, n = 950_272, 2
+    assert network.step_collectives("diloco", "local", d, n) == ([], False)
+    assert network.step_collectives("diloco", "sync", d, n) == (costmodel.lamb_collectives(d, n), False)
+    assert network.step_collectives("onebitlamb-int8", "warmup", d, n) == (
+        costmodel.warmup_collectives(d, n, "int8"), False)
+    assert network.step_collectives("onebitlamb", "warmup", d, n) == (costmodel.lamb_collectives(d, n), False)
+    assert network.step_collectives("zerooneadam", "local", d, n) == (costmodel.finite_flag_collectives(n), False)
 
 
 def test_the_whole_run_times_each_step_at_its_kinds_time(runs):

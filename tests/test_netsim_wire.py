@@ -79,3 +79,31 @@ def test_network_benchmark_end_to_end_on_a_tiny_model(tmp_path, capsys):
     assert whole["zerooneadam"]["whole_run_s"] == pytest.approx(sum(m.values()))
     assert whole["lamb"]["whole_run_s"] == pytest.approx(4 * rows["lamb", "warmup"]["measured_s"])
     assert "No whole run for 1-bit LAMB" in printed
+
+
+
+@pytest.mark.netns
+@needs_netns
+def test_the_int8_warm_up_and_dilocos_steps_on_the_wire():
+    """The network benchmark's ``train`` job for its rows of 1-bit LAMB with the int8 warm-up and of
+    DiLoCo, on two hosts at one rate (one launch): the kernel's counters say the int8 warm-up step
+    sends about a quarter of a float32 warm-up step's bytes (LAMB's: the same all-reduce), DiLoCo's
+    local step nothing and its sync a float32 all-reduce of the parameters."""
+    spec = {"model": {"hidden": 32, "layers": 1, "heads": 2, "intermediate": 64}, "batch": 2,
+            "optimizers": ["lamb", "onebitlamb-int8", "diloco"], "warmup_steps": 2, "compression_steps": 2,
+            "skip_steps": 1, "train": True, "probe": {"latency_calls": 5}}
+    with Network(2, 20e6) as net:
+        results = run_workers(net, spec, timeout_s=120)
+    for r in results:
+        d = r["train"]["lamb"]["params"]
+        lamb, int8, diloco = (r["train"][name] for name in ("lamb", "onebitlamb-int8", "diloco"))
+        assert set(int8) & {"warmup", "compression"} == {"warmup"}  # its compression steps: 1-bit LAMB's row
+        assert {"local", "sync"} <= set(diloco)
+        float32_wire, int8_wire = lamb["warmup"]["wire_bytes_per_step"], int8["warmup"]["wire_bytes_per_step"]
+        assert 0.2 < int8_wire / float32_wire < 0.35, f"rank {r['rank']}: int8 {int8_wire:.0f} B, float32 {float32_wire:.0f} B"
+        assert 1.0 <= int8_wire / int8["warmup"]["accounted_bytes_per_step"] <= 1.10
+        assert diloco["local"]["accounted_bytes_per_step"] == 0
+        assert diloco["local"]["wire_bytes_per_step"] < 1024, "a local step sends nothing but a stray acknowledgement"
+        sync = diloco["sync"]
+        assert sync["accounted_bytes_per_step"] == 4 * d  # one float32 ring all-reduce of d parameters, 2 ranks
+        assert 1.0 <= sync["wire_bytes_per_step"] / sync["accounted_bytes_per_step"] <= 1.10
