@@ -384,9 +384,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     """``spawn_local(fn, world_size, args, timeout_s=..., collective_timeout_s=...)`` on this session's
     persistent ranks: each rank's return value, in rank order. For a function that leaves nothing
     behind that a fresh process would not have (see the module's docstring); one that needs its
-    own process (killing ranks, per-worker threads or environment set at start, the training CLI)
-    uses spawn_local. With ``ONEBITLAMB_TEST_FRESH_RANKS=1`` in the environment every call goes to
-    spawn_local instead (to tell a pool problem from a test's, or to time the suite without it)."""
+    own process (killing ranks, per-worker threads or environment set at start, the training
+    command's launcher) uses spawn_local; a main-job run a test only builds on goes through
+    tests/pretrain_pool.py, which puts back the signal handlers ``train_rank`` installs. With
+    ``ONEBITLAMB_TEST_FRESH_RANKS=1`` in the environment every call goes to spawn_local instead (to
+    tell a pool problem from a test's, or to time the suite without it)."""
     if os.environ.get("ONEBITLAMB_TEST_FRESH_RANKS"):  # every call in fresh processes, as before the pool
         return spawn_local(fn, world_size, args, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)
     p = pool(world_size)
