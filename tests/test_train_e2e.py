@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from pretrain_pool import pretrain_on_ranks
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -174,18 +176,20 @@ def test_every_figure_of_the_tiny_runs_has_no_holes(compared):
             plt.close(fig)
 
 
-def test_resume_is_bit_identical(compared, tmp_path, corpus_dir):
+def test_resume_is_bit_identical(compared, tmp_path, corpus_dir, capsys):
+    """The resume is the command's; the run it resumes, stopped after step 5, ran on the persistent
+    ranks (tests/pretrain_pool.py), and the refusal in this process (it comes before any worker)."""
+    from onebitlamb import cli
+
     out, cache, _ = compared
     common = ["--preset", "tiny", "--optimizer", "onebitlamb", "--freeze", "0.35", "--out", str(tmp_path),
               "--corpus", corpus_dir, "--cache-dir", str(cache), "--no-progress"]
-    _cli("pretrain", *common, "--stop-after-steps", "5")  # after the freeze at step 3
-    assert not (tmp_path / "metrics.json").exists()
+    stopped = pretrain_on_ranks(*common, "--stop-after-steps", "5").summary  # after the freeze at step 3
+    assert not stopped["completed"] and stopped["step"] == 5 and not (tmp_path / "metrics.json").exists()
     with open(tmp_path / "checkpoint.json") as f:
         assert json.load(f)["step"] == 5
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    refused = subprocess.run([sys.executable, "-m", "onebitlamb", "pretrain", *common, "--resume", "--lr", "0.5"],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert refused.returncode != 0 and "different settings" in refused.stderr
+    assert cli.main(["pretrain", *common, "--resume", "--lr", "0.5"]) == 2
+    assert "different settings" in capsys.readouterr().err
     _cli("pretrain", *common, "--resume")
 
     uninterrupted = torch.load(out / "onebitlamb" / "model_final.pt")
@@ -295,12 +299,15 @@ def test_the_automatic_freeze_records_every_step_and_plots_its_decision(main_job
 
 def test_resume_of_the_automatic_freeze_is_bit_identical(main_job_runs, tmp_path, corpus_dir, compared):
     """The automatic freeze's history lives in the optimizer's state: a run stopped in the middle
-    of the warm-up's window ends as the uninterrupted run of the same machine, bit for bit."""
+    of the warm-up's window ends as the uninterrupted run of the same machine, bit for bit. The
+    resume is the command's; the run it resumes ran on the persistent ranks (tests/pretrain_pool.py)."""
     _, cache, _ = compared
     common = PINS["main_job_common_flags"].split(" --corpus ")[0].split()
     flags = [*common, *PAPER_STAGE2, "--freeze", "auto", "--corpus", corpus_dir, "--out", str(tmp_path),
              "--cache-dir", str(cache), "--no-progress"]
-    _cli(*flags, "--stop-after-steps", "25")
+    assert flags[0] == "pretrain"
+    stopped = pretrain_on_ranks(*flags[1:], "--stop-after-steps", "25").summary
+    assert stopped["step"] == 25 and not stopped["completed"]
     _cli(*flags, "--resume")
     assert _model_sha256(tmp_path / "model_final.pt") == _model_sha256(main_job_runs["auto"] / "model_final.pt")
     with open(tmp_path / "metrics.json") as f:
@@ -329,7 +336,8 @@ def test_torchrun_launch_matches_local_launch(compared, tmp_path, corpus_dir):
 
 
 def test_ctrl_c_leaves_a_usable_checkpoint(compared, tmp_path, corpus_dir):
-    """SIGINT to the launcher: the workers finish the step, checkpoint, exit with 130; --resume goes on."""
+    """SIGINT to the launcher: the workers finish the step, checkpoint, exit with 130; --resume goes on
+    (on the persistent ranks, tests/pretrain_pool.py: the command's resume is test_resume_is_bit_identical's)."""
     import signal
     import threading
 
@@ -355,7 +363,8 @@ def test_ctrl_c_leaves_a_usable_checkpoint(compared, tmp_path, corpus_dir):
     with open(tmp_path / "checkpoint.json") as f:
         step = json.load(f)["step"]
     assert step >= 1
-    _cli("pretrain", *common, "--resume", "--stop-after-steps", str(step + 2))
+    resumed = pretrain_on_ranks(*common, "--resume", "--stop-after-steps", str(step + 2)).summary
+    assert resumed["step"] == step + 2
     with open(tmp_path / "checkpoint.json") as f:
         assert json.load(f)["step"] == step + 2
 
@@ -365,13 +374,14 @@ def test_zero_one_adam_resumes_between_syncs_and_counts_its_rounds(compared, tmp
     local interval doubling after every step (0.1 of 8 rounds to 1): syncs at 3 and 4, then local
     steps (intervals 8 and 16). Stopped after step 6, between syncs (each rank's parameters go into its own file),
     and resumed: the same final model, bit for bit, as the uninterrupted run. Its metrics count the
-    rounds beside the bytes."""
+    rounds beside the bytes. The resume is the command's; the uninterrupted run and the run it
+    resumes ran on the persistent ranks (tests/pretrain_pool.py)."""
     _, cache, _ = compared
     common = ["--preset", "tiny", "--optimizer", "zerooneadam", "--corpus", corpus_dir,
               "--cache-dir", str(cache), "--no-progress"]
     whole, part = tmp_path / "whole", tmp_path / "part"
-    _cli("pretrain", *common, "--out", str(whole))
-    _cli("pretrain", *common, "--out", str(part), "--stop-after-steps", "6")
+    assert pretrain_on_ranks(*common, "--out", str(whole)).summary["completed"]
+    assert pretrain_on_ranks(*common, "--out", str(part), "--stop-after-steps", "6").summary["step"] == 6
     assert "model" in torch.load(part / "ckpt-0000006" / "rank1.pt", weights_only=True)
     _cli("pretrain", *common, "--out", str(part), "--resume")
     a, b = torch.load(whole / "model_final.pt"), torch.load(part / "model_final.pt")
