@@ -16,6 +16,7 @@ import torch
 
 from onebitlamb import cli
 from onebitlamb.train import checkpoints, config, loop, pretrain, ranks
+from pretrain_pool import pretrain_on_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,13 +163,15 @@ def test_compare_resume_reuses_a_finished_run_only_with_the_same_settings(tmp_pa
     assert code == 2 and "different settings" in err and "'lr': (0.5, 0.02)" in err
 
 
-def test_a_vocabulary_smaller_than_the_corpus_alphabet_is_refused_at_the_start(tmp_path, common):
+def test_a_vocabulary_smaller_than_the_corpus_alphabet_is_refused_at_the_start(tmp_path, common, capsys):
     """--vocab-size is a flag: a vocabulary smaller than the characters the tokenizer keeps would
-    give token ids beyond the model's embedding and fail in every worker at its first step."""
-    proc = _cli("pretrain", *common, "--vocab-size", "40", "--out", str(tmp_path / "out"))
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "--vocab-size must be at least" in proc.stderr and "got 40" in proc.stderr
-    assert "Traceback" not in proc.stderr and not (tmp_path / "out" / "checkpoint.json").exists()
+    give token ids beyond the model's embedding and fail in every worker at its first step. (In this
+    process, as the other refusals here: it comes before any worker starts.)"""
+    code = cli.main(["pretrain", *common, "--vocab-size", "40", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    assert "--vocab-size must be at least" in err and "got 40" in err
+    assert "Traceback" not in err and not (tmp_path / "out" / "checkpoint.json").exists()
 
 
 # ---- the checkpoint: a real one, from a tiny run stopped after 3 steps
@@ -191,9 +194,11 @@ def common(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stopped_run(tmp_path_factory, common):
+    """The checkpoint of the command's run, trained on the persistent ranks (tests/pretrain_pool.py):
+    what is tested here is what the files hold and how a resume treats them."""
     out = tmp_path_factory.mktemp("stopped")
-    proc = _cli("pretrain", *common, "--optimizer", "onebitlamb", "--out", str(out), "--stop-after-steps", "3")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    stopped = pretrain_on_ranks(*common, "--optimizer", "onebitlamb", "--out", str(out), "--stop-after-steps", "3")
+    assert stopped.summary["step"] == 3 and not stopped.summary["completed"], stopped
     return out
 
 
@@ -351,16 +356,17 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(disk)])
 
 
-def test_a_full_disk_is_one_line_on_every_rank_naming_the_rank_and_the_file(small_disk, common):
+def test_a_full_disk_is_one_line_on_every_rank_naming_the_rank_and_the_file(small_disk, common, capfd):
     """The checkpoint of step 1 does not fit on OUT's disk: every rank stops with the sentence of the
     rank that could not write (its rank, its file, no space left), exit 1, nothing half-written left.
     Before, a 50-line traceback, or only rank 1's gloo "Connection closed by peer", and a
-    ``rank0.pt.tmp.<pid>`` left in the checkpoint folder."""
+    ``rank0.pt.tmp.<pid>`` left in the checkpoint folder. (The command in this process; its workers
+    write to the same captured stderr.)"""
     out = small_disk / "run"
-    proc = _cli("pretrain", *common, "--optimizer", "onebitlamb", "--out", str(out), "--ckpt-every", "1",
-                "--steps", "3")
-    err = proc.stderr
-    assert proc.returncode == 1, err[-3000:]
+    code = cli.main(["pretrain", *common, "--optimizer", "onebitlamb", "--out", str(out), "--ckpt-every", "1",
+                     "--steps", "3"])
+    err = capfd.readouterr().err
+    assert code == 1, err[-3000:]
     assert "Traceback" not in err and "Connection closed" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert re.search(r"error: checkpoint of step 1: rank [01]: \S+ could not be written: no space left on the disk",
@@ -517,8 +523,10 @@ def test_the_previous_checkpoint_is_removed_only_after_the_switch(tmp_path, monk
 # ---- a non-finite loss
 
 
-def test_a_diverging_run_stops_with_an_error_and_keeps_the_last_good_checkpoint(tmp_path, common):
-    """LAMB at lr 1e4 on the tiny preset: the loss is 6.2, 5e7, 3e11, then NaN at step 4."""
+def test_a_diverging_run_stops_with_an_error_and_keeps_the_last_good_checkpoint(tmp_path, common, capfd):
+    """LAMB at lr 1e4 on the tiny preset: the loss is 6.2, 5e7, 3e11, then NaN at step 4. The first
+    run is the command's (its exit status and its message), the resume runs on the persistent ranks
+    (tests/pretrain_pool.py), the comparison in this process (its workers write to the captured stderr)."""
     flags = [*common, "--optimizer", "lamb", "--lr", "1e4", "--out", str(tmp_path)]
     proc = _cli("pretrain", *flags)
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -535,12 +543,13 @@ def test_a_diverging_run_stops_with_an_error_and_keeps_the_last_good_checkpoint(
         tensors = [t for s in state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         assert tensors and all(torch.isfinite(t).all() for t in tensors)
     # it stops the same way when resumed from there, and compare reports it as a failure too
-    proc = _cli("pretrain", *flags, "--resume")
-    assert proc.returncode == 1 and "step 4" in proc.stderr
+    resumed = pretrain_on_ranks(*flags, "--resume").summary
+    assert pretrain.exit_code(resumed) == 1 and "step 4" in resumed["error"], resumed
     assert checkpoints.read_pointer(str(tmp_path))["step"] == 2
     compared = tmp_path / "compare"
-    proc = _cli("compare", *common, "--optimizers", "lamb", "--lr", "1e4", "--out", str(compared))
-    assert proc.returncode == 1 and "step 4" in proc.stderr
+    capfd.readouterr()
+    code = cli.main(["compare", *common, "--optimizers", "lamb", "--lr", "1e4", "--out", str(compared)])
+    assert code == 1 and "step 4" in capfd.readouterr().err
     assert not (compared / "metrics.json").exists() and not (compared / "lamb" / "metrics.json").exists()
 
 
