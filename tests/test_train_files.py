@@ -19,7 +19,8 @@ import torch
 from onebitlamb import cli
 from onebitlamb.train import checkpoints, data, files, loop, pretrain
 from test_launch import _running, _wait_for
-from test_train_safety import ROOT, _cli, _config, _write
+from pretrain_pool import pretrain_on_ranks
+from test_train_safety import ROOT, _config, _write
 
 CORPUS = os.path.dirname(email.__file__)
 LONG = ["--steps", "100000", "--eval-every", "100000"]  # a run that goes on until stopped
@@ -33,10 +34,10 @@ def common(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory, common):
-    """A tiny run stopped after step 2 (its checkpoint: ckpt-0000002)."""
+    """A tiny run stopped after step 2 (its checkpoint: ckpt-0000002), on the persistent ranks
+    (tests/pretrain_pool.py)."""
     out = tmp_path_factory.mktemp("stopped") / "run"
-    proc = _cli("pretrain", *common, "--out", str(out), "--stop-after-steps", "2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert pretrain_on_ranks(*common, "--out", str(out), "--stop-after-steps", "2").summary["step"] == 2
     return out
 
 
@@ -112,7 +113,9 @@ def test_the_runs_files_are_created_anew_never_through_a_link(tmp_path):
     files.make_folder(str(out / "ckpt-0000006"))
 
 
-def test_a_link_at_the_next_checkpoint_is_refused_and_the_run_stays_resumable(stopped, tmp_path, common, capsys):
+def test_a_link_at_the_next_checkpoint_is_refused_and_the_run_stays_resumable(stopped, tmp_path, common, capfd):
+    """The command in this process (its workers write to the captured stderr); the last resume, which
+    only shows that the run goes on, on the persistent ranks (tests/pretrain_pool.py)."""
     out = tmp_path / "run"
     shutil.copytree(stopped, out, symlinks=True)
     victim = tmp_path / "victim.csv"
@@ -121,21 +124,22 @@ def test_a_link_at_the_next_checkpoint_is_refused_and_the_run_stays_resumable(st
     os.remove(out / "log.csv")
     os.symlink(victim, out / "log.csv")
     code = cli.main(["pretrain", *common, "--out", str(out), "--resume"])
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert code == 2 and "log.csv is a link" in err and "Traceback" not in err, err[-3000:]
     os.remove(out / "log.csv")
     # during the run: a link planted at the next checkpoint folder is neither followed nor removed
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     os.symlink(elsewhere, out / "ckpt-0000004")
-    proc = _cli("pretrain", *common, "--out", str(out), "--resume")
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "checkpoint of step 4" in proc.stderr and "ckpt-0000004 is a link" in proc.stderr
-    assert "Traceback" not in proc.stderr and os.listdir(elsewhere) == [] and victim.read_text() == "mine"
+    code = cli.main(["pretrain", *common, "--out", str(out), "--resume"])
+    err = capfd.readouterr().err
+    assert code == 1, err[-3000:]
+    assert "checkpoint of step 4" in err and "ckpt-0000004 is a link" in err
+    assert "Traceback" not in err and os.listdir(elsewhere) == [] and victim.read_text() == "mine"
     assert checkpoints.read_pointer(str(out))["step"] == 2 and (out / "ckpt-0000002" / "model.pt").exists()
     os.remove(out / "ckpt-0000004")
-    proc = _cli("pretrain", *common, "--out", str(out), "--resume")
-    assert proc.returncode == 0 and (out / "metrics.json").exists(), proc.stderr[-3000:]
+    assert pretrain_on_ranks(*common, "--out", str(out), "--resume").summary["completed"]
+    assert (out / "metrics.json").exists()
     assert not (out / files.LOCK_FILE).exists()  # released and removed at the end
 
 
