@@ -231,14 +231,19 @@ FINAL_EVAL_RTOL = 1.2e-3
 
 @pytest.fixture(scope="module")
 def main_job_runs(tmp_path_factory, corpus_dir, compared):
-    """The two pinned main-job runs (60 tiny steps), a fixed 35% freeze and the automatic one."""
+    """The two pinned main-job runs (60 tiny steps), a fixed 35% freeze and the automatic one, with
+    the pinned flags, on the persistent ranks (tests/pretrain_pool.py): the numbers are the command's
+    (test_resume_of_the_automatic_freeze_is_bit_identical resumes with the command and ends on the
+    automatic one's, bit for bit), without two launches."""
     _, cache, _ = compared
     common = PINS["main_job_common_flags"].split(" --corpus ")[0].split()
+    assert common[0] == "pretrain"
     outs = {}
     for name, pin in PINS["main_job_runs"].items():
         outs[name] = tmp_path_factory.mktemp(name)
-        _cli(*common, *PAPER_STAGE2, *NEW_FLAGS[pin["old_flags"]], "--corpus", corpus_dir, "--out", str(outs[name]),
-             "--cache-dir", str(cache), "--no-progress")
+        run = pretrain_on_ranks(*common[1:], *PAPER_STAGE2, *NEW_FLAGS[pin["old_flags"]], "--corpus", corpus_dir,
+                                "--out", str(outs[name]), "--cache-dir", str(cache), "--no-progress")
+        assert run.summary["completed"], run
     return outs
 
 
