@@ -11,7 +11,7 @@ the same flags, without those starts:
   (``pretrain._started``: the settings checked, OUT held for the run's life, an earlier run refused
   or the checkpoint checked and the leftovers removed, the corpus prepared);
 - each rank runs the workers' ``train_rank`` on the session's pool of ``--workers`` ranks, in a
-  default gloo group with the run's ``--timeout``, one intra-op thread (``--threads``' default), as
+  default gloo group with the run's ``--timeout`` and ``--threads`` intra-op threads, as
   ``spawn_local`` runs it; rank 0's summary comes back, as from ``pretrain.train``.
 
 The numbers are the command's, bit for bit: the tests that resume a pool run with the command, or
@@ -59,7 +59,10 @@ def train_on_ranks(cfg: config.TrainConfig, timeout_s: float = 300.0) -> PoolRun
 
 
 def _train_rank(rank: int, world: int, cfg: config.TrainConfig):
+    import torch
+
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    torch.set_num_threads(cfg.threads)  # spawn_local's threads_per_worker (the pool puts back 1)
     try:
         with warnings.catch_warnings(record=True) as caught:
             summary = loop.train_rank(rank, world, cfg)
