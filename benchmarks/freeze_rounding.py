@@ -21,7 +21,7 @@ import argparse
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from benchmarks import convergence
+from benchmarks import warmup_quantised
 from benchmarks.fidelity import ROUNDING_FLAGS, rounding_row
 from benchmarks.report import command_line
 from benchmarks.variants import DEFAULT, LAMB, Variant, main_for
@@ -30,12 +30,9 @@ MOST_STEPS_MOVED = 5  # issue 61's bound on the freeze's move from rounding alon
 
 
 def rows(warmup_dtype: str = "float32") -> List[Variant]:
-    """LAMB, the default 1-bit LAMB (with ``warmup_dtype``) and the same with other rounding."""
-    base = DEFAULT
-    if warmup_dtype != "float32":
-        base = Variant(convergence.Row(f"{DEFAULT.row.name[:-len(' (default)')]}, {warmup_dtype} warm-up average",
-                                       f"{DEFAULT.row.folder}-{warmup_dtype}warmup",
-                                       [*DEFAULT.row.flags, "--warmup-dtype", warmup_dtype]))
+    """LAMB, the default 1-bit LAMB (with ``warmup_dtype``: ``benchmarks.warmup_quantised``'s row,
+    the same runs) and the same with other rounding."""
+    base = DEFAULT if warmup_dtype == "float32" else warmup_quantised.rows("onebitlamb", [warmup_dtype])[-1]
     rerun = rounding_row(base.row)
     return [LAMB, base, Variant(rerun._replace(name=f"{base.row.name}, {' '.join(ROUNDING_FLAGS)}"))]
 

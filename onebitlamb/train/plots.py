@@ -267,8 +267,9 @@ def freeze_figure(metrics: dict, highlighted: int = 4):
     layer sits low and flat; its exit is the rise). Bottom: the spread the criterion watches (the
     least settled layer's movement over the window) against AutoFreeze's thresholds; for 1-bit LAMB,
     on its own scale, the median layer's trust-ratio rise, which the freeze waits to fall to
-    ``trust_tolerance`` from the step the criterion held. A run whose warm-up ended before a window had passed (a short run) has
-    no spread: the top alone. None for a run without the automatic freeze."""
+    ``trust_tolerance`` from the step the criterion held. A run whose warm-up ended before a window
+    had passed (a short run) has no spread: the top alone. None for a run without the automatic
+    freeze."""
     records = metrics.get("freeze") or []
     if metrics.get("config", {}).get("freeze") != "auto":
         return None
