@@ -52,7 +52,8 @@ def test_compare_says_where_a_seed_falls_only_for_the_measured_settings(tmp_path
     same settings (another seed), and says nothing for a run with other settings."""
     from onebitlamb.train import compare
 
-    config = {"preset": "demo", "seed": 1234, "out": "x", "optimizer": "onebitlamb", "compression_space": "update"}
+    config = {"preset": "demo", "seed": 1234, "out": "x", "optimizer": "onebitlamb", "compression_space": "update",
+              "stage2_bound": "adam"}
     lamb = {"final_eval_loss": 5.0, "config": {**config, "optimizer": "lamb"}}
     runs = {(fidelity.LAMB.name, s): {"final_eval_loss": 5.0} for s in (1234, 1235)}
     runs.update({(fidelity.DEFAULT.name, 1234): {"final_eval_loss": 4.9, "config": config},
@@ -68,6 +69,13 @@ def test_compare_says_where_a_seed_falls_only_for_the_measured_settings(tmp_path
     assert "-1.00% against LAMB at this seed" in line and "-0.50% ± " in line and "from -2.00% to +1.00%" in line
     other = {"lamb": lamb, "onebitlamb": {"final_eval_loss": 4.95, "config": {**config, "compression_space": "momentum"}}}
     assert compare.where_the_seed_falls(other, measured) == []
+    # measured before the stage-2 bound existed, hence without it: those runs had none, so a run with it
+    # (the default) is not theirs
+    for entry in measured["demo"].values():
+        entry["settings"].pop("stage2_bound")
+    assert compare.where_the_seed_falls(mine, measured) == []
+    assert compare.where_the_seed_falls({"lamb": lamb, "onebitlamb": {**mine["onebitlamb"], "config": {
+        **config, "stage2_bound": "none"}}}, measured) != []
     assert compare.read_measured(str(tmp_path / "missing.json")) == {}
 
 

@@ -184,7 +184,9 @@ def where_the_seed_falls(runs: Dict[str, dict], measured: dict) -> List[str]:
     lines = []
     for name, m in runs.items():
         entry = measured.get(m["config"].get("preset"), {}).get(name)
-        if entry is None or any(m["config"].get(k, v) != v for k, v in entry["settings"].items()):
+        # an entry measured before a setting existed was measured at that setting's old value
+        if entry is None or any(m["config"].get(k, v) != v
+                                for k, v in {**config.SAVED_BEFORE, **entry["settings"]}.items()):
             continue
         gap = 100 * (m["final_eval_loss"] / lamb["final_eval_loss"] - 1)
         spread = f" ± {entry['half_width_pct']:.2f} (95% interval)" if entry["half_width_pct"] is not None else ""
