@@ -28,6 +28,7 @@ import sys
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from benchmarks.report import command_line, heading, table_row, write_section
+from onebitlamb.train import config as train_config
 from onebitlamb.train.config import PRESETS
 FIRST_SEED = 1234
 TITLE = "Convergence: 1-bit LAMB against LAMB with the defaults"
@@ -81,6 +82,8 @@ def run_one(folder: str, args: List[str], cache_dir: str, program: Sequence[str]
     ``cache_dir``: the tokenized corpus, shared by the runs (it does not change their numbers);
     ``program``: the module (and its first arguments) that takes ``onebitlamb``'s command line."""
     state = run_state(folder)
+    if state == "finished" and tuple(program) == ("onebitlamb",):
+        _check_finished_run(folder, args)
     if state != "finished":
         tail = [*args, "--out", folder, "--cache-dir", cache_dir, "--no-progress"]
         if state != "to run":
@@ -92,6 +95,20 @@ def run_one(folder: str, args: List[str], cache_dir: str, program: Sequence[str]
             raise RuntimeError(f"{folder}: the run ended without metrics.json; the same command continues it")
     with open(os.path.join(folder, "metrics.json")) as f:
         return json.load(f)
+
+
+def _check_finished_run(folder: str, args: List[str]) -> None:
+    """Refuse a finished run read back for a command that would not give it: a default changed since
+    (or a row's flags), which would otherwise put an old run's numbers under today's name."""
+    parser = argparse.ArgumentParser()
+    train_config.add_arguments(parser)
+    cfg = train_config.config_from_args(parser.parse_args([*args[1:], "--out", folder]))
+    with open(os.path.join(folder, "metrics.json")) as f:
+        changed = train_config.changed_settings(cfg, json.load(f).get("config", {}))
+    if changed:
+        raise RuntimeError(f"{folder} holds a finished run with other settings than `onebitlamb "
+                           f"{shlex.join(args)}` gives now (saved, now): {changed}; move it aside or choose "
+                           f"another --out")
 
 
 def _mean(values: Sequence[float], digits: int, unit: str = "") -> str:

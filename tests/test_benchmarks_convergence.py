@@ -1,5 +1,7 @@
 """The convergence benchmark without training: its rows' commands, the reuse and resumption of runs,
 and the table it renders from metrics.json files written here by hand."""
+import argparse
+import dataclasses
 import json
 import sys
 
@@ -7,6 +9,7 @@ import pytest
 
 from benchmarks import convergence
 from benchmarks.convergence import ROWS, main, pretrain_args, run_folder, run_one, run_state
+from onebitlamb.train import config
 
 # (preset, seed, row folder) -> final_eval_loss, freeze_step, bytes_sent_per_rank
 METRICS = {
@@ -21,18 +24,29 @@ METRICS = {
 }
 
 
-def write_metrics(folder, loss, freeze_step, sent, rounds=None):
+def run_config(args):
+    """The config a run of ``onebitlamb ARGS`` records in its metrics.json."""
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    return dataclasses.asdict(config.config_from_args(parser.parse_args([*args[1:], "--out", "x"])))
+
+
+def write_metrics(folder, loss, freeze_step, sent, rounds=None, args=None):
+    """A finished run's metrics.json; ``args``: the command it ran (its config), None for none."""
     folder.mkdir(parents=True, exist_ok=True)
     extra = {} if rounds is None else {"rounds_per_rank": rounds}  # runs from before rounds were counted have none
+    if args is not None:
+        extra["config"] = run_config(args)
     (folder / "metrics.json").write_text(json.dumps(dict(
         final_eval_loss=loss, freeze_step=freeze_step, bytes_sent_per_rank=sent,
         steps=600, samples=76_800, world_size=4, **extra)))
 
 
 def write_all(out, seeds=(1234, 1235)):
+    rows = {row.folder: row for row in ROWS}
     for (preset, seed, name), values in METRICS.items():
         if seed in seeds:
-            write_metrics(out / preset / str(seed) / name, *values)
+            write_metrics(out / preset / str(seed) / name, *values, args=pretrain_args(preset, seed, rows[name]))
 
 
 @pytest.fixture
@@ -109,7 +123,7 @@ def test_a_missing_run_is_trained_and_an_interrupted_one_resumed(tmp_path, monke
     def launch(command):  # stands in for the training: records the command, writes the metrics
         started.append(command)
         folder = command[command.index("--out") + 1]
-        write_metrics(tmp_path / folder, 4.5, 7, 10)
+        write_metrics(tmp_path / folder, 4.5, 7, 10, args=command[3:command.index("--out")])
 
     monkeypatch.setattr(convergence, "launch", launch)
     monkeypatch.chdir(tmp_path)
@@ -125,6 +139,11 @@ def test_a_missing_run_is_trained_and_an_interrupted_one_resumed(tmp_path, monke
          "--resume"],
     ]
     assert run_one("fresh", args, "cache")["final_eval_loss"] == 4.5 and len(started) == 2  # finished: reused
+    # a finished run of other settings (here a default changed since) is refused, not read back as this one's
+    with pytest.raises(RuntimeError, match=r"fresh holds a finished run with other settings.*'warmup_dtype': "
+                                           r"\('float32', 'int8'\)"):
+        run_one("fresh", [*args, "--warmup-dtype", "int8"], "cache")
+    assert len(started) == 2
 
 
 def test_a_run_that_ends_without_metrics_is_an_error(tmp_path, monkeypatch):
