@@ -6,8 +6,8 @@ against the flat exchange of one buffer: convergence on the demo.
 Both change the numbers, not only the speed. With several buckets each has its own compression
 scale and its own error buffers. Across nodes, each node first averages exactly, and the 1-bit
 exchange runs between the nodes, on shards. This measures whether the demo converges as well.
-Rows: LAMB and 1-bit LAMB with the main job's defaults (the convergence benchmark's runs, reused
-from the same folders), 1-bit LAMB with ``--bucket-cap-mb 1`` (``bucket_cap_mb=1.0,
+Rows: LAMB and 1-bit LAMB with the main job's defaults but a float32 warm-up average (the
+quantised one runs over one flat bucket only), 1-bit LAMB with ``--bucket-cap-mb 1`` (``bucket_cap_mb=1.0,
 overlap_with_backward=True``: 3 buckets on the demo's BERT; the main job clips the local gradient
 after the backward, so each bucket is exchanged again in ``step()`` and nothing overlaps, but the
 numbers are the buckets'), and with ``--local-size 2`` (the 4 workers as 2 nodes of 2,
@@ -19,13 +19,14 @@ import sys
 from typing import Optional, Sequence
 
 from benchmarks import convergence
-from benchmarks.variants import DEFAULT, LAMB, Variant, main_for
+from benchmarks.variants import FLOAT32_WARMUP, LAMB, Variant, main_for
 
-BUCKETS = Variant(convergence.Row("1-bit LAMB, automatic freeze, 1 MiB buckets", DEFAULT.row.folder,
-                                  [*DEFAULT.row.flags, "--bucket-cap-mb", "1"]), folder="demo-buckets")
-NODES = Variant(convergence.Row("1-bit LAMB, automatic freeze, 2 nodes of 2 ranks", DEFAULT.row.folder,
-                                [*DEFAULT.row.flags, "--local-size", "2"]), folder="demo-nodes")
-VARIANTS = [LAMB, DEFAULT, BUCKETS, NODES]
+# each with the float32 warm-up, the one the three share (the int8 one runs over one flat bucket only)
+BUCKETS = Variant(convergence.Row("1-bit LAMB, automatic freeze, 1 MiB buckets", FLOAT32_WARMUP.row.folder,
+                                  [*FLOAT32_WARMUP.row.flags, "--bucket-cap-mb", "1"]), folder="demo-buckets")
+NODES = Variant(convergence.Row("1-bit LAMB, automatic freeze, 2 nodes of 2 ranks", FLOAT32_WARMUP.row.folder,
+                                [*FLOAT32_WARMUP.row.flags, "--local-size", "2"]), folder="demo-nodes")
+VARIANTS = [LAMB, FLOAT32_WARMUP, BUCKETS, NODES]
 NOTE = (" A rank's bytes on 2 nodes of 2 include the node stages' float32 (the reduce-scatter and all-gather "
         "inside a node, on its fast links); what crosses between nodes is in the hierarchy section.")
 

@@ -1,8 +1,8 @@
 """Does rounding move the automatic freeze? The default 1-bit LAMB at each seed, and again with
 another order of float sums (issue 61).
 
-    python -m benchmarks.freeze_rounding --seeds 5                      # the demo's default
-    python -m benchmarks.freeze_rounding --seeds 5 --warmup-dtype int8  # with the int8 warm-up
+    python -m benchmarks.freeze_rounding --seeds 5                         # the demo's default (int8 warm-up)
+    python -m benchmarks.freeze_rounding --seeds 5 --warmup-dtype float32  # with the float32 warm-up
 
 Rows: LAMB, the main job's default 1-bit LAMB (the convergence benchmark's runs, reused from the
 same folders) and the same run with ``--threads 2``: each worker then sums its matrix products in
@@ -13,7 +13,7 @@ freeze waited for its trust ratios with a tolerance.
 
 Below the table, per seed: the freeze step of both runs and how far it moved, and the held-out
 loss's change. What the issue asks of it: at most 5 steps at each seed. Writes the section
-"freeze-rounding" (``-int8`` with the int8 warm-up) of BENCHMARKS.md. Run from the repository root.
+"freeze-rounding" (``-float32`` with the float32 warm-up) of BENCHMARKS.md. Run from the repository root.
 """
 from __future__ import annotations
 
@@ -21,18 +21,17 @@ import argparse
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from benchmarks import warmup_quantised
 from benchmarks.fidelity import ROUNDING_FLAGS, rounding_row
 from benchmarks.report import command_line
-from benchmarks.variants import DEFAULT, LAMB, Variant, main_for
+from benchmarks.variants import DEFAULT, LAMB, Variant, main_for, with_warmup
 
 MOST_STEPS_MOVED = 5  # issue 61's bound on the freeze's move from rounding alone
 
 
-def rows(warmup_dtype: str = "float32") -> List[Variant]:
+def rows(warmup_dtype: Optional[str] = None) -> List[Variant]:
     """LAMB, the default 1-bit LAMB (with ``warmup_dtype``: ``benchmarks.warmup_quantised``'s row,
     the same runs) and the same with other rounding."""
-    base = DEFAULT if warmup_dtype == "float32" else warmup_quantised.rows("onebitlamb", [warmup_dtype])[-1]
+    base = DEFAULT if warmup_dtype is None else with_warmup(DEFAULT, warmup_dtype)
     rerun = rounding_row(base.row)
     return [LAMB, base, Variant(rerun._replace(name=f"{base.row.name}, {' '.join(ROUNDING_FLAGS)}"))]
 
@@ -62,9 +61,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = command_line(argv)
     mine = argparse.ArgumentParser(add_help=False)
-    mine.add_argument("--warmup-dtype", choices=("float32", "int8"), default="float32")
+    mine.add_argument("--warmup-dtype", choices=("float32", "int8"), default=None,
+                      help="the warm-up average (default: the main job's)")
     own, argv = mine.parse_known_args(argv)
-    suffix = "" if own.warmup_dtype == "float32" else f"-{own.warmup_dtype}"
+    suffix = "" if own.warmup_dtype is None else f"-{own.warmup_dtype}"
     title = "The automatic freeze under other rounding" + (f": {own.warmup_dtype} warm-up" if suffix else "")
     return main_for("benchmarks.freeze_rounding", __doc__, title, "freeze-rounding" + suffix,
                     rows(own.warmup_dtype), argv, more=moved, command=command)

@@ -33,13 +33,14 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from benchmarks import diloco, emulated, warmup_quantised
+from benchmarks import diloco, emulated
 from benchmarks.convergence import ROWS as CONVERGENCE_ROWS
 from benchmarks.emulated import Settings, kb, mean, ms, parse_rate, quartiles, rate_label, slowest
 from benchmarks.netsim.runner import run_workers
 from benchmarks.netsim.worker import COMPRESSION, KINDS, LOCAL, SYNC, WARMUP
 from benchmarks.netsim.topology import Network, cleanup_stale
 from benchmarks.report import command_line, machine_line, write_section
+from benchmarks.variants import DEFAULT, with_warmup
 from onebitlamb.comm import costmodel
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -230,11 +231,13 @@ def _speedups(rows: List[dict], w: float) -> List[dict]:
 
 def schedule_folders() -> Dict[str, str]:
     """Each optimizer's run under ``--schedules``: the convergence benchmark's rows, 1-bit LAMB's
-    with the int8 warm-up (``benchmarks.warmup_quantised``) and DiLoCo's at H = ``DILOCO_H``
+    with each warm-up (``benchmarks.warmup_quantised``) and DiLoCo's at H = ``DILOCO_H``
     (``benchmarks.diloco``), whose log's stages are its local steps and syncs."""
     folders = {row.flags[row.flags.index("--optimizer") + 1]: row.folder for row in CONVERGENCE_ROWS}
-    (int8,) = [v.row for v in warmup_quantised.ONEBITLAMB if v.row.flags[-2:] == ["--warmup-dtype", "int8"]]
-    folders["onebitlamb-int8"] = int8.folder
+    # this benchmark's 1-bit LAMB warms up in float32 (the optimizers' default) and 1-bit LAMB-int8 in
+    # int8 (the main job's default): each its own run
+    folders["onebitlamb"], folders["onebitlamb-int8"] = (with_warmup(DEFAULT, dtype).row.folder
+                                                         for dtype in ("float32", "int8"))
     folders["diloco"] = diloco.Settings(DILOCO_H).name
     return folders
 

@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Union
 
 from benchmarks import convergence
 from benchmarks.report import command_line, heading, table_row, write_section
+from onebitlamb.train.config import DEFAULT_WARMUP_DTYPE
 
 
 class Variant(NamedTuple):
@@ -22,6 +23,22 @@ class Variant(NamedTuple):
 
 
 LAMB, DEFAULT = Variant(convergence.ROWS[0]), Variant(convergence.ROWS[1])
+
+
+def with_warmup(base: Variant, dtype: str) -> Variant:
+    """``base`` (an optimizer with the main job's defaults) with its warm-up averaged in ``dtype``: the
+    same runs where that is the optimizer's default, else ``--warmup-dtype DTYPE`` in a folder of its own."""
+    optimizer = base.row.flags[base.row.flags.index("--optimizer") + 1]
+    name = f"{base.row.name.replace(' (default)', '')}, {dtype} warm-up average"
+    if dtype == DEFAULT_WARMUP_DTYPE[optimizer]:
+        return Variant(base.row._replace(name=name + " (default)"), base.folder)
+    return Variant(convergence.Row(name, f"{base.row.folder}-{dtype}warmup", [*base.row.flags, "--warmup-dtype", dtype]),
+                   base.folder)
+
+
+# 1-bit LAMB as it was the default before its warm-up average became int8: the experiments that
+# compare another exchange or warm-up with it (exchange.py, warmup_precision.py)
+FLOAT32_WARMUP = with_warmup(DEFAULT, "float32")
 
 
 def seeds_from(count: int) -> List[int]:

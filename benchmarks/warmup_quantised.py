@@ -7,9 +7,10 @@
 
 The warm-up sends full gradients, so it carries most of a 1-bit run's bytes. The quantised
 average (``docs/algorithm.md``, "The warm-up's quantised average") sends blockwise codes with error
-feedback instead. Rows: LAMB, the optimizer with the main job's defaults (its float32 warm-up: for
-1-bit LAMB the convergence benchmark's runs, reused from the same folders), then the same with
-each quantised warm-up. Below the table, each quantised row's gap to the float32 warm-up at the
+feedback instead. Rows: LAMB, the optimizer with its warm-up averaged in float32, then in each
+quantised format; the row of the optimizer's default (int8 for 1-bit LAMB, float32 for 1-bit Adam:
+``onebitlamb.train.config.DEFAULT_WARMUP_DTYPE``) is the main job's, the convergence benchmark's
+runs, reused from the same folders. Below the table, each quantised row's gap to the float32 warm-up at the
 same seed (mean and 95% interval of the paired gaps), what decides whether it may become the
 default: within 0.5% of the float32 warm-up and within 1% of LAMB. Writes the section
 "warmup-quantised" (``-PRESET`` on another preset, ``-onebitadam`` for 1-bit Adam) of
@@ -24,25 +25,18 @@ from typing import Dict, List, Optional, Sequence
 from benchmarks import convergence
 from benchmarks.fidelity import mean_interval
 from benchmarks.report import command_line
-from benchmarks.variants import DEFAULT, LAMB, Variant, main_for
+from benchmarks.variants import DEFAULT, LAMB, Variant, main_for, with_warmup
 
 CODECS = ("int8", "int4")
-
-
-def _with_codecs(base: Variant, name: str, folder: str, codecs: Sequence[str] = CODECS) -> List[Variant]:
-    """``base`` (the float32 warm-up) and one row per codec, in folders of their own."""
-    return [base] + [Variant(convergence.Row(f"{name}, {codec} warm-up average", f"{folder}-{codec}warmup",
-                                             [*base.row.flags, "--warmup-dtype", codec])) for codec in codecs]
-
 
 _ADAM = Variant(convergence.ROWS[2])  # 1-bit Adam with the main job's defaults
 
 
 def rows(optimizer: str = "onebitlamb", codecs: Sequence[str] = CODECS) -> List[Variant]:
-    """LAMB, the optimizer's float32 warm-up (its main job's defaults) and one row per codec."""
-    if optimizer == "onebitadam":
-        return [LAMB, *_with_codecs(_ADAM, "1-bit Adam, automatic freeze", _ADAM.row.folder, codecs)]
-    return [LAMB, *_with_codecs(DEFAULT, "1-bit LAMB, automatic freeze", DEFAULT.row.folder, codecs)]
+    """LAMB, the optimizer with its warm-up averaged in float32, and in each codec (one of them, or
+    float32, the optimizer's default: the main job's runs)."""
+    base = _ADAM if optimizer == "onebitadam" else DEFAULT
+    return [LAMB, *(with_warmup(base, dtype) for dtype in ("float32", *codecs))]
 
 
 ONEBITLAMB, ONEBITADAM = rows("onebitlamb"), rows("onebitadam")
@@ -50,7 +44,7 @@ ONEBITLAMB, ONEBITADAM = rows("onebitlamb"), rows("onebitadam")
 
 def paired_to_float32(seeds: Sequence[int], variants: Sequence[Variant], results: Dict[tuple, dict]) -> str:
     """Each quantised row's held-out loss against the float32 warm-up's at the same seed."""
-    base = next(v for v in variants if v is not LAMB and "--warmup-dtype" not in v.row.flags)
+    base = next(v for v in variants if v is not LAMB)  # the float32 warm-up (rows())
     lines = ["Paired with the float32 warm-up at the same seed: the held-out loss's gap (mean of the "
              "per-seed gaps, 95% interval), the freeze steps, and the whole run's bytes against the float32 "
              "warm-up's.", "",

@@ -139,10 +139,11 @@ def test_a_missing_run_is_trained_and_an_interrupted_one_resumed(tmp_path, monke
          "--resume"],
     ]
     assert run_one("fresh", args, "cache")["final_eval_loss"] == 4.5 and len(started) == 2  # finished: reused
-    # a finished run of other settings (here a default changed since) is refused, not read back as this one's
-    with pytest.raises(RuntimeError, match=r"fresh holds a finished run with other settings.*'warmup_dtype': "
-                                           r"\('float32', 'int8'\)"):
-        run_one("fresh", [*args, "--warmup-dtype", "int8"], "cache")
+    # a finished run of other settings (as after a default changed) is refused, not read back as this one's
+    saved = run_config(args)["warmup_dtype"]
+    with pytest.raises(RuntimeError, match=rf"fresh holds a finished run with other settings.*'warmup_dtype': "
+                                           rf"\('{saved}', 'int4'\)"):
+        run_one("fresh", [*args, "--warmup-dtype", "int4"], "cache")
     assert len(started) == 2
 
 

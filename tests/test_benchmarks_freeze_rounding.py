@@ -8,10 +8,13 @@ def test_rows_are_lamb_the_default_and_the_default_with_other_rounding():
     assert plain[0] is LAMB
     assert [v.row.folder for v in plain] == ["lamb", "onebitlamb-auto", "onebitlamb-auto-threads2"]
     assert plain[2].row.flags == [*plain[1].row.flags, "--threads", "2"]
-    int8 = fr.rows("int8")
-    # the int8 warm-up's runs are the ones benchmarks.warmup_quantised makes, in the same folder
-    assert [v.row.folder for v in int8[1:]] == ["onebitlamb-auto-int8warmup", "onebitlamb-auto-int8warmup-threads2"]
-    assert int8[2].row.flags[-4:] == ["--warmup-dtype", "int8", "--threads", "2"]
+    # the default's warm-up is int8: asked for by name, the same runs
+    assert [v.row.folder for v in fr.rows("int8")] == [v.row.folder for v in plain]
+    float32 = fr.rows("float32")
+    # the float32 warm-up's runs are the ones benchmarks.warmup_quantised makes, in the same folder
+    assert [v.row.folder for v in float32[1:]] == ["onebitlamb-auto-float32warmup",
+                                                   "onebitlamb-auto-float32warmup-threads2"]
+    assert float32[2].row.flags[-4:] == ["--warmup-dtype", "float32", "--threads", "2"]
 
 
 def _results(variants, freezes):

@@ -6,14 +6,18 @@ from benchmarks.variants import LAMB
 
 
 def test_rows_are_lamb_the_float32_warmup_and_one_row_per_codec():
+    """The row of the optimizer's default warm-up is the main job's run (no flag, its folder); the
+    others name their warm-up."""
     lamb_rows = w.rows("onebitlamb", ["int8"])
     assert lamb_rows[0] is LAMB
-    assert [r.row.folder for r in lamb_rows] == ["lamb", "onebitlamb-auto", "onebitlamb-auto-int8warmup"]
-    assert lamb_rows[2].row.flags[-2:] == ["--warmup-dtype", "int8"]
+    assert [r.row.folder for r in lamb_rows] == ["lamb", "onebitlamb-auto-float32warmup", "onebitlamb-auto"]
+    assert lamb_rows[1].row.flags[-2:] == ["--warmup-dtype", "float32"]
+    assert "--warmup-dtype" not in lamb_rows[2].row.flags and lamb_rows[2].row.name.endswith("(default)")
     adam = w.rows("onebitadam")
     assert [r.row.folder for r in adam] == ["lamb", "onebitadam-auto", "onebitadam-auto-int8warmup",
                                            "onebitadam-auto-int4warmup"]
     assert "--optimizer" in adam[1].row.flags and "onebitadam" in adam[1].row.flags
+    assert "--warmup-dtype" not in adam[1].row.flags and adam[2].row.flags[-2:] == ["--warmup-dtype", "int8"]
 
 
 def test_the_paired_table_gives_each_codec_its_gap_to_the_float32_warmup_at_the_same_seed():

@@ -153,6 +153,30 @@ def test_zero_one_adam_takes_its_schedules_as_fractions_of_the_run():
     assert parser.parse_args(["--out", "a"]).optimizers == ["lamb", "onebitlamb", "onebitadam"]
 
 
+def test_the_warm_up_average_defaults_to_int8_for_1bit_lamb_where_it_can_run():
+    """int8 where it held against float32 (1-bit LAMB); float32 for the others, and wherever the
+    quantised average cannot run (buckets behind the backward, node groups), which a flag naming it
+    is refused with."""
+    assert cfg().warmup_dtype == "int8"
+    assert cfg(optimizer="onebitadam").warmup_dtype == "float32"
+    assert cfg(optimizer="zerooneadam").warmup_dtype == "float32"
+    assert cfg(optimizer="lamb").warmup_dtype == "float32"
+    assert cfg("--bucket-cap-mb", "1").warmup_dtype == "float32"
+    assert cfg("--local-size", "2").warmup_dtype == "float32"
+    assert cfg("--warmup-dtype", "bfloat16", "--local-size", "2").warmup_dtype == "bfloat16"
+    assert cfg("--warmup-dtype", "float32").warmup_dtype == "float32"
+    for flag, value in (("--bucket-cap-mb", "1"), ("--local-size", "2")):
+        with pytest.raises(config.SetupError, match=f"--warmup-dtype int4 cannot run with {flag}"):
+            cfg("--warmup-dtype", "int4", flag, value)
+        with pytest.raises(config.SetupError, match=f"--warmup-dtype int8 cannot run with {flag}"):
+            cfg("--warmup-dtype", "int8", flag, value, optimizer="onebitadam")
+    # LAMB reads no --warmup-dtype (its average is always float32): nothing to refuse
+    assert cfg("--warmup-dtype", "int8", "--local-size", "2", optimizer="lamb").local_size == 2
+    # a run saved before the setting existed averaged in float32
+    assert config.changed_settings(cfg("--warmup-dtype", "float32"), {
+        k: v for k, v in dataclasses.asdict(cfg("--warmup-dtype", "float32")).items() if k != "warmup_dtype"}) == {}
+
+
 @pytest.mark.parametrize("flag", ["--var-freeze", "--local-step-scaler"])
 @pytest.mark.parametrize("bad", ["0", "1.5", "-0.2", "nan"])
 def test_a_bad_zero_one_fraction_is_refused_by_name(flag, bad, capsys):
@@ -182,7 +206,9 @@ def test_resume_refuses_every_changed_setting_but_the_output_and_display():
     assert changed(["--var-update-scaler", "8"], [], optimizer="onebitadam") == set()
     assert changed(["--freeze", "0.35"], [], optimizer="zerooneadam") == set()  # read by the 1-bit optimizers only
     assert changed(["--var-freeze", "0.5"], [], optimizer="onebitlamb") == set()
-    assert set(config.changed_settings(cfg(), dataclasses.asdict(cfg(optimizer="lamb")))) == {"optimizer"}
+    # LAMB's average is float32; 1-bit LAMB's, by default, int8
+    assert set(config.changed_settings(cfg(), dataclasses.asdict(cfg(optimizer="lamb")))) == {"optimizer",
+                                                                                              "warmup_dtype"}
     assert changed(["--stage2-bound", "none"], []) == {"stage2_bound"}
     assert changed(["--stage2-bound", "none"], [], optimizer="zerooneadam") == {"stage2_bound"}
     assert changed(["--stage2-bound", "none"], [], optimizer="lamb") == set()  # LAMB has no stage 2

@@ -111,7 +111,7 @@ def _estimate_rows(argv, capsys):
 def test_estimate_command_gives_the_alpha_beta_steps_by_hand(capsys):
     # 2^20 parameters on 2 ranks at 10 Mbit/s, 100 ms compute, alpha 1 ms, frames 1514 B per 1448 B
     rows = _estimate_rows(["--params", "1048576", "--ranks", "2", "--rates", "10M", "--compute-ms", "100",
-                           "--alpha-ms", "1"], capsys)
+                           "--alpha-ms", "1", "--warmup-dtype", "float32"], capsys)
     beta = 8 * (1514 / 1448) / 10e6
     lamb = 0.1 + 0.001 + 4 * 2**20 * beta  # one ring all-reduce of 4d bytes: 2 (n-1)/n * 4d
     m = 2**20 // 16 + 4  # one message: D/(8n) sign bytes and a float32 scale
@@ -123,6 +123,22 @@ def test_estimate_command_gives_the_alpha_beta_steps_by_hand(capsys):
     assert float(row[4]) == pytest.approx(1e3 * onebit, abs=0.05)
     assert float(row[5].rstrip("x")) == pytest.approx(lamb / onebit, abs=0.005)
     assert float(row[6].rstrip("x")) == pytest.approx(lamb / (0.3 * lamb + 0.7 * onebit), abs=0.005)
+
+
+def test_estimates_default_warm_up_average_is_the_main_jobs(capsys):
+    """Without --warmup-dtype each exchange is priced with what `onebitlamb pretrain` sends: int8 over
+    the world group, float32 over node groups (--local-size), where the quantised average cannot run."""
+    from onebitlamb.train import config
+
+    assert costmodel.DEFAULT_WARMUP_DTYPE == config.DEFAULT_WARMUP_DTYPE["onebitlamb"]
+    assert config.TrainConfig(out="x").warmup_dtype == costmodel.DEFAULT_WARMUP_DTYPE
+    assert config.TrainConfig(out="x", local_size=2).warmup_dtype == "float32"
+    argv = ["--params", "1M", "--ranks", "4", "--ranks-per-node", "2", "--rates", "100M", "--compute-ms", "10"]
+    default = _estimate_rows(argv, capsys)
+    int8, float32 = (_estimate_rows([*argv, "--warmup-dtype", dtype], capsys) for dtype in ("int8", "float32"))
+    assert set(default) == {"world group", "node_groups(2)"} and set(int8) == {"world group"}
+    assert default["world group"] == int8["world group"] != float32["world group"]
+    assert default["node_groups(2)"] == float32["node_groups(2)"]
 
 
 def test_estimates_default_warm_up_is_autofreezes_floor_for_1bit_lamb():

@@ -20,11 +20,11 @@ def write_run(folder, stages, freeze_step):
 @pytest.fixture
 def runs(tmp_path):
     write_run(tmp_path / "lamb", ["warmup"] * 10, None)
-    write_run(tmp_path / "onebitlamb-auto", ["warmup"] * 3 + ["compression"] * 7, 3)
+    write_run(tmp_path / "onebitlamb-auto-float32warmup", ["warmup"] * 3 + ["compression"] * 7, 3)
     # 0/1 Adam frozen after step 4: its compression steps up to 4 are 1-bit steps, after it syncs
     write_run(tmp_path / "zerooneadam", ["warmup", "warmup", "compression", "warmup", "local", "compression",
                                          "local", "compression", "local", "compression"], 4)
-    write_run(tmp_path / "onebitlamb-auto-int8warmup", ["warmup"] * 2 + ["compression"] * 8, 2)
+    write_run(tmp_path / "onebitlamb-auto", ["warmup"] * 2 + ["compression"] * 8, 2)  # the default: int8
     write_run(tmp_path / "diloco-H16", (["local"] * 3 + ["sync"]) * 2 + ["local", "sync"], None)  # H 4, a last sync
     return tmp_path
 
@@ -41,13 +41,14 @@ def test_steps_by_kind_come_from_each_run_log(runs):
 
 
 def test_an_unfinished_run_has_no_schedule(runs):
-    (runs / "onebitlamb-auto-int8warmup" / "metrics.json").unlink()  # a run still writing its log
+    (runs / "onebitlamb-auto" / "metrics.json").unlink()  # a run still writing its log
     assert "onebitlamb-int8" not in network.load_schedules(str(runs), ["lamb", "onebitlamb-int8"])
 
 
 def test_the_new_rows_runs_are_the_benchmarks_that_write_them():
     folders = network.schedule_folders()
-    assert folders["onebitlamb-int8"] == "onebitlamb-auto-int8warmup"  # benchmarks.warmup_quantised
+    # benchmarks.warmup_quantised's: 1-bit LAMB's float32 warm-up, and the main job's default, int8
+    assert (folders["onebitlamb"], folders["onebitlamb-int8"]) == ("onebitlamb-auto-float32warmup", "onebitlamb-auto")
     assert folders["diloco"] == "diloco-H16"  # benchmarks.diloco at H 16, the paper's outer step
 
 

@@ -337,6 +337,9 @@ def _count(text: str) -> int:
 # AutoFreeze's floor for 1-bit LAMB (onebitlamb.optim.freeze; it freezes no earlier): this layer
 # cannot import the optimizers, so tests/test_netsim_costmodel.py checks the two agree.
 WARMUP_FRACTION = 0.3
+# the main job's warm-up average over the world group (onebitlamb.train.config.DEFAULT_WARMUP_DTYPE,
+# also checked by tests/test_netsim_costmodel.py)
+DEFAULT_WARMUP_DTYPE = "int8"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -353,10 +356,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-fraction", type=float, default=WARMUP_FRACTION,
                         help="share of the steps in the uncompressed warm-up (default %(default)s: the "
                              "earliest that AutoFreeze freezes 1-bit LAMB)")
-    parser.add_argument("--warmup-dtype", choices=WARMUP_DTYPES, default="float32",
+    parser.add_argument("--warmup-dtype", choices=WARMUP_DTYPES, default=None,
                         help="what the 1-bit warm-up's average sends, as the optimizers' warmup_dtype: a "
                              "float32 or bfloat16 all-reduce, or the int8/int4/int2 quantised average (an "
-                             "all-to-all and an all-gather; world group only) (default %(default)s)")
+                             "all-to-all and an all-gather; world group only) (default: the main job's, int8 "
+                             "over the world group and float32 over node_groups)")
     parser.add_argument("--alpha-ms", type=float, default=0.2,
                         help="fixed cost of one collective: time a one-element all-reduce (default %(default)s)")
     parser.add_argument("--codec-ms", type=float, default=0.0,
@@ -366,9 +370,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     L = args.ranks_per_node
-    # the optimizers refuse a quantised warm-up over node groups: that row is left out, and said so
-    quantised = isinstance(warmup_format(args.warmup_dtype), BlockwiseCodec)
-    exchanges = [("world group", False)] + ([(f"node_groups({L})", True)] if L > 1 and not quantised else [])
+    # the optimizers refuse a quantised warm-up over node groups: given one, that row is left out, and
+    # said so; by default each exchange has the main job's (onebitlamb pretrain --warmup-dtype)
+    given = args.warmup_dtype
+    quantised = given is not None and isinstance(warmup_format(given), BlockwiseCodec)
+    exchanges = [("world group", False, given or DEFAULT_WARMUP_DTYPE)]
+    if L > 1 and not quantised:
+        exchanges.append((f"node_groups({L})", True, given or "float32"))
     try:
         if args.params < 1:
             raise ValueError(f"--params must be >= 1, got {args.params}")
@@ -378,14 +386,15 @@ def run(args: argparse.Namespace) -> int:
         rows = [(rate, name, estimate(args.params, args.ranks, rate, args.compute_ms / 1e3, ranks_per_node=L,
                                       node_groups=hier, warmup_fraction=args.warmup_fraction,
                                       alpha_s=args.alpha_ms / 1e3, codec_s=args.codec_ms / 1e3,
-                                      warmup_dtype=args.warmup_dtype))
-                for rate in rates for name, hier in exchanges]
+                                      warmup_dtype=dtype))
+                for rate in rates for name, hier, dtype in exchanges]
     except ValueError as e:
         print(f"onebitlamb estimate: {e}", file=sys.stderr)
         return 2
     print(f"{args.params:,} parameters on {args.ranks} ranks ({args.ranks // L} node(s) of {L}), "
           f"{args.compute_ms:g} ms compute per step, alpha {args.alpha_ms:g} ms, "
-          f"{100 * args.warmup_fraction:g}% of the steps in the warm-up, warm-up average in {args.warmup_dtype}:\n")
+          f"{100 * args.warmup_fraction:g}% of the steps in the warm-up, warm-up average in "
+          f"{' and '.join(f'{dtype} over the {name}' for name, _, dtype in exchanges)}:\n")
     print("| link | 1-bit exchange over | LAMB step ms | 1-bit warm-up step ms | 1-bit compression step ms "
           "| step speed-up | whole-run speed-up | MB/step leaving a node: LAMB / 1-bit warm-up / 1-bit compression "
           "| whole-run bytes: LAMB / 1-bit |")

@@ -239,7 +239,8 @@ def format_table(runs: Dict[str, dict]) -> str:
     for name, r in rel.items():
         if "ideal_volume_reduction_fp32" in r:
             m = runs[name]
-            notes.append(f"{LABELS.get(name, name)}: warm-up {m['freeze_step']}/{m['steps']} steps uncompressed; "
+            dtype = m.get("config", {}).get("warmup_dtype", "float32")
+            notes.append(f"{LABELS.get(name, name)}: warm-up {m['freeze_step']}/{m['steps']} steps, its average in {dtype}; "
                          f"ideal whole-run reduction vs fp32 LAMB 1/(w r+(1-w)/32) = {r['ideal_volume_reduction_fp32']:.2f}x "
                          f"(r: the warm-up's bytes an element over float32's)")
     world = next(iter(runs.values())).get("world_size")

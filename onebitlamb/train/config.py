@@ -24,6 +24,15 @@ OPTIMIZERS = ("lamb", "onebitlamb", "onebitadam", "zerooneadam")
 COMPARED_BY_DEFAULT = ("lamb", "onebitlamb", "onebitadam")
 # the learning rate of each optimizer unless --lr is given (0/1 Adam: 1-bit Adam's, not measured for it)
 DEFAULT_LR = {"lamb": 2e-2, "onebitlamb": 2e-2, "onebitadam": 2e-3, "zerooneadam": 2e-3}
+# the warm-up's average of each optimizer unless --warmup-dtype is given: int8 where it held against
+# float32 paired by seed on the demo and b1024 (BENCHMARKS.md, "The warm-up's average quantised"),
+# float32 where that is not yet measured (1-bit Adam at one seed, 0/1 Adam not at all) and where the
+# quantised average cannot run (QUANTISED_CANNOT_RUN)
+DEFAULT_WARMUP_DTYPE = {"lamb": "float32", "onebitlamb": "int8", "onebitadam": "float32", "zerooneadam": "float32"}
+QUANTISED_WARMUP_DTYPES = ("int8", "int4", "int2")
+# the flags with which the quantised average cannot run: it needs the whole gradient before it
+# sends (no --bucket-cap-mb, which overlaps) and a flat group (no --local-size)
+QUANTISED_CANNOT_RUN = ("bucket_cap_mb", "local_size")
 # the flags only one optimizer reads: a resume of another ignores them, as LAMB ignores --freeze
 READ_ONLY_BY = {"freeze": ("onebitlamb", "onebitadam"), "var_freeze": ("zerooneadam",),
                 "var_update_scaler": ("zerooneadam",), "local_step_scaler": ("zerooneadam",),
@@ -31,7 +40,7 @@ READ_ONLY_BY = {"freeze": ("onebitlamb", "onebitadam"), "var_freeze": ("zeroonea
                 "warmup_dtype": ("onebitlamb", "onebitadam", "zerooneadam"),  # LAMB's average stays float32
                 "compression_space": ("onebitlamb", "zerooneadam"), "trust_ratio_after_freeze": ("onebitlamb",)}
 # settings added after runs were saved without them, at the value those runs had
-SAVED_BEFORE = {"stage2_bound": "none"}
+SAVED_BEFORE = {"stage2_bound": "none", "warmup_dtype": "float32"}
 
 PRESETS = {
     # for the tests: about a minute on 2 workers (most of it starting them and the corpus)
@@ -128,10 +137,12 @@ class TrainConfig:
     local_step_scaler: float = field(default=0.1, metadata={
         "help": "0/1 Adam: its local_step_scaler, the steps between two doublings of the local-step interval, as a "
                 "fraction of the steps (a guess, not yet measured)", "type": parse_fraction, "metavar": "FRACTION"})
-    warmup_dtype: str = field(default="float32", metadata={
+    warmup_dtype: Optional[str] = field(default=None, metadata={
         "help": "1-bit optimizers: the wire format of the warm-up's gradient average (bfloat16: half the bytes, "
-                "rounded; int8, int4, int2: blockwise codes with error feedback, 3.9x, 7.8x, 15x fewer bytes)",
-        "choices": ["float32", "bfloat16", "int8", "int4", "int2"]})
+                "rounded; int8, int4, int2: blockwise codes with error feedback, 3.9x, 7.8x, 15x fewer bytes; "
+                "default: int8 for 1-bit LAMB, float32 for 1-bit Adam and 0/1 Adam and with --bucket-cap-mb or "
+                "--local-size, where the quantised average cannot run)",
+        "choices": ["float32", "bfloat16", *QUANTISED_WARMUP_DTYPES]})
     compression_space: str = field(default="update", metadata={
         "help": "1-bit LAMB and 0/1 Adam: what the 1-bit all-reduce compresses: the update (Adam's direction, the "
                 "momentum over the variance's root) or the momentum (the papers' and DeepSpeed's)",
@@ -202,6 +213,9 @@ class TrainConfig:
                 raise SetupError(f"--{name.replace('_', '-')}: {exc}") from None
         if self.lr is None:
             self.lr = DEFAULT_LR[self.optimizer]
+        if self.warmup_dtype is None:
+            cannot = any(getattr(self, name) is not None for name in QUANTISED_CANNOT_RUN)
+            self.warmup_dtype = "float32" if cannot else DEFAULT_WARMUP_DTYPE[self.optimizer]
         self._check_values()
         if not self.cache_dir and self.out:
             self.cache_dir = os.path.join(self.out, "cache")
@@ -247,6 +261,13 @@ class TrainConfig:
             refuse("bucket_cap_mb", "> 0")
         if self.local_size is not None and self.local_size < 1:
             refuse("local_size", ">= 1")
+        if self.warmup_dtype in QUANTISED_WARMUP_DTYPES and self.optimizer != "lamb":
+            for name in QUANTISED_CANNOT_RUN:
+                if getattr(self, name) is not None:
+                    flag = "--" + name.replace("_", "-")
+                    raise SetupError(f"--warmup-dtype {self.warmup_dtype} cannot run with {flag}: the quantised "
+                                     f"warm-up average needs the whole gradient and a flat group; use "
+                                     f"--warmup-dtype float32 or bfloat16 with {flag}")
         if self.resume and self.overwrite:
             raise SetupError("--resume continues the run in OUT and --overwrite removes it: give one of them")
 

@@ -347,9 +347,10 @@ def _freeze_banner(optimizer) -> str:
     stats = freeze_stats(optimizer)
     if stats is None:
         return ""
+    until = f", the gradients averaged in {optimizer.exchange.wire.name} until then"
     if stats["floor_step"] == stats["cap_step"]:
-        return f", freeze at step {stats['cap_step']}"
-    return f", freeze automatically between steps {stats['floor_step']} and {stats['cap_step']}"
+        return f", freeze at step {stats['cap_step']}{until}"
+    return f", freeze automatically between steps {stats['floor_step']} and {stats['cap_step']}{until}"
 
 
 # ---- stopping on Ctrl-C / SIGTERM at a step boundary, all ranks together
