@@ -5,8 +5,8 @@
 
 The warm-up sends full gradients, so it dominates a run's bytes (a 33% warm-up: about 94% of
 them). bfloat16 halves them, as the paper's fp16 baseline does. Rows: LAMB and 1-bit LAMB with the
-main job's defaults but the warm-up average in float32, and 1-bit LAMB with it in bfloat16 (``--warmup-dtype bfloat16``: the optimizers'
-``warmup_dtype=torch.bfloat16``). Writes the "warmup-precision" section of BENCHMARKS.md. Run from
+main job's defaults but the warm-up average in float32, and 1-bit LAMB with it in bfloat16
+(``--warmup-dtype bfloat16``: the optimizers' ``warmup_dtype=torch.bfloat16``). Writes the "warmup-precision" section of BENCHMARKS.md. Run from
 the repository root. On ``b1024`` it writes the section "warmup-precision-b1024", both 1-bit LAMB
 rows with the paper's stage 2 (``--compression-space momentum``); with ``--without-lamb`` the LAMB
 runs are left out and the gaps are to the float32 warm-up at the same seed.

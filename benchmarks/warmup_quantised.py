@@ -10,8 +10,8 @@ average (``docs/algorithm.md``, "The warm-up's quantised average") sends blockwi
 feedback instead. Rows: LAMB, the optimizer with its warm-up averaged in float32, then in each
 quantised format; the row of the optimizer's default (int8 for 1-bit LAMB, float32 for 1-bit Adam:
 ``onebitlamb.train.config.DEFAULT_WARMUP_DTYPE``) is the main job's, the convergence benchmark's
-runs, reused from the same folders. Below the table, each quantised row's gap to the float32 warm-up at the
-same seed (mean and 95% interval of the paired gaps), what decides whether it may become the
+runs, reused from the same folders. Below the table, each quantised row's gap to the float32
+warm-up at the same seed (mean and 95% interval of the paired gaps), what decides whether it may become the
 default: within 0.5% of the float32 warm-up and within 1% of LAMB. Writes the section
 "warmup-quantised" (``-PRESET`` on another preset, ``-onebitadam`` for 1-bit Adam) of
 BENCHMARKS.md. Run from the repository root.
@@ -38,8 +38,6 @@ def rows(optimizer: str = "onebitlamb", codecs: Sequence[str] = CODECS) -> List[
     base = _ADAM if optimizer == "onebitadam" else DEFAULT
     return [LAMB, *(with_warmup(base, dtype) for dtype in ("float32", *codecs))]
 
-
-ONEBITLAMB, ONEBITADAM = rows("onebitlamb"), rows("onebitadam")
 
 
 def paired_to_float32(seeds: Sequence[int], variants: Sequence[Variant], results: Dict[tuple, dict]) -> str:
