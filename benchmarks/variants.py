@@ -105,6 +105,8 @@ def main_for(prog: str, doc: str, title: str, name: str, variants: Union[Sequenc
     parser.add_argument("--seeds", type=int, default=3, help=f"how many seeds, from {convergence.FIRST_SEED} up")
     parser.add_argument("--out", default=os.path.join("runs", "convergence"), help="the runs' folder")
     parser.add_argument("--no-write", action="store_true", help="print only; write no file")
+    parser.add_argument("--section", default=None,
+                        help=f"the section of BENCHMARKS.md to write (default: {name}, -PRESET on another preset)")
     if len(presets) > 1:
         parser.add_argument("--preset", choices=presets, default=presets[0], help="default: %(default)s")
         parser.add_argument("--without-lamb", action="store_true",
@@ -124,5 +126,5 @@ def main_for(prog: str, doc: str, title: str, name: str, variants: Union[Sequenc
         body += "\n\n" + more(seeds, variants, results)
     print("\n" + body)
     if not args.no_write:
-        write_section(name if preset == "demo" else f"{name}-{preset}", body)
+        write_section(args.section or (name if preset == "demo" else f"{name}-{preset}"), body)
     return 0

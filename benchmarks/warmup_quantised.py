@@ -1,9 +1,10 @@
-"""The warm-up's average quantised (``--warmup-dtype int8`` / ``int4``) against float32, paired by seed.
+"""The warm-up's average quantised (``--warmup-dtype int8`` / ``int4`` / ``int2``) against float32, paired by seed.
 
     python -m benchmarks.warmup_quantised --seeds 5                 # 1-bit LAMB on the demo
     python -m benchmarks.warmup_quantised --seeds 5 --codecs int8   # the int8 row alone
     python -m benchmarks.warmup_quantised --seeds 5 --optimizer onebitadam
     python -m benchmarks.warmup_quantised --seeds 3 --preset b1024
+    python -m benchmarks.warmup_quantised --seeds 1 --section warmup-quantised-fewer-bits  # where fewer bits stop holding
 
 The warm-up sends full gradients, so it carries most of a 1-bit run's bytes. The quantised
 average (``docs/algorithm.md``, "The warm-up's quantised average") sends blockwise codes with error
@@ -27,7 +28,7 @@ from benchmarks.fidelity import mean_interval
 from benchmarks.report import command_line
 from benchmarks.variants import DEFAULT, LAMB, Variant, main_for, with_warmup
 
-CODECS = ("int8", "int4")
+CODECS = ("int8", "int4", "int2")
 
 _ADAM = Variant(convergence.ROWS[2])  # 1-bit Adam with the main job's defaults
 

@@ -39,3 +39,17 @@ def test_where_the_gap_opens_compares_each_zero_one_row_with_one_bit_adam_seed_b
     assert "| row | step 50 | step 100 | step 150 | step 200 |" in body
     assert f"| {zero} | +5.0% / +0.0% | +10.0% / -10.0% | +4.2% / +0.0% | +5.0% / +0.0% |" in body
     assert f"| {adam} |" not in body and "freeze at step 80, 77" in body
+
+
+def test_main_for_writes_its_section_or_the_one_named(tmp_path, monkeypatch):
+    """A run at other settings (fewer seeds, other rows) goes into a section of its own with
+    --section, so that it does not overwrite the benchmark's own."""
+    written = []
+    monkeypatch.setattr(variants, "run_variants", lambda out, seeds, vs, preset: {
+        (s, v.row.name): {"final_eval_loss": 5.0, "bytes_sent_per_rank": 1000, "freeze_step": None} for s in seeds
+        for v in vs})
+    monkeypatch.setattr(variants, "write_section", lambda name, body: written.append(name))
+    rows = [variants.LAMB, variants.DEFAULT]
+    for argv in (["--seeds", "1"], ["--seeds", "1", "--section", "mine"], ["--seeds", "1", "--preset", "b1024"]):
+        assert variants.main_for("x", "", "T", "theirs", rows, argv, presets=("demo", "b1024")) == 0
+    assert written == ["theirs", "mine", "theirs-b1024"]

@@ -15,7 +15,7 @@ def test_rows_are_lamb_the_float32_warmup_and_one_row_per_codec():
     assert "--warmup-dtype" not in lamb_rows[2].row.flags and lamb_rows[2].row.name.endswith("(default)")
     adam = w.rows("onebitadam")
     assert [r.row.folder for r in adam] == ["lamb", "onebitadam-auto", "onebitadam-auto-int8warmup",
-                                           "onebitadam-auto-int4warmup"]
+                                           "onebitadam-auto-int4warmup", "onebitadam-auto-int2warmup"]
     assert "--optimizer" in adam[1].row.flags and "onebitadam" in adam[1].row.flags
     assert "--warmup-dtype" not in adam[1].row.flags and adam[2].row.flags[-2:] == ["--warmup-dtype", "int8"]
 
