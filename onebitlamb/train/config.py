@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
 import onebitlamb
+from onebitlamb.compression.blockwise import CODECS as QUANTISED_CODECS
+from onebitlamb.compression.wire import WIRE_FORMATS
 from onebitlamb.train import data
 from onebitlamb.train.model import ModelConfig
 
@@ -29,7 +31,6 @@ DEFAULT_LR = {"lamb": 2e-2, "onebitlamb": 2e-2, "onebitadam": 2e-3, "zerooneadam
 # float32 where that is not yet measured (1-bit Adam at one seed, 0/1 Adam not at all) and where the
 # quantised average cannot run (QUANTISED_CANNOT_RUN)
 DEFAULT_WARMUP_DTYPE = {"lamb": "float32", "onebitlamb": "int8", "onebitadam": "float32", "zerooneadam": "float32"}
-QUANTISED_WARMUP_DTYPES = ("int8", "int4", "int2")
 # the flags with which the quantised average cannot run: it needs the whole gradient before it
 # sends (no --bucket-cap-mb, which overlaps) and a flat group (no --local-size)
 QUANTISED_CANNOT_RUN = ("bucket_cap_mb", "local_size")
@@ -142,7 +143,7 @@ class TrainConfig:
                 "rounded; int8, int4, int2: blockwise codes with error feedback, 3.9x, 7.8x, 15x fewer bytes; "
                 "default: int8 for 1-bit LAMB, float32 for 1-bit Adam and 0/1 Adam and with --bucket-cap-mb or "
                 "--local-size, where the quantised average cannot run)",
-        "choices": ["float32", "bfloat16", *QUANTISED_WARMUP_DTYPES]})
+        "choices": [*WIRE_FORMATS, *QUANTISED_CODECS]})
     compression_space: str = field(default="update", metadata={
         "help": "1-bit LAMB and 0/1 Adam: what the 1-bit all-reduce compresses: the update (Adam's direction, the "
                 "momentum over the variance's root) or the momentum (the papers' and DeepSpeed's)",
@@ -261,7 +262,7 @@ class TrainConfig:
             refuse("bucket_cap_mb", "> 0")
         if self.local_size is not None and self.local_size < 1:
             refuse("local_size", ">= 1")
-        if self.warmup_dtype in QUANTISED_WARMUP_DTYPES and self.optimizer != "lamb":
+        if self.warmup_dtype in QUANTISED_CODECS and self.optimizer != "lamb":
             for name in QUANTISED_CANNOT_RUN:
                 if getattr(self, name) is not None:
                     flag = "--" + name.replace("_", "-")
