@@ -119,9 +119,12 @@ def main_for(prog: str, doc: str, title: str, name: str, variants: Union[Sequenc
         variants = [v for v in variants if v is not LAMB]
     seeds = seeds_from(args.seeds)
     results = run_variants(args.out, seeds, variants, preset)
-    # one heading per section: the demo's section keeps the bare title, another preset's names it
-    body = section(title if preset == "demo" else f"{title}: {preset}", command or command_line(argv), seeds, variants,
-                   results, note, preset)
+    # one heading per section: the demo's section keeps the bare title, another preset's or section's names it
+    if args.section:
+        title = f"{title}: {args.section}"
+    elif preset != "demo":
+        title = f"{title}: {preset}"
+    body = section(title, command or command_line(argv), seeds, variants, results, note, preset)
     if more is not None:
         body += "\n\n" + more(seeds, variants, results)
     print("\n" + body)

@@ -48,8 +48,9 @@ def test_main_for_writes_its_section_or_the_one_named(tmp_path, monkeypatch):
     monkeypatch.setattr(variants, "run_variants", lambda out, seeds, vs, preset: {
         (s, v.row.name): {"final_eval_loss": 5.0, "bytes_sent_per_rank": 1000, "freeze_step": None} for s in seeds
         for v in vs})
-    monkeypatch.setattr(variants, "write_section", lambda name, body: written.append(name))
+    monkeypatch.setattr(variants, "write_section", lambda name, body: written.append((name, body.splitlines()[0])))
     rows = [variants.LAMB, variants.DEFAULT]
     for argv in (["--seeds", "1"], ["--seeds", "1", "--section", "mine"], ["--seeds", "1", "--preset", "b1024"]):
         assert variants.main_for("x", "", "T", "theirs", rows, argv, presets=("demo", "b1024")) == 0
-    assert written == ["theirs", "mine", "theirs-b1024"]
+    # each under a heading of its own (BENCHMARKS.md holds one section per heading)
+    assert written == [("theirs", "## T"), ("mine", "## T: mine"), ("theirs-b1024", "## T: b1024")]
