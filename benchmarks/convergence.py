@@ -100,9 +100,7 @@ def run_one(folder: str, args: List[str], cache_dir: str, program: Sequence[str]
 def _check_finished_run(folder: str, args: List[str]) -> None:
     """Refuse a finished run read back for a command that would not give it: a default changed since
     (or a row's flags), which would otherwise put an old run's numbers under today's name."""
-    parser = argparse.ArgumentParser()
-    train_config.add_arguments(parser)
-    cfg = train_config.config_from_args(parser.parse_args([*args[1:], "--out", folder]))
+    cfg = train_config.config_from_flags([*args[1:], "--out", folder])
     with open(os.path.join(folder, "metrics.json")) as f:
         changed = train_config.changed_settings(cfg, json.load(f).get("config", {}))
     if changed:

@@ -6,7 +6,7 @@ A launch of ``onebitlamb pretrain --preset tiny`` starts a Python that imports t
 for 8 steps that take half a second. ``pretrain_on_ranks(*flags)`` does what the command does with
 the same flags, without those starts:
 
-- the flags are parsed as the command parses them (``config.add_arguments``, ``config_from_args``);
+- the flags are parsed as the command parses them (``config.config_from_flags``);
 - what the local launcher does before its workers start is done here, by the same code
   (``pretrain._started``: the settings checked, OUT held for the run's life, an earlier run refused
   or the checkpoint checked and the leftovers removed, the corpus prepared);
@@ -25,7 +25,6 @@ raised come back (the pool's output is not a test's captured stderr).
 """
 from __future__ import annotations
 
-import argparse
 import signal
 import warnings
 from typing import List, NamedTuple
@@ -41,9 +40,7 @@ class PoolRun(NamedTuple):
 
 def pretrain_config(*flags: str) -> config.TrainConfig:
     """The run ``onebitlamb pretrain *flags`` makes."""
-    parser = argparse.ArgumentParser()
-    config.add_arguments(parser)
-    return config.config_from_args(parser.parse_args(list(flags)))
+    return config.config_from_flags(flags)
 
 
 def pretrain_on_ranks(*flags: str, timeout_s: float = 300.0) -> PoolRun:

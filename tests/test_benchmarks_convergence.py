@@ -1,6 +1,5 @@
 """The convergence benchmark without training: its rows' commands, the reuse and resumption of runs,
 and the table it renders from metrics.json files written here by hand."""
-import argparse
 import dataclasses
 import json
 import sys
@@ -26,9 +25,7 @@ METRICS = {
 
 def run_config(args):
     """The config a run of ``onebitlamb ARGS`` records in its metrics.json."""
-    parser = argparse.ArgumentParser()
-    config.add_arguments(parser)
-    return dataclasses.asdict(config.config_from_args(parser.parse_args([*args[1:], "--out", "x"])))
+    return dataclasses.asdict(config.config_from_flags([*args[1:], "--out", "x"]))
 
 
 def write_metrics(folder, loss, freeze_step, sent, rounds=None, args=None):

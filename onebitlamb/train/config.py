@@ -13,7 +13,7 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Union
 
 import onebitlamb
 from onebitlamb.compression.blockwise import CODECS as QUANTISED_CODECS
@@ -262,7 +262,7 @@ class TrainConfig:
             refuse("bucket_cap_mb", "> 0")
         if self.local_size is not None and self.local_size < 1:
             refuse("local_size", ">= 1")
-        if self.warmup_dtype in QUANTISED_CODECS and self.optimizer != "lamb":
+        if self.warmup_dtype in QUANTISED_CODECS and self.optimizer in READ_ONLY_BY["warmup_dtype"]:
             for name in QUANTISED_CANNOT_RUN:
                 if getattr(self, name) is not None:
                     flag = "--" + name.replace("_", "-")
@@ -350,6 +350,13 @@ def config_from_args(args: argparse.Namespace, optimizer: Optional[str] = None,
     if out is not None:
         values["out"] = out
     return TrainConfig(**values)
+
+
+def config_from_flags(flags: Sequence[str]) -> TrainConfig:
+    """The run ``onebitlamb pretrain FLAGS`` asks for, its flags parsed as the command parses them."""
+    parser = argparse.ArgumentParser(prog="onebitlamb pretrain")
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(list(flags)))
 
 
 def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
