@@ -23,6 +23,9 @@ class Variant(NamedTuple):
 
 
 LAMB, DEFAULT = Variant(convergence.ROWS[0]), Variant(convergence.ROWS[1])
+ONE_BIT_ADAM = Variant(convergence.ROWS[2])  # 1-bit Adam with the main job's defaults
+# the optimizer (``--optimizer``) an experiment on the default 1-bit run may take instead
+DEFAULT_OF = {"onebitlamb": DEFAULT, "onebitadam": ONE_BIT_ADAM}
 
 
 def with_warmup(base: Variant, dtype: str) -> Variant:

@@ -23,21 +23,16 @@ import argparse
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from benchmarks import convergence
 from benchmarks.fidelity import mean_interval
 from benchmarks.report import command_line
-from benchmarks.variants import DEFAULT, LAMB, Variant, main_for, with_warmup
+from benchmarks.variants import DEFAULT_OF, LAMB, Variant, main_for, with_warmup
 
 CODECS = ("int8", "int4", "int2")
-
-_ADAM = Variant(convergence.ROWS[2])  # 1-bit Adam with the main job's defaults
-
 
 def rows(optimizer: str = "onebitlamb", codecs: Sequence[str] = CODECS) -> List[Variant]:
     """LAMB, the optimizer with its warm-up averaged in float32, and in each codec (one of them, or
     float32, the optimizer's default: the main job's runs)."""
-    base = _ADAM if optimizer == "onebitadam" else DEFAULT
-    return [LAMB, *(with_warmup(base, dtype) for dtype in ("float32", *codecs))]
+    return [LAMB, *(with_warmup(DEFAULT_OF[optimizer], dtype) for dtype in ("float32", *codecs))]
 
 
 
@@ -70,7 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = command_line(argv)
     # this module's own options, before the experiments' common ones (main_for)
     mine = argparse.ArgumentParser(add_help=False)
-    mine.add_argument("--optimizer", choices=("onebitlamb", "onebitadam"), default="onebitlamb")
+    mine.add_argument("--optimizer", choices=tuple(DEFAULT_OF), default="onebitlamb")
     mine.add_argument("--codecs", nargs="+", choices=CODECS, default=list(CODECS))
     own, argv = mine.parse_known_args(argv)
     adam = own.optimizer == "onebitadam"

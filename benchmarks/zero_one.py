@@ -32,7 +32,7 @@ from typing import Dict, Optional, Sequence
 
 from benchmarks import convergence
 from benchmarks.report import table_row
-from benchmarks.variants import DEFAULT, LAMB, Variant, main_for
+from benchmarks.variants import DEFAULT, LAMB, ONE_BIT_ADAM, Variant, main_for
 
 ZERO_ONE = Variant(next(row for row in convergence.ROWS if row.folder == "zerooneadam"))
 DEEPSPEED_RULE = Variant(convergence.Row("0/1 Adam, DeepSpeed's 1-bit steps (the gradient)", "zerooneadam-momentum",
@@ -58,7 +58,6 @@ DENSER_BF16_SYNCED = Variant(convergence.Row("0/1 Adam, var_update_scaler 32, bf
                                              "freeze", "zerooneadam-scaler32-bf16-synced",
                                              [*DENSER_BF16.row.flags, "--local-step-scaler", "1.0"]))
 # the same update rule with a dense warm-up until its automatic freeze: where 0/1 Adam parts from it
-ONE_BIT_ADAM = Variant(next(row for row in convergence.ROWS if row.folder == "onebitadam-auto"))
 VARIANTS = [LAMB, DEFAULT, ONE_BIT_ADAM, ZERO_ONE, DEEPSPEED_RULE, SPARSER, BF16_VARIANCE, HALF_LR, DENSER_BF16,
             DENSER_BF16_SYNCED]
 # on b1024 only the variant that held on the demo, beside the convergence benchmark's runs

@@ -33,3 +33,13 @@ def test_the_table_gives_each_seeds_move_and_whether_the_bound_holds():
     assert "steps 154-170" in table and "at most 5 steps (the bound of 5 holds)" in table
     failed = fr.moved([1, 2], variants, _results(variants, {1: (154, 160), 2: (170, 170)}))
     assert "at most 6 steps (the bound of 5 does not hold)" in failed
+
+
+def test_one_bit_adams_rows_are_its_default_runs_and_their_rerun():
+    adam = fr.rows(optimizer="onebitadam")
+    # 1-bit Adam's default runs are the convergence benchmark's, in the folder warmup_quantised reads too
+    assert [v.row.folder for v in adam] == ["lamb", "onebitadam-auto", "onebitadam-auto-threads2"]
+    assert adam[1].row.flags[:2] == ["--optimizer", "onebitadam"]
+    assert adam[2].row.flags == [*adam[1].row.flags, "--threads", "2"]
+    assert [v.row.folder for v in fr.rows("int8", "onebitadam")[1:]] == [
+        "onebitadam-auto-int8warmup", "onebitadam-auto-int8warmup-threads2"]
