@@ -88,7 +88,7 @@ def section(title: str, command: str, seeds: Sequence[int], variants: Sequence[V
         ratio = statistics.mean(m["bytes_sent_per_rank"] for m in lamb) / statistics.mean(
             m["bytes_sent_per_rank"] for m in runs)
         spread = f" ± {statistics.stdev(losses):.3f}" if len(losses) > 1 else ""
-        gap = ("-" if v is variants[0] else
+        gap = ("-" if v is variants[0] else f"{gaps[0]:+.2f}%" if len(gaps) == 1 else
                f"{statistics.mean(gaps):+.2f}% (from {min(gaps):+.2f}% to {max(gaps):+.2f}%)")
         lines.append(table_row([v.row.name, f"{statistics.mean(losses):.3f}{spread}", gap,
                                 ", ".join(str(m["freeze_step"]) for m in runs) if v is not LAMB else "-",

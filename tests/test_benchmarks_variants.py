@@ -17,6 +17,9 @@ def test_the_section_pairs_each_seed_with_lamb_and_counts_rounds():
     # gaps: 4.9 / 5.0 - 1 = -2% and 5.1 / 5.1 - 1 = 0%, mean -1%
     assert rows[default] == f"| {default} | 5.000 ± 0.141 | -1.00% (from -2.00% to +0.00%) | 150, 151 | 4.00x | 905 |"
     assert rows[lamb].endswith("| - | 1.00x | 512 |")
+    # one seed: its gap, with no range around it
+    one = variants.section("T", "cmd", [1234], [variants.LAMB, variants.DEFAULT], results)
+    assert f"| {default} | 4.900 | -2.00% | 150 |" in one
     # a run from before rounds were counted has none
     del results[1235, default]["rounds_per_rank"]
     body = variants.section("T", "cmd", [1234, 1235], [variants.LAMB, variants.DEFAULT], results)
