@@ -28,8 +28,8 @@ COMPARED_BY_DEFAULT = ("lamb", "onebitlamb", "onebitadam")
 DEFAULT_LR = {"lamb": 2e-2, "onebitlamb": 2e-2, "onebitadam": 2e-3, "zerooneadam": 2e-3}
 # the warm-up's average of each optimizer unless --warmup-dtype is given: int8 where it held against
 # float32 paired by seed on the demo and b1024 (BENCHMARKS.md, "The warm-up's average quantised"),
-# float32 where that is not yet measured (1-bit Adam at one seed, 0/1 Adam not at all) and where the
-# quantised average cannot run (QUANTISED_CANNOT_RUN)
+# float32 where it did not hold (1-bit Adam: 0.70% behind over 5 demo seeds), where it is not measured
+# (0/1 Adam) and where the quantised average cannot run (QUANTISED_CANNOT_RUN)
 DEFAULT_WARMUP_DTYPE = {"lamb": "float32", "onebitlamb": "int8", "onebitadam": "float32", "zerooneadam": "float32"}
 # the flags with which the quantised average cannot run: it needs the whole gradient before it
 # sends (no --bucket-cap-mb, which overlaps) and a flat group (no --local-size)
