@@ -5,10 +5,10 @@ another order of float sums (issue 61).
     python -m benchmarks.freeze_rounding --seeds 5 --warmup-dtype float32  # with the float32 warm-up
     python -m benchmarks.freeze_rounding --seeds 5 --optimizer onebitadam  # 1-bit Adam's default
 
-Rows: LAMB, the main job's default 1-bit LAMB (or 1-bit Adam) (the convergence benchmark's runs, reused from the
-same folders) and the same run with ``--threads 2``: each worker then sums its matrix products in
-another order, and nothing else changes (``benchmarks.fidelity --rounding`` reruns the first seed
-the same way, into the same folders). Another machine of the same kind changes the rounding the
+Rows: LAMB, the main job's default 1-bit LAMB or, with ``--optimizer onebitadam``, 1-bit Adam (the
+convergence benchmark's runs, reused from the same folders) and the same run with ``--threads 2``:
+each worker then sums its matrix products in another order, and nothing else changes
+(``benchmarks.fidelity --rounding`` reruns the first seed the same way, into the same folders). Another machine of the same kind changes the rounding the
 same way: at seed 1234 one without AVX-512 froze the demo at step 209 instead of 170 before the
 freeze waited for its trust ratios with a tolerance.
 

@@ -29,11 +29,11 @@ from benchmarks.variants import DEFAULT_OF, LAMB, Variant, main_for, with_warmup
 
 CODECS = ("int8", "int4", "int2")
 
+
 def rows(optimizer: str = "onebitlamb", codecs: Sequence[str] = CODECS) -> List[Variant]:
     """LAMB, the optimizer with its warm-up averaged in float32, and in each codec (one of them, or
     float32, the optimizer's default: the main job's runs)."""
     return [LAMB, *(with_warmup(DEFAULT_OF[optimizer], dtype) for dtype in ("float32", *codecs))]
-
 
 
 def paired_to_float32(seeds: Sequence[int], variants: Sequence[Variant], results: Dict[tuple, dict]) -> str:
