@@ -209,10 +209,7 @@ def run_copy(stopped_run, tmp_path, common):
     shutil.copytree(stopped_run, out)
     with open(out / "checkpoint.json") as f:
         pointer = json.load(f)
-    args = argparse.ArgumentParser()
-    config.add_arguments(args)
-    cfg = config.config_from_args(args.parse_args([*common, "--optimizer", "onebitlamb", "--out", str(out),
-                                                   "--resume"]))
+    cfg = config.config_from_flags([*common, "--optimizer", "onebitlamb", "--out", str(out), "--resume"])
     return out, pointer, cfg
 
 
