@@ -50,13 +50,6 @@ def check_param_groups(owner: str, param_groups: Sequence[Dict[str, Any]], defau
                 raise ValueError(f"a parameter of shape {tuple(p.shape)} is given to {owner} twice (param group "
                                  f"{index}): it would move twice per step")
             seen.add(id(p))
-            if _is_sharded(p):
-                raise ValueError(f"{owner} got a sharded parameter ({type(p).__name__} of shape {tuple(p.shape)}, "
-                                 f"as FSDP2's fully_shard makes): FSDP all-gathers the parameters twice a step and "
-                                 f"reduce-scatters the gradients itself, so a 1-bit exchange could replace at most "
-                                 f"a third of its traffic (BENCHMARKS.md, 'Sharded training'). Keep every "
-                                 f"parameter whole on every rank and wrap the model in DistributedDataParallel "
-                                 f"with onebitlamb.register_ddp")
             if p.dtype not in SUPPORTED_DTYPES:
                 raise ValueError(f"{owner} supports float32, bfloat16 and float16 parameters, got {p.dtype} "
                                  f"(shape {tuple(p.shape)}); its state is float32")
@@ -79,14 +72,6 @@ def _check_betas(owner: str, index: int, betas: Any, first: Any, defaults: Tuple
         raise ValueError(f"beta1={beta1!r} in param group {index}, {first[0]!r} in param group 0: {owner} keeps "
                          f"one momentum for all groups, so beta1 may change during training but must be the same "
                          f"in every group (for OneCycleLR: one max_momentum and one base_momentum)")
-
-
-def _is_sharded(p: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without DTensor has no FSDP2 either
-        return False
-    return isinstance(p, DTensor)
 
 
 def trainable(param_groups: Sequence[Dict[str, Any]]) -> List[torch.Tensor]:

@@ -180,8 +180,9 @@ def fresh_variance_statistics_(v_fresh: torch.Tensor, m: torch.Tensor, m_prev: t
 
 
 def segment_max(flat: torch.Tensor, views_of: List[slice]) -> torch.Tensor:
-    """Maximum of each slice of ``flat`` (one per layer), as a float32 vector."""
-    return torch.stack([flat[s].max() for s in views_of]).to(torch.float32)
+    """Maximum of each slice of ``flat`` (one per layer), as a float32 vector; 0 for an empty slice
+    (a rank's empty shard of a layer: the values maximised here are ratios, all positive)."""
+    return torch.stack([flat[s].max() if s.stop > s.start else flat.new_zeros(()) for s in views_of]).to(torch.float32)
 
 
 def settled(spread: Optional[float], tolerance: float) -> bool:

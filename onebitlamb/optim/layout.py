@@ -18,6 +18,7 @@ import torch
 
 from onebitlamb.comm import padded_size, quantized_error_sizes
 from onebitlamb.optim import functional as F
+from onebitlamb.optim.sharding import Shards, local
 
 
 @dataclass
@@ -29,26 +30,50 @@ class FlatLayout:
     offsets: torch.Tensor  # the layers' bounds, int64 on the CPU (the compiled loop reads them)
     numel: int
     device: torch.device
+    # sharded parameters (FSDP2, ``sharding.py``): the slices hold this rank's shards, ``numels``
+    # their sizes, ``whole_numels`` the whole layers'; per-layer statistics reduce over ``shards``
+    shards: Optional[Shards] = None
+    whole_numels: Optional[List[int]] = None
 
     @classmethod
-    def of(cls, param_groups: Sequence[Dict[str, Any]]) -> "FlatLayout":
+    def of(cls, param_groups: Sequence[Dict[str, Any]], shards: Optional[Shards] = None) -> "FlatLayout":
         params, groups = [], []
         for gi, g in enumerate(param_groups):
             for p in g["params"]:
+                # a sharded parameter counts by its whole size: a rank whose shard of it is empty
+                # still has the layer, so every rank of the shard group has the same layers
                 if p.requires_grad and p.numel() > 0:
                     params.append(p)
                     groups.append(gi)
-        numels = [p.numel() for p in params]
+        numels = [local(p).numel() for p in params]
         offsets = [0]
         for n in numels:
             offsets.append(offsets[-1] + n)
-        devices = {p.device for p in params}
+        devices = {local(p).device for p in params}
         if len(devices) > 1:
             raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
         return cls(params=params, groups=groups, numels=numels,
                    slices=[slice(offsets[i], offsets[i + 1]) for i in range(len(params))],
                    offsets=torch.tensor(offsets, dtype=torch.int64), numel=offsets[-1],
-                   device=params[0].device if params else torch.device("cpu"))
+                   device=local(params[0]).device if params else torch.device("cpu"),
+                   shards=shards, whole_numels=[p.numel() for p in params])
+
+    @property
+    def tensors(self) -> List[torch.Tensor]:
+        """What the flat layout holds of each parameter: the parameter, or this rank's shard of it."""
+        return [local(p) for p in self.params]
+
+    @property
+    def spans_shards(self) -> bool:
+        """Whether per-layer statistics must be reduced over a shard group (more than one shard)."""
+        return self.shards is not None and self.shards.size > 1
+
+    def whole(self, norms: Sequence[torch.Tensor] = (), maxima: Sequence[torch.Tensor] = ()) -> List[torch.Tensor]:
+        """Per-layer norms and maxima of this rank's shards as the whole layers' (``Shards.whole``:
+        one small collective inside the node); as they are when the layers are whole here."""
+        if not self.spans_shards:
+            return [*norms, *maxima]
+        return self.shards.whole(norms, maxima)
 
     def per_layer(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=self.device)
@@ -60,12 +85,17 @@ class FlatLayout:
         """A per-group hyper-parameter expanded to one value per layer."""
         return self.per_layer([float(param_groups[gi][key]) for gi in self.groups])
 
-    def norms(self, flat: torch.Tensor) -> torch.Tensor:
-        """Each layer's Euclidean norm of a flat buffer."""
+    def local_norms(self, flat: torch.Tensor) -> torch.Tensor:
+        """Each layer's Euclidean norm of a flat buffer, over this rank's shard of it (``whole`` makes
+        it the whole layer's)."""
         return F.norms([flat[s] for s in self.slices])
 
+    def norms(self, flat: torch.Tensor) -> torch.Tensor:
+        """Each (whole) layer's Euclidean norm of a flat buffer."""
+        return self.whole([self.local_norms(flat)])[0]
+
     def param_norms(self) -> torch.Tensor:
-        return F.norms(self.params)
+        return self.whole([F.norms(self.tensors)])[0]
 
     def params_in(self, start: int, end: int) -> List[Tuple[torch.Tensor, slice]]:
         """The parameters (with their slices) whose elements begin in ``start:end``: a bucket's,
@@ -82,11 +112,11 @@ class FlatLayout:
                 raise ValueError(f"{owner} does not support sparse gradients (parameter of shape "
                                  f"{tuple(p.shape)}); use a dense embedding")
             else:
-                out[s].copy_(p.grad.reshape(-1))
+                out[s].copy_(local(p.grad).reshape(-1))
         return out
 
     def add_weight_decay_(self, update: torch.Tensor, param_groups: Sequence[Dict[str, Any]]) -> None:
-        for p, s, gi in zip(self.params, self.slices, self.groups):
+        for p, s, gi in zip(self.tensors, self.slices, self.groups):
             wd = param_groups[gi]["weight_decay"]
             if wd != 0:
                 update[s].add_(p.reshape(-1), alpha=wd)
@@ -94,7 +124,7 @@ class FlatLayout:
     def decayed_update_norms(self, update: torch.Tensor, plain_norms: torch.Tensor,
                              param_groups: Sequence[Dict[str, Any]]) -> torch.Tensor:
         """The update's norms after weight decay, given those before: only the layers with weight
-        decay changed (biases and LayerNorms usually have none)."""
+        decay changed (biases and LayerNorms usually have none). Of this rank's shards, as given."""
         decayed = [i for i, gi in enumerate(self.groups) if param_groups[gi]["weight_decay"] != 0]
         if not decayed:
             return plain_norms
@@ -104,7 +134,7 @@ class FlatLayout:
 
     def apply_(self, update: torch.Tensor, coeff: torch.Tensor, param_groups: Sequence[Dict[str, Any]]) -> None:
         """``x -= lr * coeff * u`` per layer, with each group's learning rate."""
-        for p, s, gi, c in zip(self.params, self.slices, self.groups, coeff.tolist()):
+        for p, s, gi, c in zip(self.tensors, self.slices, self.groups, coeff.tolist()):
             step_size = param_groups[gi]["lr"] * c
             u = update[s].view(p.shape)
             if p.dtype == torch.float32:
@@ -116,12 +146,12 @@ class FlatLayout:
     def assign_(self, values: torch.Tensor) -> None:
         """Every parameter set to its slice of the flat float32 ``values`` (rounded once to a
         low-precision parameter's dtype)."""
-        for p, s in zip(self.params, self.slices):
+        for p, s in zip(self.tensors, self.slices):
             p.copy_(values[s].view(p.shape))
 
     def gather_params(self, out: torch.Tensor) -> torch.Tensor:
         """The parameters in the flat layout, as float32."""
-        for p, s in zip(self.params, self.slices):
+        for p, s in zip(self.tensors, self.slices):
             out[s].copy_(p.detach().reshape(-1))
         return out
 

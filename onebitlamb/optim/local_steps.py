@@ -26,6 +26,11 @@ class LocalSteps(Phase):
     """The local-step phase (see the module's docstring). It begins at the end of the variance
     phase, with the variance frozen and bias-corrected by that phase's count of its updates."""
 
+    takes_sharded_parameters = False
+    not_sharded_because = ("its local steps leave each replica's parameters its own between syncs, while FSDP2 and "
+                           "torch.distributed.checkpoint keep one copy of each shard for every replica (a checkpoint "
+                           "between syncs would lose the other replicas' parameters); use OneBitLamb or OneBitAdam")
+
     # ------------------------------------------------------------------ state
     def init_state(self, opt: PhaseHost, layout: FlatLayout) -> None:
         """The phase's entries, present from the start (DCP loads into a template of the same
@@ -86,7 +91,7 @@ class LocalSteps(Phase):
         sent = flat["exp_avg"]
         if opt._compresses_update():
             sent = sent / opt._frozen_denominators()[0]
-        flat["momentum_scale"] = F.momentum_scales(lay.norms(sent) * rates, lay.per_layer(lay.numels))
+        flat["momentum_scale"] = F.momentum_scales(lay.norms(sent) * rates, lay.per_layer(lay.whole_numels))
         for key in ("worker_error", "server_error"):
             if key in flat:
                 flat[key].zero_()

@@ -65,6 +65,10 @@ class Phase:
     # whether this phase's steps may run the 1-bit all-reduce from its first step, so that the
     # compression errors exist from the start of the run (0/1 Adam), not from the freeze
     compresses_from_start = False
+    # whether the phase works on FSDP2's shards (``sharding.py``): every step's update from what is
+    # alike on every replica, per-layer statistics through the layout
+    takes_sharded_parameters = True
+    not_sharded_because = ""
 
     def __repr__(self) -> str:  # the settings: part of what the ranks agree on, and of a test's view
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
@@ -156,8 +160,8 @@ class Warmup(Phase):
         F.adam_direction(flat["exp_avg"], den, bc1, out=update)
         lay.add_weight_decay_(update, opt.param_groups)
         if self.trust_ratio:
-            coeff, defined = F.trust_ratios(lay.param_norms(), lay.norms(update),
-                                            defaults["min_coeff"], defaults["max_coeff"])
+            param_norms, update_norms = lay.whole([F.norms(lay.tensors), lay.local_norms(update)])
+            coeff, defined = F.trust_ratios(param_norms, update_norms, defaults["min_coeff"], defaults["max_coeff"])
             if self.schedule is not None:  # the running average becomes the frozen coefficient
                 F.update_ema_(flat["coeff_ema"], flat["coeff_ema_count"], coeff, defined, defaults["coeff_beta"])
         else:
@@ -222,7 +226,7 @@ class OneBitMomentum(Phase):
         sent = flat["exp_avg"]
         if opt._compresses_update():  # the layers' scales are those of what is sent: m / den
             sent = sent / opt._frozen_denominators()[0]
-        flat["momentum_scale"] = F.momentum_scales(lay.norms(sent), lay.per_layer(lay.numels))
+        flat["momentum_scale"] = F.momentum_scales(lay.norms(sent), lay.per_layer(lay.whole_numels))
         opt.exchange.new_error_buffers(flat, lay.device)
 
     def payload(self, opt: PhaseHost, b: Bucket, out: torch.Tensor) -> None:
@@ -257,9 +261,11 @@ class OneBitMomentum(Phase):
                 flat["exp_avg_sq_fresh"], m, m_prev, den, inverse_den, bc1, bc2, beta1, beta2,
                 defaults["eps"], lay.slices, lay.offsets, update, scratch=opt._scratch.buffer("ratio", d))
             if opt._bound_direction_(update):
-                plain_norms = lay.norms(update)
+                plain_norms = lay.local_norms(update)
             lay.add_weight_decay_(update, opt.param_groups)
             update_norms = lay.decayed_update_norms(update, plain_norms, opt.param_groups)
+            # of this rank's shards so far: the whole layers' in one reduction (nothing when whole)
+            plain_norms, update_norms, max_ratio = lay.whole([plain_norms, update_norms], [max_ratio])
             factor = F.scaling_factors(max_ratio, plain_norms, update_norms,
                                        lay.hyper(opt.param_groups, "weight_decay"), flat["prev_factor"],
                                        defaults["factor_min"], defaults["factor_max"], defaults["factor_threshold"])
@@ -270,7 +276,7 @@ class OneBitMomentum(Phase):
             opt._bound_direction_(update)
             lay.add_weight_decay_(update, opt.param_groups)
             if self.rule == "live":  # LAMB's own ratio, on the exchanged momentum and the frozen variance
-                coeff, _ = F.trust_ratios(lay.param_norms(), lay.norms(update), defaults["min_coeff"],
-                                          defaults["max_coeff"])
+                param_norms, update_norms = lay.whole([F.norms(lay.tensors), lay.local_norms(update)])
+                coeff, _ = F.trust_ratios(param_norms, update_norms, defaults["min_coeff"], defaults["max_coeff"])
         opt._apply_(update, coeff)
 

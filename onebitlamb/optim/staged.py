@@ -23,11 +23,12 @@ from torch.optim import Optimizer
 from onebitlamb.comm import CommStats, rank_of, spanning_group, world_size_of
 from onebitlamb.optim import functional as F
 from onebitlamb.optim.checks import (agree_on_setup, check_finite_nonneg, check_layout_unchanged, check_param_groups,
-                                     check_resumed_parameters, parameter_checksum)
+                                     check_resumed_parameters, parameter_checksum, trainable)
 from onebitlamb.optim.exchange import Exchange, ProcessGroupLike
 from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, check_loaded_state, check_saved_by, new_flat_state
 from onebitlamb.optim.phases import COMPRESSION, LOCAL, WARMUP, OneBitMomentum, Phase  # noqa: F401 (re-exported)
-from onebitlamb.optim.state_format import PARAMETERS, beside, split_state, to_saved
+from onebitlamb.optim.sharding import Shards
+from onebitlamb.optim.state_format import PARAMETERS, beside, shard_wrapped, split_state, to_saved
 
 # The settings that change the numbers and are checked on load, as states saved before they were
 # options had them: the exchange's, and what the 1-bit optimizers compress.
@@ -88,6 +89,7 @@ class StagedOptimizer(Optimizer):
     # GradScaler.step then calls step(grad_scaler=scaler) instead of skipping it on the ranks whose
     # own gradient overflowed: every rank enters the step's collectives, and the skip is agreed
     _step_supports_amp_scaling = True
+    _shards: Optional[Shards] = None  # (a copy pickled before sharding existed)
 
     def __init__(self, params: Iterable, defaults: Dict[str, Any], phases: Sequence[Phase],
                  process_group: ProcessGroupLike, overlap_with_backward: bool, agree_every: Optional[int] = None,
@@ -97,6 +99,10 @@ class StagedOptimizer(Optimizer):
         if not 1 <= len(phases) <= 2:
             raise ValueError(f"{type(self).__name__}: one or two phases (before and after a freeze), got {phases!r}")
         self._phases: Tuple[Phase, ...] = tuple(phases)
+        # FSDP2-sharded parameters (HSDP): the state and the exchange are this rank's shards'
+        self._shards = Shards.of(type(self).__name__, trainable(self.param_groups))
+        if self._shards is not None:
+            self._check_sharded_setup(process_group, overlap_with_backward)
         self.exchange = Exchange(type(self).__name__, process_group, warmup_dtype=defaults["warmup_dtype"],
                                  bucket_cap_mb=defaults["bucket_cap_mb"], overlap_with_backward=overlap_with_backward,
                                  agree_every=agree_every, fused=fused,
@@ -112,7 +118,27 @@ class StagedOptimizer(Optimizer):
         # the state exists from the start, like the layout it follows, so that a state dict taken
         # before the first step is a complete template (DCP loads into one); rebuilt at the first
         # step if the parameters changed until then
-        self._new_state(FlatLayout.of(self.param_groups))
+        self._new_state(FlatLayout.of(self.param_groups, self._shards))
+
+    def _check_sharded_setup(self, process_group: ProcessGroupLike, overlap_with_backward: bool) -> None:
+        """What sharded parameters cannot be combined with, named at construction."""
+        owner = type(self).__name__
+        if not isinstance(process_group, (dist.ProcessGroup, type(None))):
+            raise ValueError(f"{owner} over sharded parameters takes a plain process group, the replicate group "
+                             f"(mesh['replicate'].get_group()), not {type(process_group).__name__}: FSDP already "
+                             f"keeps the traffic inside a node on the shard group")
+        if overlap_with_backward:
+            raise ValueError(f"{owner}: overlap_with_backward=True with sharded parameters; FSDP2 produces each "
+                             f"shard's gradient behind its own reduce-scatter, so the exchange runs in step()")
+        if not self._phases[-1].takes_sharded_parameters:
+            raise ValueError(f"{owner} does not take sharded parameters: {self._phases[-1].not_sharded_because}")
+        self._shards.check_replicas(owner, process_group)
+
+    @property
+    def shard_comm_stats(self) -> Optional[CommStats]:
+        """With sharded parameters (HSDP), what the per-layer reductions sent inside the node (over
+        the shard group); ``comm_stats`` counts what crossed to the other replicas. None otherwise."""
+        return None if self._shards is None else self._shards.stats
 
     def _phase(self) -> Phase:
         """The phase the next step runs: the first until the freeze (``frozen_at``), then the second."""
@@ -165,7 +191,7 @@ class StagedOptimizer(Optimizer):
     def _prepare(self) -> None:
         """The layout is built at the first step (or the first after a load), when the param groups
         are final; a loaded state is checked against it."""
-        layout = FlatLayout.of(self.param_groups)
+        layout = FlatLayout.of(self.param_groups, self._shards)
         world, owner = world_size_of(self.process_group), type(self).__name__
         rank = rank_of(self.process_group)
         if self._untouched():
@@ -197,6 +223,7 @@ class StagedOptimizer(Optimizer):
                 "hyper-parameters": sorted((k, v) for k, v in self.defaults.items() if k not in ("lr", "weight_decay")),
                 "freeze_step": repr(getattr(self._phases[0], "schedule", None)),
                 **self.exchange.setup(),
+                "shards (FSDP2)": repr(self._shards),
                 **({"buckets of the state": self._flat["buckets"]} if self._flat["frozen_at"] is not None else {}),
                 "state (step, frozen_at)": (self._flat["step"], self._flat["frozen_at"]),
                 "parameters checked against the loaded state": getattr(self, "_resumed_parameters", None) is not None,
@@ -234,7 +261,7 @@ class StagedOptimizer(Optimizer):
             state_dict = super().state_dict()
         packed = state_dict["state"]
         flat = packed.pop("flat")
-        params = self._layout.params if self._layout is not None else FlatLayout.of(self.param_groups).params
+        params = self._layout.params if self._layout is not None else FlatLayout.of(self.param_groups, self._shards).params
         held = {id(p) for p in params}
         every = [p for g in self.param_groups for p in g["params"]]
         indices = [i for i, p in enumerate(every) if id(p) in held]
@@ -243,10 +270,11 @@ class StagedOptimizer(Optimizer):
             # named where they share the flat state's entry (a load gives them back to the parameter)
             ours = {i: dict(packed.get(i, {})) for i in indices}
             stage2 = self._stage2
-            ours[indices[0]] = beside(to_saved(flat, stage2 is not None,
-                                               stage2 is not None and stage2.keeps_fresh_variance,
-                                               self._rank_entries(params)),
-                                      ours[indices[0]])
+            saved = to_saved(flat, stage2 is not None, stage2 is not None and stage2.keeps_fresh_variance,
+                             self._rank_entries(params))
+            if self._shards is not None:
+                saved = shard_wrapped(saved, self._shards.rank, self._shards.size)
+            ours[indices[0]] = beside(saved, ours[indices[0]])
             state_dict["state"] = {**ours, **{k: v for k, v in packed.items() if k not in ours}}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -272,9 +300,10 @@ class StagedOptimizer(Optimizer):
         resumed = None if flat is None else flat.pop(PARAMETERS, None)
         if flat is not None:
             check_saved_by(flat, owner)
+            self._check_loaded_shard(flat.pop("shard", None))
         state_dict["param_groups"] = self._exchange_settings_checked(state_dict["param_groups"])
         if flat is not None:
-            check_loaded_state(flat, FlatLayout.of(self.param_groups), owner, world_size_of(self.process_group),
+            check_loaded_state(flat, FlatLayout.of(self.param_groups, self._shards), owner, world_size_of(self.process_group),
                                rank_of(self.process_group), self.exchange.local_size, self.exchange.warmup_codec)
         self.exchange.unbind()  # what a backward started used the state being replaced
         # handed to torch.optim under "flat", which it keeps as it is: under a parameter's index it
@@ -283,10 +312,25 @@ class StagedOptimizer(Optimizer):
                                  "_optimizer_load_state_dict_post_hooks"):
             super().load_state_dict({**state_dict, "state": others if flat is None else {**others, "flat": flat}})
         if flat is None:
-            self._new_state(FlatLayout.of(self.param_groups))
+            self._new_state(FlatLayout.of(self.param_groups, self._shards))
         self._layout, self._resumed_parameters = None, resumed
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _check_loaded_shard(self, saved: Optional[Tuple[int, int]]) -> None:
+        """A sharded state holds one shard's moments: it loads on the rank that holds that shard of
+        a mesh with as many shards, and only a sharded optimizer loads it (and the reverse)."""
+        owner = type(self).__name__
+        here = None if self._shards is None else (self._shards.rank, self._shards.size)
+        if saved == here:
+            return
+        said = "unsharded parameters" if saved is None else f"shard {saved[0]} of {saved[1]}"
+        now = "unsharded parameters" if here is None else f"shard {here[0]} of {here[1]}"
+        raise ValueError(f"the optimizer state was saved for {said} and is loaded into {owner} over {now}: its "
+                         f"moments and errors are those of its shard. Resume on the mesh it was saved on (the "
+                         f"same number of ranks per replica, each rank loading its own shard's state); "
+                         f"a change of the shard size is not supported (the model itself reshards with "
+                         f"torch.distributed.checkpoint, the optimizer state does not)")
 
     # ------------------------------------------------------------------ copies
     def __getstate__(self) -> Dict[str, Any]:
@@ -417,6 +461,11 @@ class StagedOptimizer(Optimizer):
         try:
             received = self.exchange.run(grads, stage, first)
             finite = received is not None
+            if self._layout.spans_shards:
+                # the ranks of a node hold different shards and agree on the step only here
+                finite = self._layout.shards.every_rank(finite, self._layout.device)
+                if not finite and received is not None:
+                    self._restore_state(held)  # this shard's exchange went ahead: its errors moved
             if finite:
                 self._flat["step"] += 1
                 phase.step(self, stage, grads, received)
@@ -531,7 +580,10 @@ class StagedOptimizer(Optimizer):
         # (parameters already near float32's limit). The update and coefficients follow from what
         # is the same on every rank (the averaged gradient, or the exchanged momentum, and the
         # shared state), so every rank reaches this verdict alike, without a collective.
-        if not (bool(torch.isfinite(update).all()) and bool(torch.isfinite(coeff).all())):
+        finite = bool(torch.isfinite(update).all()) and bool(torch.isfinite(coeff).all())
+        if self._layout.spans_shards:  # each rank of a node holds its own shard of the update
+            finite = self._layout.shards.every_rank(finite, self._layout.device)
+        if not finite:
             raise FloatingPointError(f"{type(self).__name__}: the update of step {self._flat['step']} is not finite "
                                      f"although every rank's gradient was (the parameters or their weight decay "
                                      f"are at float32's limit); the parameters were left as they were. Resume "

@@ -16,6 +16,10 @@ state dict it is the state of the first trainable parameter, in the form that
   Adam between its syncs), a checksum of them, ``"parameters_crc32"`` under ``"rank<r>"``: the
   first step after a load checks that the rank has them back (``checks.check_resumed_parameters``);
   states without it load unchecked;
+- with sharded parameters (FSDP2, HSDP) every entry differs between the ranks of a node, which
+  hold different shards: the whole entry sits under ``"shard<s>of<S>"`` (this rank's shard ``s`` of
+  ``S``), so that DCP keeps one copy per shard (the replicas' are alike but for the errors, which
+  stay under ``"rank<r>"`` inside it) and a load on another shard is refused by name;
 - what others (a state-dict hook, a framework) put in ``optimizer.state`` beside that parameter
   shares its entry, named in ``"others_entries"``, so that a load gives it back to the parameter
   (as torch.optim does) rather than to the flat state.
@@ -37,6 +41,7 @@ WARMUP_ERRORS = ("warmup_worker_error", "warmup_server_error")
 # what the freeze creates (exp_avg_sq_fresh: 1-bit LAMB's only)
 FROZEN = ("momentum_mask", "frozen_coeff", "prev_factor", "momentum_scale", "exp_avg_sq_fresh")
 _RANK_KEY = re.compile(r"rank(\d+)")
+_SHARD_KEY = re.compile(r"shard(\d+)of(\d+)")
 # the names, in the saved entry, of what others put beside the parameter it is saved under
 OTHERS = "others_entries"
 # this rank's parameters when the state was taken (``parameters_checksum``), where the state records them
@@ -85,6 +90,16 @@ def to_saved(flat: Dict[str, Any], compresses: bool, fresh_variance: bool,
     return saved
 
 
+def shard_wrapped(saved: Dict[str, Any], shard: int, shards: int) -> Dict[str, Any]:
+    """A sharded optimizer's saved entry: its state under the name of its shard (the module's docstring)."""
+    return {f"shard{shard}of{shards}": saved}
+
+
+def _is_ours(entry: Any) -> bool:
+    return isinstance(entry, dict) and ("layer_numels" in entry or any(
+        isinstance(k, str) and _SHARD_KEY.fullmatch(k) for k in entry))
+
+
 def beside(saved: Dict[str, Any], others: Dict[Any, Any]) -> Dict[str, Any]:
     """The saved entry with ``others`` (what others put in ``optimizer.state`` for the parameter it
     is saved under) beside it, their names kept so that ``from_saved`` can tell them apart; on a
@@ -104,6 +119,13 @@ def from_saved(saved: Dict[str, Any]) -> Dict[str, Any]:
     """The flat state from its saved form (without what others put beside it: ``others_of``)."""
     names = set(saved.get(OTHERS, ()))
     saved = {k: v for k, v in saved.items() if k != OTHERS and k not in names}
+    shard = [k for k in saved if isinstance(k, str) and _SHARD_KEY.fullmatch(k)]
+    if shard:
+        if len(shard) != 1:
+            raise ValueError(f"an optimizer state holds the state of exactly one shard, this one holds {shard}")
+        flat = from_saved(saved[shard[0]])
+        flat["shard"] = tuple(int(x) for x in _SHARD_KEY.fullmatch(shard[0]).groups())
+        return flat
     ranks = [k for k in saved if isinstance(k, str) and _RANK_KEY.fullmatch(k)]
     if len(ranks) != 1:
         raise ValueError(f"an optimizer state holds the compression errors of exactly one rank, this one holds "
@@ -123,7 +145,7 @@ def from_saved(saved: Dict[str, Any]) -> Dict[str, Any]:
 def _saved_key(state: Dict[Any, Any]) -> Any:
     """The key of the one onebitlamb state entry (None before any state); the other parameters'
     entries are empty, or hold what others (a hook, a framework) put in ``optimizer.state``."""
-    ours = [k for k, v in state.items() if isinstance(v, dict) and "layer_numels" in v]
+    ours = [k for k, v in state.items() if _is_ours(v)]
     if len(ours) > 1:
         raise ValueError(f"a onebitlamb optimizer's state dict holds one optimizer state, this one {len(ours)} "
                          f"(under {ours})")

@@ -124,7 +124,7 @@ class VarianceThinning(Phase):
         lay = opt._layout
         if opt._compresses_update():
             sent = sent / self._adam_denominator(opt)
-        return F.momentum_scales(lay.norms(sent), lay.per_layer(lay.numels))
+        return F.momentum_scales(lay.norms(sent), lay.per_layer(lay.whole_numels))
 
     def payload(self, opt: StagedOptimizer, b: Bucket, out: torch.Tensor) -> None:
         """At a 1-bit step this rank's momentum (or its gradient in DeepSpeed's rule), each layer
