@@ -16,6 +16,15 @@ def sign(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t < 0, -torch.ones_like(t), torch.ones_like(t))
 
 
+def shard_of(t: torch.Tensor, j: int, shards: int) -> torch.Tensor:
+    """Piece ``j`` of ``t`` cut in ``shards`` along its first dimension as ``torch.chunk`` cuts it
+    (empty where it gives fewer pieces)."""
+    if shards == 1:
+        return t
+    pieces = torch.chunk(t, shards, dim=0)
+    return pieces[j] if j < len(pieces) else t.new_empty((0,) + tuple(t.shape[1:]))
+
+
 class OneBitAllReduceSim:
     """Steps 1-5 of "The error-compensated 1-bit all-reduce" for n simulated workers."""
 
@@ -68,7 +77,7 @@ class Reference:
                  freeze_step: Optional[int] = None, n: int = 1, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps=1e-8, min_coeff=0.01, max_coeff=10.0, coeff_beta=0.9,
                  factor_min=0.5, factor_max=4.0, factor_threshold=0.1, compression_space="momentum",
-                 trust_ratio_after_freeze="frozen", bound_direction=False, warmup_average=None):
+                 trust_ratio_after_freeze="frozen", bound_direction=False, warmup_average=None, shards=1):
         self.x = [t.detach().clone().float() for t in init]
         self.kind, self.lr, self.wd, self.T = kind, lr, wd, freeze_step
         self.n, self.bc = n, bias_correction
@@ -83,8 +92,12 @@ class Reference:
         self.c_avg = [0.0] * L
         self.c_count = [0] * L
         self.t = 0
-        self.sim = None
+        self.sims = []
         self.warmup_average = warmup_average
+        # sharded parameters (HSDP): each layer cut in ``shards`` pieces along its first dimension
+        # (torch.chunk's cut, FSDP2's), and stage 2's 1-bit all-reduce run per shard, over the
+        # pieces that shard holds; every per-layer statistic stays that of the whole layer
+        self.shards = shards
 
     def _hat(self, beta):
         return (1 - beta ** self.t) if self.bc else 1.0
@@ -119,9 +132,7 @@ class Reference:
         if self.n == 1:
             self.m = local[0]
         else:
-            d = sum(t.numel() for t in self.x)
-            D = self.sim.D
-            bufs = []
+            sent_by_worker = []
             # what is sent per layer: k_l m, or in the update space k_l m / (sqrt(v_frozen) + eps)
             # (masked: an element without a gradient before the freeze sends nothing; bounded in the
             # update space: what stands for the direction clipped like the direction)
@@ -135,15 +146,23 @@ class Reference:
                         sent.append(self.k[l] * quotient * self.mask[l])
                     else:
                         sent.append(to_sent[l] * w[l] * self.mask[l])
-                b = torch.zeros(D)
-                b[:d] = torch.cat([t_.reshape(-1) for t_ in sent])
-                bufs.append(b)
-            out = self.sim(bufs)
-            off = 0
+                sent_by_worker.append(sent)
+            pieces = [[None] * self.shards for _ in range(L)]  # the average of each layer's pieces
+            for j, sim in enumerate(self.sims):
+                bufs = []
+                for sent in sent_by_worker:
+                    b = torch.zeros(sim.D)
+                    flat = torch.cat([shard_of(t_, j, self.shards).reshape(-1) for t_ in sent])
+                    b[:flat.numel()] = flat
+                    bufs.append(b)
+                out = sim(bufs)
+                off = 0
+                for l in range(L):
+                    piece = shard_of(self.x[l], j, self.shards)
+                    pieces[l][j] = out[off:off + piece.numel()].reshape(piece.shape)
+                    off += piece.numel()
             for l in range(L):
-                k = self.x[l].numel()
-                self.m[l] = out[off:off + k].reshape(self.x[l].shape) / to_sent[l]
-                off += k
+                self.m[l] = torch.cat(pieces[l]).reshape(self.x[l].shape) / to_sent[l]
         self.m = [self.m[l] * self.mask[l] for l in range(L)]
         for l in range(L):
             ghat = (self.m[l] - self.b1 * m_prev[l]) / (1 - self.b1)
@@ -189,9 +208,11 @@ class Reference:
         self.k = [s_bar / v if v > 0 else 1.0 for v in s]
         self.mask = [(v != 0).float() for v in self.v]
         if self.n > 1:
-            d = sum(t.numel() for t in self.x)
-            D = -(-d // (8 * self.n)) * 8 * self.n
-            self.sim = OneBitAllReduceSim(self.n, D)
+            self.sims = []
+            for j in range(self.shards):
+                d = sum(shard_of(t, j, self.shards).numel() for t in self.x)
+                D = -(-d // (8 * self.n)) * 8 * self.n
+                self.sims.append(OneBitAllReduceSim(self.n, D))
 
 
 class HierarchicalAllReduceSim:

@@ -27,7 +27,7 @@ from onebitlamb.optim.checks import (agree_on_setup, check_finite_nonneg, check_
 from onebitlamb.optim.exchange import Exchange, ProcessGroupLike
 from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, check_loaded_state, check_saved_by, new_flat_state
 from onebitlamb.optim.phases import COMPRESSION, LOCAL, WARMUP, OneBitMomentum, Phase  # noqa: F401 (re-exported)
-from onebitlamb.optim.sharding import Shards
+from onebitlamb.optim.sharding import Shards, local
 from onebitlamb.optim.state_format import PARAMETERS, beside, shard_wrapped, split_state, to_saved
 
 # The settings that change the numbers and are checked on load, as states saved before they were
@@ -209,7 +209,7 @@ class StagedOptimizer(Optimizer):
                 self.exchange.new_warmup_error_buffers(self._flat, layout.device)
         agree_on_setup(self._setup(layout), spanning_group(self.process_group), layout.device)
         if getattr(self, "_resumed_parameters", None) is not None:  # (agreed: every rank checks, or none)
-            check_resumed_parameters(owner, self._resumed_parameters, layout.params,
+            check_resumed_parameters(owner, self._resumed_parameters, layout.tensors,
                                      spanning_group(self.process_group), layout.device, self._flat["step"])
             self._resumed_parameters = None
         self._layout, self._scratch = layout, Scratch(layout.device)
@@ -227,7 +227,7 @@ class StagedOptimizer(Optimizer):
                 **({"buckets of the state": self._flat["buckets"]} if self._flat["frozen_at"] is not None else {}),
                 "state (step, frozen_at)": (self._flat["step"], self._flat["frozen_at"]),
                 "parameters checked against the loaded state": getattr(self, "_resumed_parameters", None) is not None,
-                "parameter values (crc32 of each tensor)": [parameter_checksum(p) for p in layout.params]}
+                "parameter values (crc32 of each tensor)": [parameter_checksum(p) for p in layout.tensors]}
         for phase in self._phases:
             phase.setup(self, layout, setup)
         return setup
@@ -271,7 +271,7 @@ class StagedOptimizer(Optimizer):
             ours = {i: dict(packed.get(i, {})) for i in indices}
             stage2 = self._stage2
             saved = to_saved(flat, stage2 is not None, stage2 is not None and stage2.keeps_fresh_variance,
-                             self._rank_entries(params))
+                             self._rank_entries([local(p) for p in params]))
             if self._shards is not None:
                 saved = shard_wrapped(saved, self._shards.rank, self._shards.size)
             ours[indices[0]] = beside(saved, ours[indices[0]])
@@ -451,7 +451,7 @@ class StagedOptimizer(Optimizer):
         if first:
             self._prepare()
         else:
-            check_layout_unchanged(owner, self._layout.params, self.param_groups, self._layout.numels)
+            check_layout_unchanged(owner, self._layout.params, self.param_groups, self._layout.whole_numels)
         if self._layout.numel == 0:
             return loss
         grads = self._scratch.buffer("grad", self._layout.numel)

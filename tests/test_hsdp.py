@@ -1,0 +1,231 @@
+"""The 1-bit optimizers on FSDP2-sharded parameters (HSDP), on 4 real gloo ranks: 2 replicas of 2
+shards against the single-process reference run per shard (tests/reference.py, ``shards=2``), a
+shard size of 1 against the unsharded optimizer bit for bit, a real ``fully_shard`` model through
+``torch.distributed.checkpoint``, and the set-ups that are refused.
+
+Fresh processes (``spawn_local``), not the rank pool: FSDP2 builds DeviceMeshes, which torch keeps
+in a process-wide registry that would outlive the process group the pool destroys after each call.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import onebitlamb
+from onebitlamb.comm.launch import spawn_local
+from onebitlamb.optim.state_format import flat_of
+from reference import Reference
+from toy import grads_for, initial_params
+
+LRS = [0.02, 0.01, 0.02, 0.05]
+WDS = [0.01, 0.0, 0.01, 0.0]
+CLASSES = {"lamb": onebitlamb.Lamb, "onebitlamb": onebitlamb.OneBitLamb, "onebitadam": onebitlamb.OneBitAdam}
+
+
+def _mesh(replicas, shards):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+
+
+def _optimizer(kind, params, group, freeze, **options):
+    groups = [{"params": [p], "lr": lr, "weight_decay": wd} for p, lr, wd in zip(params, LRS, WDS)]
+    if kind != "lamb":
+        options["freeze_step"] = freeze
+    return CLASSES[kind](groups, lr=LRS[0], process_group=group, **options)
+
+
+def _sharded_run(rank, n, replicas, shards, kind, steps, freeze, options):
+    """Each rank: the toy layers as DTensors sharded over its replica's ranks, each replica's
+    gradient that of ``grads_for`` at the whole parameters (what FSDP's reduce-scatter leaves:
+    the replica's average, cut in shards), stepped ``steps`` times; with one shard, the same run on
+    plain tensors beside it. Returns the whole parameters after every step."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = _mesh(replicas, shards)
+    replica = rank // shards
+    group = mesh["replicate"].get_group()
+    params = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh["shard"], [Shard(0)])) for t in initial_params()]
+    opt = _optimizer(kind, params, group, freeze, **options)
+    plain = [torch.nn.Parameter(t.clone()) for t in initial_params()] if shards == 1 else None
+    plain_opt = _optimizer(kind, plain, group, freeze, **options) if plain else None
+    history, plain_history = [], []
+    for t in range(1, steps + 1):
+        whole = [p.full_tensor() for p in params]
+        for p, g in zip(params, grads_for(whole, replica, t)):
+            p.grad = distribute_tensor(g, mesh["shard"], [Shard(0)])
+        opt.step()
+        history.append([p.full_tensor().clone() for p in params])
+        if plain:
+            for p, g in zip(plain, grads_for(plain, replica, t)):
+                p.grad = g
+            plain_opt.step()
+            plain_history.append([p.detach().clone() for p in plain])
+    flat = opt.state["flat"]
+    return {"history": history, "plain": plain_history, "stage": opt.stage,
+            "exchange ranks": dist.get_process_group_ranks(opt.process_group),
+            "state numel": flat["exp_avg"].numel(), "whole numel": sum(p.numel() for p in params),
+            "slow bytes": opt.comm_stats.bytes_sent, "node bytes": opt.shard_comm_stats.bytes_sent}
+
+
+def rel_err(a, b):
+    return float((a - b).detach().norm() / b.norm())
+
+
+@pytest.mark.parametrize("kind,space", [("onebitlamb", "update"), ("onebitlamb", "momentum"),
+                                        ("onebitadam", "momentum")])
+def test_two_replicas_of_two_shards_follow_the_sharded_reference(kind, space):
+    steps, freeze = 24, 10
+    options = {"bound_direction": True, **({"compression_space": space} if kind == "onebitlamb" else {})}
+    out = spawn_local(_sharded_run, 4, (2, 2, kind, steps, freeze, options), timeout_s=240, collective_timeout_s=120)
+    # the exchange runs over the replicas of this rank's shard: ranks 0 and 2 hold shard 0
+    assert [o["exchange ranks"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(o["stage"] == "compression" for o in out)
+    # each rank keeps the state of its shard only: the toy layers' 80 elements cut by torch.chunk
+    # along their first dimension, (7, 5) into 4 and 3 rows, (5,) into 3 and 2, (16,) into 8 and 8,
+    # (3, 4, 2) into 2 and 1 rows: 47 and 33
+    assert [o["state numel"] for o in out] == [47, 33, 47, 33] and out[0]["whole numel"] == 80
+    # every rank, replica or not, holds the same whole parameters after every step, to the bit
+    for t in range(steps):
+        for o in out[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(out[0]["history"][t], o["history"][t])), f"step {t + 1}"
+    ref = Reference(initial_params(), kind, LRS, WDS, freeze_step=freeze, n=2, shards=2, bound_direction=True,
+                    **({"compression_space": space} if kind == "onebitlamb" else {}))
+    for t in range(1, steps + 1):
+        ref.step([grads_for(ref.x, r, t) for r in range(2)])
+        for a, x in zip(out[0]["history"][t - 1], ref.x):
+            assert rel_err(a, x) < 2e-6, f"step {t}"
+    # per-layer statistics went over the node's link, the exchange over the slow one
+    assert out[0]["node bytes"] > 0 and out[0]["slow bytes"] > 0
+
+
+@pytest.mark.parametrize("warmup_dtype", ["float32", "int8"])
+def test_a_shard_size_of_one_is_the_unsharded_optimizer_bit_for_bit(warmup_dtype):
+    steps, freeze = 16, 6
+    options = {"warmup_dtype": warmup_dtype, "compression_space": "update", "bound_direction": True}
+    out = spawn_local(_sharded_run, 4, (4, 1, "onebitlamb", steps, freeze, options), timeout_s=240,
+                      collective_timeout_s=120)
+    for o in out:
+        assert o["exchange ranks"] == [0, 1, 2, 3]
+        for t in range(steps):
+            assert all(torch.equal(a, b) for a, b in zip(o["history"][t], o["plain"][t])), f"step {t + 1}"
+        assert o["node bytes"] == 0  # a shard group of one rank sends nothing
+
+
+# ---------------------------------------------------------------- a real fully_shard model
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _sharded_model(seed, mesh, mixed):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _model(seed)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+    kw = {"mp_policy": policy} if policy else {}
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["shard"], **kw)
+    fully_shard(model, mesh=mesh["shard"], **kw)
+    return model
+
+
+def _train(model, opt, rank, steps):
+    losses = []
+    for step in steps:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _dcp_run(rank, n, kind, folder, mixed):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    steps, save_at = 10, 6
+    mesh = _mesh(2, 2)
+    group = mesh["replicate"].get_group()
+
+    def build(seed):
+        model = _sharded_model(seed, mesh, mixed)
+        return model, CLASSES[kind](model.parameters(), lr=0.02, freeze_step=4, process_group=group)
+
+    model, opt = build(0)
+    _train(model, opt, rank, range(save_at))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+    saved = flat_of(opt.state_dict())
+    _train(model, opt, rank, range(save_at, steps))
+    uninterrupted = [p.full_tensor().clone() for p in model.parameters()]
+
+    model, opt = build(rank + 7)  # another start, as a new process would have
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    loaded = flat_of(opt.state_dict())
+    same = loaded.keys() == saved.keys() and all(
+        torch.equal(loaded[k], v) if isinstance(v, torch.Tensor) else loaded[k] == v for k, v in saved.items())
+    _train(model, opt, rank, range(save_at, steps))
+    resumed = [p.full_tensor().clone() for p in model.parameters()]
+    return {"same state": same, "uninterrupted": uninterrupted, "resumed": resumed, "stage": opt.stage,
+            "errors": saved.get("worker_error")}
+
+
+@pytest.mark.parametrize("kind,mixed", [("onebitlamb", False), ("onebitadam", True)])
+def test_fully_shard_model_resumes_bit_identically_through_dcp(kind, mixed, tmp_path):
+    out = spawn_local(_dcp_run, 4, (kind, str(tmp_path / "ckpt"), mixed), timeout_s=240, collective_timeout_s=120)
+    assert all(o["stage"] == "compression" and o["same state"] for o in out)  # each rank got its own shard's state
+    assert not torch.equal(out[0]["errors"], out[2]["errors"])  # the replicas' errors differ, and both came back
+    for o in out:
+        assert all(torch.equal(a, b) for a, b in zip(o["uninterrupted"], o["resumed"]))
+        assert all(torch.equal(a, b) for a, b in zip(o["resumed"], out[0]["resumed"]))
+
+
+# ---------------------------------------------------------------- refused
+def _refusals(rank, n):
+    from torch.distributed.fsdp import fully_shard
+
+    said = {}
+    mesh = _mesh(2, 2)
+    attempts = {
+        "1-D FSDP over every rank": lambda: fully_shard(_model(0)),
+        "native HSDP": lambda: fully_shard(_model(0), mesh=mesh),
+        "no replicate group": lambda: fully_shard(_model(0), mesh=mesh["shard"]),
+    }
+    for name, build in attempts.items():
+        try:
+            onebitlamb.OneBitLamb(build().parameters(), lr=0.01, freeze_step=3)
+        except ValueError as exc:
+            said[name] = str(exc)
+    model = fully_shard(_model(0), mesh=mesh["shard"])
+    try:
+        onebitlamb.ZeroOneAdam(model.parameters(), lr=0.01, var_freeze_step=4, process_group=mesh["replicate"].get_group())
+    except ValueError as exc:
+        said["0/1 Adam"] = str(exc)
+    # the state of one shard loads on that shard only
+    opt = onebitlamb.OneBitLamb(model.parameters(), lr=0.01, freeze_step=3, process_group=mesh["replicate"].get_group())
+    whole = onebitlamb.OneBitLamb(_model(0).parameters(), lr=0.01, freeze_step=3)
+    for name, state, into in (("shard into whole", opt.state_dict(), whole),
+                              ("whole into shard", whole.state_dict(), opt)):
+        try:
+            into.load_state_dict(state)
+        except ValueError as exc:
+            said[name] = str(exc)
+    return said
+
+
+def test_sharded_setups_without_replicas_or_with_fsdps_own_allreduce_are_refused_by_name():
+    for said in spawn_local(_refusals, 4, (), timeout_s=240, collective_timeout_s=120):
+        assert set(said) == {"1-D FSDP over every rank", "native HSDP", "no replicate group", "0/1 Adam",
+                             "shard into whole", "whole into shard"}
+        for name in ("1-D FSDP over every rank", "no replicate group"):
+            assert "has no replicas" in said[name] and "mesh['replicate'].get_group()" in said[name]
+        assert "native HSDP" in said["native HSDP"] and "set_requires_all_reduce(False)" in said["native HSDP"]
+        assert "ZeroOneAdam does not take sharded parameters" in said["0/1 Adam"]
+        assert "saved for shard" in said["shard into whole"] and "over unsharded parameters" in said["shard into whole"]
+        assert "saved for unsharded parameters" in said["whole into shard"]
