@@ -1,4 +1,4 @@
-"""Does 1-bit LAMB's stage 2 follow LAMB? Per layer, against LAMB at the same seed (issue 48).
+"""Does 1-bit LAMB's stage 2 follow LAMB? Per layer, against LAMB at the same seed.
 
     python -m benchmarks.fidelity --preset demo --seeds 3            # LAMB and three 1-bit LAMB rows a seed
     python -m benchmarks.fidelity --preset demo --seeds 3 --rounding # and seed 1234 again, other rounding
@@ -16,7 +16,7 @@ within a few steps, so the window's move is what should stay close to LAMB's.
 At the diagnoses after the freeze, each row's figures over LAMB's at the same step and seed:
 
 - **window within 0.5x-2x**: the share of layers whose median ratio of the 16-step move lies in
-  [0.5, 2] (issue 48's target: 90%); the whole model's window move (layers weighted by their
+  [0.5, 2] (the target: 90%); the whole model's window move (layers weighted by their
   norms), median ratio;
 - **one step**: the median ratio of single steps, over layers and diagnoses;
 - **coefficient**: the applied coefficient over LAMB's trust ratio, median over layers at the last
@@ -47,7 +47,7 @@ from benchmarks.report import command_line, heading, table_row, write_section
 from onebitlamb.train.config import PRESETS, RESUMABLE_CHANGES
 from onebitlamb.train.metrics import WINDOW_STEPS
 
-# the candidates of issue 48 beside the paper's stage 2, each with the automatic freeze
+# the candidates measured beside the paper's stage 2, each with the automatic freeze
 LAMB, DEFAULT = convergence.ROWS[0], convergence.ROWS[1]  # the default: the update space
 PAPER = convergence.Row("1-bit LAMB, the paper's stage 2 (momentum space)", "onebitlamb-paper",
                         [*DEFAULT.flags, "--compression-space", "momentum"])

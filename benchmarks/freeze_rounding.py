@@ -1,5 +1,5 @@
 """Does rounding move the automatic freeze? The default 1-bit LAMB at each seed, and again with
-another order of float sums (issue 61).
+another order of float sums.
 
     python -m benchmarks.freeze_rounding --seeds 5                         # the demo's default (int8 warm-up)
     python -m benchmarks.freeze_rounding --seeds 5 --warmup-dtype float32  # with the float32 warm-up
@@ -13,7 +13,7 @@ same way: at seed 1234 one without AVX-512 froze the demo at step 209 instead of
 freeze waited for its trust ratios with a tolerance.
 
 Below the table, per seed: the freeze step of both runs and how far it moved, and the held-out
-loss's change. What the issue asks of it: at most 5 steps at each seed. Writes the section
+loss's change. The bound: at most 5 steps at each seed. Writes the section
 "freeze-rounding" (``-onebitadam`` for 1-bit Adam, ``-float32`` with the float32 warm-up) of
 BENCHMARKS.md. Run from the repository root.
 
@@ -31,7 +31,7 @@ from benchmarks.fidelity import ROUNDING_FLAGS, rounding_row
 from benchmarks.report import command_line
 from benchmarks.variants import DEFAULT_OF, LAMB, Variant, main_for, with_warmup
 
-MOST_STEPS_MOVED = 5  # issue 61's bound on the freeze's move from rounding alone
+MOST_STEPS_MOVED = 5  # the bound on the freeze's move from rounding alone
 
 
 def rows(warmup_dtype: Optional[str] = None, optimizer: str = "onebitlamb") -> List[Variant]:

@@ -208,7 +208,7 @@ def format_hierarchy_table(summary: dict) -> str:
 
 
 def check_hierarchy_targets(summary: dict, speed_rate: float = 100e6, speed_target: float = 1.8) -> List[str]:
-    """Issue 40's targets: in the compression stage a node's wire bytes across nodes at least
+    """The targets it was built for: in the compression stage a node's wire bytes across nodes at least
     ``L`` times fewer than the flat group's, at every rate; at ``speed_rate`` the compression step
     at least ``speed_target`` times faster."""
     L = summary["local_size"]
@@ -344,7 +344,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "TCP retransmits them): "
         + ", ".join(f"{k} {v}" for k, v in summary["qdisc_drops"].items()) + "." + calib,
     ]
-    return emulated.write_report("hierarchy", lines, table, "Against issue 40's targets (compression stage):",
+    return emulated.write_report("hierarchy", lines, table, "Against the targets it was built for (compression stage):",
                                  targets, args)
 
 

@@ -12,7 +12,7 @@ world group serial and overlapped, and each rank alone (the compute-only step); 
 ``--ranks-per-host`` above 1 also over ``node_groups(L)``, serial and overlapped. Writes the
 "overlap" section of BENCHMARKS.md (step times, their per-step ratio, the ideal step
 max(compute-only, wire time), the buckets started during the backward, each host's wire bytes,
-issue 40's targets) and a plot of step time against the link rate. The runs are the hierarchy
+the targets it was built for) and a plot of step time against the link rate. The runs are the hierarchy
 benchmark's (``hierarchy.run_hierarchy`` with the modes flat, overlap and solo, summarised by
 ``hierarchy.summarise_hierarchy``); this module adds the table, the targets and the plot.
 """
@@ -72,7 +72,7 @@ def format_overlap_table(summary: dict) -> str:
 
 def check_overlap_targets(summary: dict, close_rate: float = 1e9, close_target: float = 0.10,
                           wire_rate: float = 50e6, wire_target: float = 1.2) -> List[str]:
-    """Issue 40's targets for 1-bit LAMB's compression stage over the flat group, overlapped: at
+    """The targets for 1-bit LAMB's compression stage over the flat group, overlapped: at
     ``close_rate`` its step within ``close_target`` of the compute-only step; at ``wire_rate``
     within ``wire_target`` times max(compute-only step, wire time), the wire time being the host's
     measured wire bytes per step x 8 / the link rate (what the link needs whatever overlaps it)."""
@@ -205,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"over {unit}s. Qdisc drops per rate: "
         + ", ".join(f"{k} {v}" for k, v in summary["qdisc_drops"].items()) + ".",
     ]
-    title = "Against issue 40's targets (1-bit LAMB's compression stage, flat group):"
+    title = "Against the targets it was built for (1-bit LAMB's compression stage, flat group):"
     return emulated.write_report("overlap", lines, table, title, targets, args)
 
 

@@ -122,7 +122,7 @@ class SmallCNN(nn.Module):
 
 def _image_batch(g: torch.Generator, batch: int = 32):
     """Images of four classes: a class's fixed pattern plus noise, so a classifier can reach a
-    loss near zero (the regime where the issue's CNN diverged)."""
+    loss near zero (the regime where a CNN with BatchNorm once diverged)."""
     patterns = torch.randn(4, 1, 12, 12, generator=torch.Generator().manual_seed(11))
     labels = torch.randint(0, 4, (batch,), generator=g)
     return patterns[labels] + 0.8 * torch.randn(batch, 1, 12, 12, generator=g), labels

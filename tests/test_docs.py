@@ -49,15 +49,33 @@ def test_the_readmes_install_route_names_real_extras_quoted_and_no_package_index
     assert "pip install onebitlamb" not in everywhere and "pip install 'onebitlamb[" not in everywhere
 
 
+# "issue" or "issues", any case, then a number: after a space, a "#" or an underscore (in a test's name)
+TRACKER_ENTRY = re.compile(r"(?i)(?<![a-z])issues?[ _#-]*\d+")
+
+
+def _python_files(folder: str) -> list:
+    return [os.path.join(d, f)[len(ROOT) + 1:] for d, _, fs in os.walk(os.path.join(ROOT, folder))
+            for f in fs if f.endswith(".py")]
+
+
+def _tracker_entries(paths) -> list:
+    return [f"{path}:{n}: {line.strip()}" for path in paths for n, line in enumerate(_read(path).splitlines(), 1)
+            if TRACKER_ENTRY.search(line)]
+
+
 def test_user_pages_and_messages_name_no_tracker_entry():
     """Users cannot see the project's tracker: the README, the docs (but the lab notes) and the
     package's code and messages never cite an issue by number."""
     pages = ["README.md"] + [os.path.join("docs", p) for p in os.listdir(os.path.join(ROOT, "docs")) if p.endswith(".md")]
-    code = [os.path.join(d, f)[len(ROOT) + 1:] for d, _, fs in os.walk(os.path.join(ROOT, "onebitlamb"))
-            for f in fs if f.endswith(".py")]
-    cited = [f"{path}:{n}" for path in pages + code for n, line in enumerate(_read(path).splitlines(), 1)
-             if re.search(r"(?i)\bissues? \d+", line)]
-    assert not cited, cited
+    cited = _tracker_entries(pages + _python_files("onebitlamb"))
+    assert not cited, "\n".join(cited)
+
+
+def test_benchmark_results_and_tests_name_no_tracker_entry():
+    """Nor do BENCHMARKS.md, the benchmark scripts whose text writes it, and the tests: their names,
+    strings, messages and comments say what is checked, not which tracker entry asked for it."""
+    cited = _tracker_entries(["BENCHMARKS.md", *_python_files("benchmarks"), *_python_files("tests")])
+    assert not cited, "\n".join(cited)
 
 
 def test_the_package_code_carries_no_lab_results():
@@ -119,7 +137,7 @@ def test_the_package_reads_only_the_documented_environment_variables():
 
 def test_the_comm_modules_import_one_way():
     """The flat collective knows nothing of node groups; the hierarchy builds on it; only
-    comm/groups.py, above both, tells the two kinds of group apart (issue 47: no import cycle)."""
+    comm/groups.py, above both, tells the two kinds of group apart (no import cycle)."""
     imports = {}
     for name in ("collectives", "hierarchy", "groups", "stats", "launch", "costmodel"):
         text = _read(f"onebitlamb/comm/{name}.py")

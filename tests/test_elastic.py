@@ -1,5 +1,5 @@
 """A checkpoint written on n ranks resumes on m (reshard_state_dicts): the averaged error correction
-is kept, the ranks agree after, and training continues as well as an uninterrupted run. Issue 39."""
+is kept, the ranks agree after, and training continues as well as an uninterrupted run."""
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,4 @@
-"""Tests for the faults of issue 39's list ("Tests that fail when the code breaks"): bugs planted
+"""Tests that fail when the code breaks: bugs planted
 one at a time in the core that the rest of the suite let through. Each test here checks values
 against a reference written outside the library (tests/reference.py, or an oracle in this file),
 and was seen to fail with its bug planted:
@@ -123,7 +123,7 @@ def _masked_rows_run(rank, n, steps, freeze, space):
 def test_rows_without_gradient_never_move_on_two_ranks(space):
     """On several ranks the compressed all-reduce hands every element, those without a gradient
     too, a value of +-scale; the mask must zero them, or with a frozen variance of 0 (denominator
-    eps) they jump (by 6.3e5 in the issue; in the update space the scale is divided by that eps).
+    eps) they jump (by 6.3e5 when this was found; in the update space the scale is divided by that eps).
     Both ranks, every step: those rows exactly as they started, the rest as the reference's
     simulation of the 2 workers."""
     n, steps, freeze = 2, 30, 10

@@ -1,5 +1,5 @@
 """What the optimizers refuse before anything moves (misuse, ranks that disagree) and how a
-non-finite gradient is contained: skipped on every rank alike, state untouched. Issue 39."""
+non-finite gradient is contained: skipped on every rank alike, state untouched."""
 from __future__ import annotations
 
 import copy
@@ -77,7 +77,7 @@ def test_misuse_after_the_first_step_is_a_clear_error_before_anything_moves(kind
     opt.step()  # back as it was: fine
     snapshot = _snapshot(opt, [a, b])
     kept = b.data
-    b.data, b.grad = torch.randn(5), torch.randn(5)  # resized through .data (issue 49): the same tensor object
+    b.data, b.grad = torch.randn(5), torch.randn(5)  # resized through .data: the same tensor object
     with pytest.raises(ValueError, match=r"parameter 1 .* has 5 elements .* 3 at the first step"):
         opt.step()
     b.data, b.grad = kept, torch.randn(3)

@@ -177,7 +177,7 @@ def test_convergence_onebit_lamb_close_to_lamb():
     init, _ = run_ranks(_convergence_run, 2, ("lamb", 1, freeze, 0.0), timeout_s=180)[0]
     assert lamb < 0.5 * init, (lamb, init)  # the problem is learnt at all
     # 1-bit LAMB's held-out loss against LAMB's at equal samples: 1.148 here with either codec, 1.151 on
-    # another machine (issue 46), so rounding moves it by tenths of a percent; without error feedback
+    # another machine of the same kind, so rounding moves it by tenths of a percent; without error feedback
     # (both error buffers zeroed before every exchange) it is 1.60. The bound sits between the two.
     assert onebit < 1.3 * lamb, (onebit, lamb)
     # error feedback keeps the worker error bounded: no growth over the compression stage

@@ -276,7 +276,7 @@ def test_compiled_loops_match_the_numpy_path(monkeypatch):
     assert torch.allclose(out1, out2, rtol=1e-6, atol=0)
     assert torch.allclose(t1, t2, rtol=1e-6, atol=1e-6)
     # the clean loop is off by 1.2e-14 here (at most 1.5e-14 over 20 seeds); squares rounded to
-    # float before widening were off by 5.7e-11 (issue 39: rel=1e-9 here let that through)
+    # float before widening were off by 5.7e-11 (rel=1e-9 here let that through)
     assert sq2 is None and sq1 == pytest.approx(math.fsum((t1.double() ** 2).tolist()), rel=1e-12)
     # the error update subtracted exactly the scale that was packed, sign by sign
     signs = 1 - 2 * torch.from_numpy(np.unpackbits(p1.numpy()).astype(np.float32))

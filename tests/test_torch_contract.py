@@ -1,4 +1,4 @@
-"""The optimizers behave as torch optimizers do where people rely on it (issue 46): copies, the
+"""The optimizers behave as torch optimizers do where people rely on it: copies, the
 state-dict hooks, a step without gradients, GradScaler's loop, schedulers
 that move beta1, and the first-step check against a double DDP average without false alarms.
 The checks at load time are in test_optimizers.py (test_world_size_and_rank_checks_on_load)."""

@@ -1,6 +1,6 @@
 """End to end: `onebitlamb compare --preset tiny` on 2 local workers (the three optimizers, crossing
 the freeze), its files, an exact `--resume` of an interrupted 1-bit LAMB run, and the two main-job
-runs pinned before the API change (issue 37), within stated rounding tolerances."""
+runs pinned before the API change, within stated rounding tolerances."""
 import hashlib
 import json
 import os
@@ -235,7 +235,7 @@ NEW_FLAGS = {"--freeze-frac 0.35": ["--freeze", "0.35"], "--auto-freeze --freeze
 # they ran the paper's stage 2, the default before compression_space was an option, unbounded, and
 # averaged the warm-up in float32, the default before int8
 PINNED_DEFAULTS = ["--compression-space", "momentum", "--stage2-bound", "none", "--warmup-dtype", "float32"]
-# Rounding alone (ONEBITLAMB_NATIVE=0 here, another machine of the same kind in issue 46) left the held-out
+# Rounding alone (ONEBITLAMB_NATIVE=0 here, another machine of the same kind) left the held-out
 # losses of the warm-up unchanged and moved the final one by at most 1.2e-4 of its value (5.82622 against
 # 5.82666 and 5.82691); ten times that still tells apart a freeze moved by 24 steps (0.8%).
 WARMUP_EVAL_RTOL = 1e-5

@@ -1,6 +1,6 @@
 """The main job resumes a checkpoint on another number of workers (4 -> 2, 2 -> 3): the compression
 errors are re-sharded, and the run ends as close to where uninterrupted runs end as they are to
-each other. Issue 39."""
+each other."""
 import email
 import json
 import os

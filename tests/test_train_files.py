@@ -1,4 +1,4 @@
-"""The main job's files, signals and stops (issue 49, points 1, 4, 6 and 7): a user's file is never
+"""The main job's files, signals and stops: a user's file is never
 overwritten, no file is written through a link, OUT is locked for the run's life; SIGTERM to the
 local launcher checkpoints, workers stop when their torchrun agent is killed; what used to be a
 raw traceback is one line naming the cause and the fix; skipped steps are recorded and counted."""

@@ -1,4 +1,4 @@
-"""The main job's safety (issue 39): an earlier run is never removed without --overwrite, and then
+"""The main job's safety: an earlier run is never removed without --overwrite, and then
 only its own files; checkpoints are loaded as plain data from a folder inside --out, checked against
 their manifest; a non-finite loss stops the run with an error and leaves the last good checkpoint."""
 import argparse
@@ -134,7 +134,7 @@ def test_a_link_is_never_followed(tmp_path):
     _as_a_run_writes(str(out), "metrics.json")
     os.symlink(elsewhere, out / "ckpt-0000002")
     os.symlink(elsewhere / "model.pt", out / "model_final.pt")
-    # a link where the run writes one of its files: refused, by name, --overwrite or not (issue 49)
+    # a link where the run writes one of its files: refused, by name, --overwrite or not
     with pytest.raises(ValueError, match="model_final.pt is a link"):
         checkpoints.prepare_out_dir(_config(out, overwrite=True))
     assert os.path.islink(out / "model_final.pt") and (out / "metrics.json").exists()

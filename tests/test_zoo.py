@@ -37,7 +37,7 @@ NEAR_ZERO = 0.05
 BASELINE = {"onebitlamb": "lamb", "onebitlamb-momentum": "lamb", "onebitadam": "adamw", "zerooneadam": "adamw"}
 
 
-# A fixed freeze before the variance settled (the case: step 5 of 12 at twice the rate)
+# A fixed freeze before the variance settled (the case that once failed: step 5 of 12 at twice the rate)
 EARLY = dict(lr=2e-2, steps=12, freeze=5)
 EARLY_FAMILIES = ("lstm", "torch-transformer")
 
