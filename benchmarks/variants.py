@@ -1,5 +1,5 @@
 """What the experiments on the demo share: runs of 1-bit LAMB variants beside LAMB and the default
-over a few seeds, and the table that compares them (``warmup_precision.py``, ``exchange.py``).
+over a few seeds, and the table that compares them (``warmup_quantised.py``, ``freeze_rounding.py``).
 
 A variant is a row of the convergence benchmark: `onebitlamb pretrain` with the row's flags, in a
 folder of its own. Finished runs are reused from their folders, so the rows LAMB and the default
@@ -38,10 +38,6 @@ def with_warmup(base: Variant, dtype: str) -> Variant:
     return Variant(convergence.Row(name, f"{base.row.folder}-{dtype}warmup", [*base.row.flags, "--warmup-dtype", dtype]),
                    base.folder)
 
-
-# 1-bit LAMB as it was the default before its warm-up average became int8: the experiments that
-# compare another exchange or warm-up with it (exchange.py, warmup_precision.py)
-FLOAT32_WARMUP = with_warmup(DEFAULT, "float32")
 
 
 def seeds_from(count: int) -> List[int]:

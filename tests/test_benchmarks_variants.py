@@ -26,24 +26,6 @@ def test_the_section_pairs_each_seed_with_lamb_and_counts_rounds():
     assert any(line.startswith(f"| {default} |") and line.endswith("| 4.00x | - |") for line in body.splitlines())
 
 
-def test_where_the_gap_opens_compares_each_zero_one_row_with_one_bit_adam_seed_by_seed():
-    from benchmarks import zero_one
-
-    def run(losses, freeze_step):  # held-out losses at steps 0, 50, 100, 150, 200 of 200 (batch 4)
-        return {"config": {"global_batch": 4}, "freeze_step": freeze_step, "steps": 200,
-                "eval_curve": [[4 * step, loss] for step, loss in zip((0, 50, 100, 150, 200), losses)]}
-
-    adam, zero = zero_one.ONE_BIT_ADAM.row.name, zero_one.ZERO_ONE.row.name
-    results = {(1234, adam): run([8.0, 6.0, 5.0, 4.8, 4.0], 80), (1235, adam): run([8.0, 6.0, 5.0, 4.0, 5.0], 77),
-               (1234, zero): run([8.0, 6.3, 5.5, 5.0, 4.2], 100), (1235, zero): run([8.0, 6.0, 4.5, 4.0, 5.0], 100)}
-    body = zero_one.where_the_gap_opens([1234, 1235], [variants.LAMB, zero_one.ONE_BIT_ADAM, zero_one.ZERO_ONE],
-                                        results)
-    # every half of the variance phase (50, 100), then 150 (a multiple of 50) and the end; only 0/1 Adam's rows
-    assert "| row | step 50 | step 100 | step 150 | step 200 |" in body
-    assert f"| {zero} | +5.0% / +0.0% | +10.0% / -10.0% | +4.2% / +0.0% | +5.0% / +0.0% |" in body
-    assert f"| {adam} |" not in body and "freeze at step 80, 77" in body
-
-
 def test_main_for_writes_its_section_or_the_one_named(tmp_path, monkeypatch):
     """A run at other settings (fewer seeds, other rows) goes into a section of its own with
     --section, so that it does not overwrite the benchmark's own."""

@@ -244,7 +244,7 @@ def test_a_state_whose_buckets_do_not_tile_the_model_is_refused():
 
 
 def test_the_main_job_exchanges_behind_its_last_micro_batch_unless_it_clips(tmp_path):
-    """The main job's setting bucket_cap_mb (benchmarks/exchange.py's study): 2 workers, 2 micro-batches each;
+    """The main job's setting bucket_cap_mb (the study in docs/lab/retired_benchmarks.md): 2 workers, 2 micro-batches each;
     the first runs under no_sync(), so without clipping no bucket is redone; clipping the local
     gradient after the backward changes every bucket's gradient, which the optimizer notices. (The
     main job's loop on the persistent ranks, tests/pretrain_pool.py: its ranks' warnings come back.)"""
