@@ -31,6 +31,7 @@ from onebitlamb.train import files, runlog
 from onebitlamb.train.config import RunError, SetupError, TrainConfig, changed_settings
 from onebitlamb.train.data import atomic_save
 from onebitlamb.train.ranks import check_ranks_agree, first_problem, gather_digests
+from onebitlamb.train.sharding import load_model, saved_model
 
 POINTER = "checkpoint.json"
 CKPT_FOLDER = re.compile(r"ckpt-[0-9]{7,}")
@@ -233,10 +234,13 @@ class CheckpointStore:
 
     def save(self, step: int, state: TrainState) -> None:
         cfg, rank, world, device = self.cfg, self.rank, self.world, self.device
-        # 0/1 Adam between its syncs: every rank's parameters are its own, and saved in its file
-        own_model = not getattr(state.optimizer, "parameters_synchronized", True)
+        # 0/1 Adam between its syncs: every rank's parameters are its own, and saved in its file; so
+        # are the shards of a sharded model (--shard), beside the whole model gathered for model.pt
+        sharded = cfg.shard > 1
+        own_model = sharded or not getattr(state.optimizer, "parameters_synchronized", True)
         if not own_model:
             check_ranks_agree(state.model, rank, world, step, device)
+        whole_model = saved_model(state.model, whole=True)  # a collective under --shard: every rank
         name = checkpoint_folder(step)
         folder = os.path.join(cfg.out, name)
         # A file of the run's that cannot be written safely (a link planted where it goes, at the
@@ -253,7 +257,7 @@ class CheckpointStore:
             own = {"optimizer": state.optimizer.state_dict(), "comm_stats": state.optimizer.comm_stats.state_dict(),
                    "rng": _rng_state()}
             if own_model:
-                own["model"] = state.model.state_dict()
+                own["model"] = saved_model(state.model, whole=False)
             _check_plain(own, f"rank{rank}.pt")
             digest = "00" * 32
             try:
@@ -262,7 +266,7 @@ class CheckpointStore:
                     trainer = {"step": step, "scheduler": state.scheduler.state_dict(), "history": state.history,
                                "config": dataclasses.asdict(cfg)}
                     _check_plain(trainer, "trainer.pt")
-                    written = {"model.pt": atomic_save(state.model.state_dict(), os.path.join(folder, "model.pt")),
+                    written = {"model.pt": atomic_save(whole_model, os.path.join(folder, "model.pt")),
                                "trainer.pt": atomic_save(trainer, os.path.join(folder, "trainer.pt"))}
             except files.OutError as exc:  # a link planted there; a full disk (files.WriteError)
                 problem = f"rank {rank}: {exc}" if isinstance(exc, files.WriteError) else str(exc)
@@ -309,6 +313,10 @@ class CheckpointStore:
         trainer = _load_checkpoint_file(cfg.out, pointer, "trainer.pt", "cpu")
         _check_settings(cfg, trainer["config"])
         saved_ranks = len(_rank_files(cfg.out, pointer))
+        if saved_ranks != world and cfg.shard > 1:
+            raise SetupError(f"--resume: the checkpoint was saved by {saved_ranks} ranks with --shard {cfg.shard}, "
+                             f"this run has {world}: each rank's file holds its shard of the model and of the "
+                             f"optimizer state, which are not re-sharded; resume on {saved_ranks} workers")
         if saved_ranks == world:
             own = _load_checkpoint_file(cfg.out, pointer, f"rank{rank}.pt", device)
             optimizer_state = own["optimizer"]
@@ -319,7 +327,7 @@ class CheckpointStore:
             if rank == 0:
                 print(f"[{cfg.optimizer}] resuming a checkpoint of {saved_ranks} ranks on {world}: the compression "
                       f"errors are re-sharded (onebitlamb.reshard_state_dicts)", file=sys.stderr)
-        state.model.load_state_dict(own.get("model") or _load_checkpoint_file(cfg.out, pointer, "model.pt", device))
+        load_model(state.model, own.get("model") or _load_checkpoint_file(cfg.out, pointer, "model.pt", device))
         state.optimizer.load_state_dict(optimizer_state)
         state.optimizer.comm_stats.load_state_dict(own["comm_stats"])
         state.scheduler.load_state_dict(trainer["scheduler"])

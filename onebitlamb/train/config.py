@@ -41,7 +41,7 @@ READ_ONLY_BY = {"freeze": ("onebitlamb", "onebitadam"), "var_freeze": ("zeroonea
                 "warmup_dtype": ("onebitlamb", "onebitadam", "zerooneadam"),  # LAMB's average stays float32
                 "compression_space": ("onebitlamb", "zerooneadam"), "trust_ratio_after_freeze": ("onebitlamb",)}
 # settings added after runs were saved without them, at the value those runs had
-SAVED_BEFORE = {"stage2_bound": "none", "warmup_dtype": "float32"}
+SAVED_BEFORE = {"stage2_bound": "none", "warmup_dtype": "float32", "shard": 1}
 
 PRESETS = {
     # for the tests: about a minute on 2 workers (most of it starting them and the corpus)
@@ -161,6 +161,10 @@ class TrainConfig:
     local_size: Optional[int] = field(default=None, metadata={
         "help": "ranks per node: the exchange runs over onebitlamb.comm.node_groups(N), exact inside a node and "
                 "1-bit across nodes (default: one flat group)"})
+    shard: int = field(default=1, metadata={
+        "help": "ranks per replica: the model, its gradients and the optimizer's state sharded with FSDP2 over "
+                "each N consecutive ranks (a node), the optimizer's exchange across the replicas (HSDP; "
+                "docs/integrations.md, 'Sharded models'). 1: every rank holds the whole model"})
     agree_every: int = field(default=1000, metadata={
         "help": "steps between the ranks' checks that they still train alike (hyper-parameters, a checksum of "
                 "every parameter); 0 = at the first step only"})
@@ -262,6 +266,19 @@ class TrainConfig:
             refuse("bucket_cap_mb", "> 0")
         if self.local_size is not None and self.local_size < 1:
             refuse("local_size", ">= 1")
+        if self.shard < 1:
+            refuse("shard", ">= 1")
+        if self.shard > 1:
+            for name in ("local_size", "bucket_cap_mb"):
+                if getattr(self, name) is not None:
+                    flag = "--" + name.replace("_", "-")
+                    raise SetupError(f"--shard {self.shard} cannot run with {flag}: under FSDP2 the ranks of a node "
+                                     f"exchange shards through FSDP, and the optimizer exchanges each shard across "
+                                     f"the replicas in step(); leave out {flag}")
+            if self.optimizer == "zerooneadam":
+                raise SetupError(f"--shard {self.shard} cannot run 0/1 Adam: its local steps leave each replica's "
+                                 f"parameters its own between syncs, where FSDP2 keeps one copy of each shard for "
+                                 f"every replica; use onebitlamb or onebitadam")
         if self.warmup_dtype in QUANTISED_CODECS and self.optimizer in READ_ONLY_BY["warmup_dtype"]:
             for name in QUANTISED_CANNOT_RUN:
                 if getattr(self, name) is not None:
@@ -291,6 +308,9 @@ class TrainConfig:
         """What depends on the number of ranks (the values themselves are checked on creation)."""
         if not self.out:
             raise SetupError("--out is required")
+        if world_size % self.shard:
+            raise SetupError(f"--shard {self.shard} must divide the number of workers, {world_size}: each replica "
+                             f"holds the whole model on {self.shard} ranks")
         if self.global_batch % (world_size * self.micro_batch):
             raise SetupError(f"--global-batch {self.global_batch} must be a multiple of workers x micro-batch "
                              f"= {world_size} x {self.micro_batch}")

@@ -29,6 +29,7 @@ from onebitlamb.train.config import RunError, SetupError, TrainConfig
 from onebitlamb.train.metrics import WINDOW_STEPS, evaluate_mlm, freeze_stats, layer_report, write_metrics
 from onebitlamb.train.model import build_model, mlm_loss
 from onebitlamb.train.ranks import agree_any, gather_bytes, rank_device, ranks_flagged
+from onebitlamb.train.sharding import Sharding, clip_gradients as clip_sharded, local_tensors, saved_model
 
 
 class _Phase:
@@ -84,6 +85,7 @@ class RankStart:
     model: torch.nn.Module
     groups: list  # the optimizer's parameter groups (``param_groups``)
     names: dict   # parameter name -> parameter
+    sharding: Optional[Sharding] = None  # under --shard: the mesh (the model is sharded over it)
 
 
 def start_rank(cfg: TrainConfig, rank: int, world: int) -> RankStart:
@@ -96,9 +98,12 @@ def start_rank(cfg: TrainConfig, rank: int, world: int) -> RankStart:
     eval_inputs, eval_labels = data.eval_batch(corpus, cfg.eval_samples, cfg.seed, cfg.mask_prob)
     model = build_model(cfg.model, cfg.seed).to(device)
     model.train()
+    sharding = Sharding(world, cfg.shard, device) if cfg.shard > 1 else None
+    if sharding is not None:
+        sharding.shard(model)
     groups, names = param_groups(model, cfg.weight_decay)
     return RankStart(device, corpus, cfg.global_batch // (world * cfg.micro_batch), eval_inputs[rank::world].to(device),
-                     eval_labels[rank::world].to(device), model, groups, names)
+                     eval_labels[rank::world].to(device), model, groups, names, sharding)
 
 
 def lr_factor(cfg: TrainConfig):
@@ -115,7 +120,12 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
     master = rank == 0
     stop_requested = _install_stop_handler()
 
-    optimizer = make_optimizer(cfg, setup.groups)
+    sharding = setup.sharding
+    optimizer = make_optimizer(cfg, setup.groups, None if sharding is None else sharding.replicate_group)
+    # what the loop reads and diagnoses of the parameters: this rank's shards under --shard (the
+    # diagnostics then describe rank 0's shard of each layer)
+    def viewed() -> dict:
+        return local_tensors(names)
     warm = cfg.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
 
@@ -160,7 +170,9 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
         # one global batch: this rank's shard, forward and backward over its micro-batches
         inputs, labels = data.rank_batch(corpus, step, rank, world, cfg.global_batch, cfg.seed, cfg.mask_prob)
         loss_sum = forward_backward(model, optimizer, inputs, labels, accum, cfg.micro_batch, device)
-        if cfg.clip > 0:  # this worker's local gradient, before step() communicates anything
+        if cfg.clip > 0 and sharding is not None:  # the replica's gradient, its shards' norms summed in the node
+            clip_sharded(model, cfg.clip, sharding.shard_group)
+        elif cfg.clip > 0:  # this worker's local gradient, before step() communicates anything
             clip_gradients(model, cfg.clip)
         bad = ranks_flagged(not math.isfinite(loss_sum), rank, world, device)
         if bad:
@@ -170,9 +182,9 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
 
         # the optimizer step: all communication happens in here
         diagnose = master and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
-        before = [p.detach().clone() for p in names.values()] if diagnose else None
+        before = [p.detach().clone() for p in viewed().values()] if diagnose else None
         if master and (step + window) % cfg.eval_every == 0:  # the parameters `window` steps before a diagnosis
-            window_start = (step, [p.detach().clone() for p in names.values()])
+            window_start = (step, [p.detach().clone() for p in viewed().values()])
         stage = optimizer.stage  # the stage this step runs in (a freeze happens at the end of a step)
         lr = scheduler.get_last_lr()[0]  # this step's (the scheduler's step below sets the next one's)
         try:
@@ -189,7 +201,7 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
                                  "skipped": bool(optimizer.last_step_skipped)})
         if diagnose:
             start = window_start[1] if window_start is not None and window_start[0] == step + 1 - window else None
-            history["diagnostics"].append({**layer_report(step + 1, stage, names, before, optimizer, start),
+            history["diagnostics"].append({**layer_report(step + 1, stage, viewed(), before, optimizer, start),
                                            "window": window if start is not None else None})
 
         # evaluation, checkpoint, stop
@@ -203,7 +215,7 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
             log.report(done, history)
         history["wall_time_s"] = wall_before + time.perf_counter() - t_wall0
         phase.now = f"the agreement to go on after step {done}"
-        stop, nonfinite = agree_any([stop_requested(), not _all_finite(names.values())], device)
+        stop, nonfinite = agree_any([stop_requested(), not _all_finite(viewed().values())], device)
         if nonfinite:  # a checkpoint never holds a non-finite parameter
             error = f"the parameters are not finite after step {done}"
             break
@@ -226,8 +238,11 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
     completed = stopped_by is None
     summary = {"completed": completed, "interrupted": stopped_by == "interrupt", "step": done}
     ranks_bytes = gather_bytes(optimizer.comm_stats.bytes_sent, world, device)
+    state_bytes = gather_bytes(optimizer_state_bytes(optimizer), world, device)
+    # the whole model: under --shard gathered from the shards, on every rank (a collective)
+    final_model = saved_model(model, whole=True) if completed else None
     if completed and master:
-        summary.update(write_metrics(cfg, world, history, ranks_bytes, list(names), model))
+        summary.update(write_metrics(cfg, world, history, ranks_bytes, list(names), final_model, state_bytes))
     skipped = skipped_steps(history)
     if completed and len(skipped) > MAX_SKIPPED_FRACTION * cfg.steps:
         summary["error"] = (f"[{cfg.optimizer}] {len(skipped)} of {cfg.steps} steps were skipped (a gradient not "
@@ -272,16 +287,26 @@ def _ranges(steps: list) -> str:
 
 def forward_backward(model, optimizer, inputs, labels, accum: int, micro_batch: int, device) -> float:
     """This rank's shard of one global batch, in ``accum`` micro-batches, the gradients accumulated
-    locally: only the last backward lets the optimizer exchange. Returns the shard's loss."""
+    locally: only the last backward lets the optimizer exchange (and, under --shard, FSDP
+    reduce-scatter). Returns the shard's loss."""
     optimizer.zero_grad(set_to_none=True)
     loss_sum = 0.0
+    sharded = hasattr(model, "set_requires_gradient_sync")  # an FSDP2 module
     for i in range(accum):
         sl = slice(i * micro_batch, (i + 1) * micro_batch)
+        if sharded:
+            model.set_requires_gradient_sync(i == accum - 1)
         loss = mlm_loss(model, inputs[sl].to(device), labels[sl].to(device)) / accum
         with optimizer.no_sync() if i < accum - 1 else contextlib.nullcontext():  # the last one exchanges
             loss.backward()
         loss_sum += loss.item()
     return loss_sum
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """The bytes of this rank's optimizer state (its tensors): under --shard, its shards'."""
+    state = optimizer.state.get("flat", {})
+    return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def _stopped_by(error: str, cfg: TrainConfig, done: int, last_saved: Optional[int], master: bool) -> dict:
@@ -324,9 +349,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float):
     return groups, {**decay, **no_decay}
 
 
-def make_optimizer(cfg: TrainConfig, groups) -> torch.optim.Optimizer:
+def make_optimizer(cfg: TrainConfig, groups, replicate_group=None) -> torch.optim.Optimizer:
+    """The run's optimizer; ``replicate_group``: under --shard, the group of this rank's shard in
+    every replica, which it exchanges over."""
+    group = replicate_group
+    if group is None and cfg.local_size is not None:
+        group = onebitlamb.comm.node_groups(cfg.local_size)
     common = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
-                  process_group=None if cfg.local_size is None else onebitlamb.comm.node_groups(cfg.local_size),
+                  process_group=group,
                   bucket_cap_mb=cfg.bucket_cap_mb, overlap_with_backward=cfg.bucket_cap_mb is not None,
                   agree_every=cfg.agree_every or None)
     if cfg.optimizer == "lamb":  # the exact baseline: its average stays float32

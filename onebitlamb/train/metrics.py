@@ -73,7 +73,9 @@ def freeze_stats(optimizer) -> Optional[dict]:
 
 
 def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List[int], layers: List[str],
-                  model) -> dict:
+                  model_state: dict, state_bytes: Optional[List[int]] = None) -> dict:
+    """OUT/metrics.json, OUT/model_final.pt (``model_state``: the whole model's state dict) and the
+    figures; ``state_bytes``: each rank's optimizer state in bytes."""
     steps = history["steps"]
     samples = cfg.steps * cfg.global_batch
     losses = [loss for _, loss in history["eval"]] + [r["loss"] for r in steps]
@@ -94,6 +96,8 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
         "skipped_steps": skipped,
         "bytes_sent_per_rank": sum(ranks_bytes) / len(ranks_bytes),
         "bytes_sent_by_rank": ranks_bytes,
+        # the optimizer's state on each rank (its tensors): 1/N of the whole under --shard N
+        "optimizer_state_bytes_by_rank": state_bytes,
         # every rank calls the same collectives: this rank's count is every worker's
         "rounds_per_rank": steps[-1].get("collectives") if steps else 0,
         "wall_time_s": history["wall_time_s"],
@@ -110,7 +114,7 @@ def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List
         "freeze": freeze,
         "layers": layers,
     }
-    atomic_save(model.state_dict(), os.path.join(cfg.out, "model_final.pt"))
+    atomic_save(model_state, os.path.join(cfg.out, "model_final.pt"))
     files.write_json(os.path.join(cfg.out, "metrics.json"), metrics)
     for png, draw, what in (("curves.png", plots.plot_run, "loss, bytes and rounds by step"),
                             ("freeze.png", plots.plot_freeze, "how the automatic freeze decided")):

@@ -47,6 +47,16 @@ def build_model(cfg: ModelConfig, seed: int):
 
 
 def mlm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """``masked_lm_loss``, through the model's own ``masked_lm_loss`` method where it has one: a
+    model sharded with FSDP2 (``train/sharding.py``) has it registered as a forward method, so that
+    FSDP gathers the parameters around it as around ``forward``."""
+    method = getattr(model, "masked_lm_loss", None)
+    if method is not None:
+        return method(input_ids, labels, reduction=reduction)
+    return masked_lm_loss(model, input_ids, labels, reduction)
+
+
+def masked_lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """The masked-LM cross-entropy of ``BertForMaskedLM``, with its prediction head applied only
     to the predicted (labelled) positions.
 
