@@ -1,18 +1,12 @@
 """benchmarks.diloco: the algorithm on 2 real gloo ranks against references written here (an identity
-that holds exactly in exact arithmetic, and n workers simulated in one process), its bytes against
-the float32 all-reduce's formula, and one short run of the training entry beside the main job's
-LAMB on the same data (every collective with a timeout: spawn_local's)."""
-import csv
-import json
-import os
-
+that holds exactly in exact arithmetic, and n workers simulated in one process), and its bytes
+against the float32 all-reduce's formula."""
 import pytest
 import torch
 from torch import nn
 
 import onebitlamb
-from benchmarks import diloco
-from benchmarks.diloco import DiLoCo, own_group
+from benchmarks.diloco import DiLoCo, Settings, own_group
 from rank_pool import run_ranks
 
 WORLD = 2
@@ -176,71 +170,6 @@ def test_bad_settings_are_refused(kwargs):
 # ---- the training entry, beside `onebitlamb pretrain --optimizer lamb` on the same job
 
 
-@pytest.fixture(scope="module")
-def entry(tmp_path_factory):
-    import email  # a real, small text corpus on every machine: ~30 files
-
-    out = tmp_path_factory.mktemp("diloco")
-    flags = ["--preset", "tiny", "--steps", "4", "--eval-every", "2", "--corpus", os.path.dirname(email.__file__),
-             "--out", str(out), "--H", "3"]
-    assert diloco.main([*flags, "--lamb"]) == 0
-    return out, flags
-
-
-def _metrics(folder):
-    with open(os.path.join(folder, "metrics.json")) as f:
-        return json.load(f)
-
-
-def test_the_entry_runs_the_main_jobs_job_and_writes_its_formats(entry, tmp_path):
-    out, _ = entry
-    root = out / "tiny-4steps" / "1234"
-    lamb, run = _metrics(root / "lamb"), _metrics(root / "diloco-H3")
-    assert set(run) - set(lamb) == {"diloco"} and set(lamb) <= set(run)
-    assert run["optimizer"] == "diloco" and run["config"]["optimizer"] == "lamb"
-    assert run["diloco"] == {"H": 3, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "inner": "lamb",
-                             "syncs": 2, "sync_steps": [3, 4]}
-    # the same model, data and evaluation: the same loss before training and at the first step
-    assert [s for s, _ in run["eval_curve"]] == [s for s, _ in lamb["eval_curve"]] == [0, 32, 64]
-    assert run["eval_curve"][0] == lamb["eval_curve"][0] and run["train_loss"][0] == lamb["train_loss"][0]
-    # the evaluation after step 2 is of the synced model, the initial one (no sync yet)
-    assert run["eval_curve"][1][1] == run["eval_curve"][0][1] and run["final_eval_loss"] < run["eval_curve"][0][1]
-    assert run["lr"] == lamb["lr"]  # the inner LAMB on the main job's schedule
-    # a sync sends what one LAMB step sends: one float32 all-reduce of every parameter
-    per_step = lamb["bytes_curve"][0][1]
-    assert [b for _, b in run["bytes_curve"]] == [0, 0, per_step, 2 * per_step]
-    assert run["stage"] == ["local", "local", "sync", "sync"] and run["rounds_per_rank"] == 2
-    assert run["bytes_sent_by_rank"] == [2 * per_step] * 2
-    with open(root / "diloco-H3" / "log.csv") as f, open(root / "lamb" / "log.csv") as g:
-        rows, lamb_rows = list(csv.reader(f)), list(csv.reader(g))
-    assert rows[0] == lamb_rows[0] and len(rows) == len(lamb_rows) == 6
-    from onebitlamb.train.plots import plot_compare
-
-    plot_compare({"lamb": lamb, "diloco-H3": run}, str(tmp_path / "compare.png"))
-    text = diloco.render({"lamb": lamb, "diloco-H3": run}, "python -m benchmarks.diloco ...")
-    assert "| diloco-H3 | 3 | 0.7 / 0.9 |" in text and f"| {per_step * 2 / 1e6:,.2f} | 2.00x | 2 |" in text
-
-
-def test_a_finished_run_is_reused_and_one_of_other_settings_refused(entry, capsys):
-    out, flags = entry
-    before = os.path.getmtime(out / "tiny-4steps" / "1234" / "diloco-H3" / "metrics.json")
-    assert diloco.main([*flags, "--lamb"]) == 0  # nothing trains
-    assert os.path.getmtime(out / "tiny-4steps" / "1234" / "diloco-H3" / "metrics.json") == before
-    assert "reusing the finished run" in capsys.readouterr().err
-    assert diloco.main([*flags, "--lr", "0.01"]) == 2
-    assert "holds a finished run of other settings" in capsys.readouterr().err
-
-
-def test_runs_beside_diloco_join_the_section_and_a_missing_one_is_refused(entry, tmp_path, capsys):
-    out, flags = entry
-    root = out / "tiny-4steps" / "1234"
-    results = tmp_path / "results.md"
-    import shutil
-    shutil.copytree(root / "lamb", tmp_path / "lamb-again")
-    assert diloco.main([*flags, "--lamb", "--beside", str(tmp_path / "lamb-again"), "--results", str(results)]) == 0
-    text = results.read_text()
-    assert "<!-- begin diloco -->" in text and "| diloco-H3 | 3 |" in text
-    # the run beside is the same LAMB run under its folder's name: its gap to LAMB is 0
-    assert "| lamb-again | - | - |" in text and "| +0.00% |" in text
-    assert diloco.main([*flags, "--beside", str(tmp_path / "nothing")]) == 2
-    assert "--beside" in capsys.readouterr().err
+def test_a_runs_name_says_its_outer_settings_when_not_the_papers():
+    assert Settings(16).name == "diloco-H16"  # the run benchmarks.network's whole-run table reads
+    assert Settings(8, outer_lr=1.0, outer_momentum=0.0).name == "diloco-H8-olr1-om0"
