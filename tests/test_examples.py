@@ -13,9 +13,9 @@ from onebitlamb.comm.launch import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _torchrun(script, *args, cwd):
+def _torchrun(script, *args, cwd, ranks=2):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                            "--master_port", str(free_port()), os.path.join(ROOT, "examples", script), *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
 
@@ -26,6 +26,19 @@ def test_ddp_example_registers_and_compresses(tmp_path):
     lines = [l for l in proc.stdout.splitlines() if l.startswith("step")]
     assert "warmup" in lines[0] and lines[-1].split()[2] == "compression"
     assert int(lines[-1].split()[-1]) * 16 < int(lines[0].split()[-1])  # the compressed steps send far less
+
+
+def test_hsdp_example_compresses_across_replicas_and_keeps_half_the_state(tmp_path):
+    proc = _torchrun("fsdp2_hsdp.py", cwd=tmp_path, ranks=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [l.split() for l in proc.stdout.splitlines() if l.startswith("step")]
+    assert lines[0][2] == "warmup" and lines[-1][2] == "compression"
+    across = [int(l[l.index("replicas") + 1]) for l in lines]
+    assert across[-1] * 16 < across[0]  # after the freeze, the slow link carries 1 bit an element
+    words = proc.stdout.split("parameters ")[1].split()
+    parameters, state = int(words[0].rstrip(",")), int(words[6])
+    # moments and errors of this rank's half of the 2,372 parameters (and a few per-layer values)
+    assert parameters == 2372 and state < 3 * parameters
 
 
 def test_dcp_example_resumes_bit_for_bit(tmp_path):

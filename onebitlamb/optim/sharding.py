@@ -49,7 +49,7 @@ def is_sharded(p: torch.Tensor) -> bool:
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of ``t`` (``t`` itself when it is not sharded): a view of the parameter's
     own storage, so an update written into it moves the parameter."""
-    return t.to_local() if is_sharded(t) else t
+    return t.detach().to_local() if is_sharded(t) else t
 
 
 def _group_ranks(group: Optional[dist.ProcessGroup]) -> List[int]:
