@@ -222,10 +222,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results[preset, seed, row.name] = run_one(run_folder(args.out, preset, seed, row, args.steps),
                                                   pretrain_args(preset, seed, row, args.steps),
                                                   os.path.join(args.out, "cache"), program)
-    if argv is None:  # from the command line
-        command = command_line()
-    else:             # called from Python
-        command = " ".join(["python -m benchmarks.convergence", *map(shlex.quote, argv)])
+    command = command_line(argv, "python -m benchmarks.convergence")
     # another section is another heading (BENCHMARKS.md has one heading per section)
     title = TITLE if args.section == "convergence" else f"{TITLE}: {', '.join(args.presets)}" + (
         f", {len(seeds)} seeds" if len(seeds) > 1 else "") + (", under torchrun" if args.torchrun else "")

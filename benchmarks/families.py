@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks.report import mean_interval
 from benchmarks.zoo import param_groups
 import onebitlamb
 
@@ -335,11 +336,6 @@ def run_missing(cases: List[dict], family: str, runs: Dict[Tuple, dict], world: 
         runs.update(load_runs(log_path))
 
 
-def t95(n: int) -> float:
-    """Student's t at 97.5% for n - 1 degrees of freedom (n <= 10)."""
-    return {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}.get(n, 1.96)
-
-
 def summarize(runs: Dict[Tuple, dict], family: str, chosen: Dict[str, float], seeds: Sequence[int], steps: int,
               world: int) -> List[dict]:
     """Per optimizer: the mean held-out loss, the paired gaps to LAMB (%), their mean and 95%
@@ -351,10 +347,9 @@ def summarize(runs: Dict[Tuple, dict], family: str, chosen: Dict[str, float], se
         losses = [r["heldout"] for r in rs]
         gaps = [100.0 * (x - b) / b for x, b in zip(losses, lamb)]
         finite = all(math.isfinite(g) for g in gaps)
-        mean = statistics.fmean(gaps) if finite else math.inf
-        half = t95(len(gaps)) * statistics.stdev(gaps) / math.sqrt(len(gaps)) if finite and len(gaps) > 1 else math.nan
+        mean, half = mean_interval(gaps) if finite else (math.inf, None)
         rows.append({"optimizer": opt, "lr": chosen[opt], "losses": losses, "gaps": gaps, "mean_gap": mean,
-                     "half_width": half, "diverged": [r["diverged"] for r in rs if r["diverged"]],
+                     "half_width": math.nan if half is None else half, "diverged": [r["diverged"] for r in rs if r["diverged"]],
                      "freeze": [r["freeze"] for r in rs]})
     return rows
 
@@ -372,6 +367,7 @@ def _fmt(x: float, digits: int = 4) -> str:
 def report(runs, families: Sequence[str], steps_of: Dict[str, int], seeds: Sequence[int], world: int,
            argv: Optional[List[str]]) -> str:
     from benchmarks.report import command_line, heading, table_row
+
     lines = heading(TITLE, command_line(argv), f", {world} gloo ranks")
     lines += [f"`benchmarks/families.py`: four model families none of our settings were tuned on, each optimizer as "
               f"a user gets it (`AutoFreeze`; 0/1 Adam with the main job's schedules). Learning rates chosen once on a "
@@ -408,10 +404,9 @@ def report(runs, families: Sequence[str], steps_of: Dict[str, int], seeds: Seque
         by = {r["optimizer"]: r for r in rows}
         spaces = [u - m for u, m in zip(by["onebitlamb"]["gaps"], by["onebitlamb-momentum"]["gaps"])]
         if all(math.isfinite(x) for x in spaces):
-            half = (t95(len(spaces)) * statistics.stdev(spaces) / math.sqrt(len(spaces))) if len(spaces) > 1 else math.nan
+            mean, half = mean_interval(spaces)
             lines += ["", f"1-bit LAMB's two compression spaces, paired by seed (update's gap minus momentum's): "
-                          f"{statistics.fmean(spaces):+.2f} points" + (f" ± {half:.2f}" if math.isfinite(half) else "")
-                      + "."]
+                          f"{mean:+.2f} points" + (f" ± {half:.2f}" if half is not None else "") + "."]
         lines += ["", f"The grid (seed {GRID_SEED}, held-out loss; the chosen rate in bold):", "",
                   table_row(["optimizer"] + [f"lr {x:g}" for x in LAMB_GRID] + [f"lr {x:g}" for x in ADAM_GRID]),
                   table_row(["---"] + ["---:"] * (len(LAMB_GRID) + len(ADAM_GRID)))]

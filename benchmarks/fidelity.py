@@ -43,7 +43,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from benchmarks import convergence
-from benchmarks.report import command_line, heading, table_row, write_section
+from benchmarks.report import command_line, heading, mean_interval, table_row, write_section
 from onebitlamb.train.config import PRESETS, RESUMABLE_CHANGES
 from onebitlamb.train.metrics import WINDOW_STEPS
 
@@ -59,21 +59,6 @@ ROWS = [LAMB, PAPER, DEFAULT, UPDATE_LIVE]
 # the default's paired gap
 CANDIDATES = [PAPER, UPDATE_LIVE]
 BAND = (0.5, 2.0)
-
-# Student's t, two-sided 95%, by degrees of freedom (a standard table; scipy is not a dependency)
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-       20: 2.086}
-
-
-def mean_interval(values: Sequence[float]) -> Tuple[float, Optional[float]]:
-    """The mean and the half-width of its 95% interval (None from one value)."""
-    mean = statistics.mean(values)
-    if len(values) < 2:
-        return mean, None
-    t = T95.get(len(values) - 1, 1.96)
-    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
-
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b and b > 0 else None

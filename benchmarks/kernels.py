@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import time
 import traceback
@@ -198,6 +197,16 @@ def _size_label(numel: int) -> str:
     return f"{numel // MB}M" if numel % MB == 0 else f"{numel // 1024}K"
 
 
+def _progress(label: str, t: Dict[str, float]) -> None:
+    print(f"{label}: copy {t['copy'] * 1e3:.3f} ms, compress {t['compress'] / t['copy']:.2f}x, decompress "
+          f"{t['decompress'] / t['copy']:.2f}x, whole {t['whole'] / t['copy']:.2f}x", flush=True)
+
+
+def _verdict(name: str, t: Dict[str, float], target: float) -> str:
+    ratio = t[name] / t["copy"]
+    return f"{name} {ratio:.2f}x (target <= {target:g}x: {'met' if ratio <= target else 'MISSED'}"
+
+
 def _ratio_table(kernels: Dict[int, Dict[str, float]], bandwidth: bool = False) -> List[str]:
     """Markdown rows: each kernel's time as a multiple of the copy (and the copy's bandwidth)."""
     columns = ["elements", "copy (ms)"] + (["copy GB/s"] if bandwidth else []) + [
@@ -239,12 +248,7 @@ def render(kernels: Dict[int, Dict[str, float]], allreduce: Dict, command: str, 
         "",
     ]
     if TARGET_SIZE in kernels:
-        t = kernels[TARGET_SIZE]
-        verdicts = []
-        for name, target in TARGETS.items():
-            ratio = t[name] / t["copy"]
-            verdicts.append(f"{name} {ratio:.2f}x (target <= {target:g}x: "
-                            f"{'met' if ratio <= target else 'MISSED'})")
+        verdicts = [_verdict(name, kernels[TARGET_SIZE], target) + ")" for name, target in TARGETS.items()]
         lines.append(f"Targets at {_size_label(TARGET_SIZE)}: " + "; ".join(verdicts) + ".")
     else:
         lines.append(f"Targets at {_size_label(TARGET_SIZE)} (not measured in this run): "
@@ -302,11 +306,8 @@ def render_device(kernels: Dict[str, Dict[int, Dict[str, float]]], command: str,
         "",
     ]
     for numel, t in kernels["fused"].items():
-        verdicts = []
-        for name, target in FUSED_TARGETS.items():
-            ratio = t[name] / t["copy"]
-            verdicts.append(f"{name} {ratio:.2f}x (target <= {target:g}x: {'met' if ratio <= target else 'MISSED'}"
-                            f"; floor {FUSED_FLOORS[name]:.2f}x)")
+        verdicts = [_verdict(name, t, target) + f"; floor {FUSED_FLOORS[name]:.2f}x)"
+                    for name, target in FUSED_TARGETS.items()]
         speedup = kernels["torch"][numel]["whole"] / t["whole"]
         lines.append(f"- {_size_label(numel)}: " + "; ".join(verdicts) + f"; whole {speedup:.1f}x faster than plain torch.")
     return "\n".join(lines) + "\n"
@@ -339,9 +340,7 @@ def device_kernels(device: str, sizes: Sequence[int], repeats: int, min_total_s:
             finally:
                 if device == "cuda":
                     torch.cuda.empty_cache()
-            print(f"{_size_label(numel):>5} {codec:>5}: copy {t['copy'] * 1e3:.3f} ms, compress "
-                  f"{t['compress'] / t['copy']:.2f}x, decompress {t['decompress'] / t['copy']:.2f}x, "
-                  f"whole {t['whole'] / t['copy']:.2f}x", flush=True)
+            _progress(f"{_size_label(numel):>5} {codec:>5}", t)
     return kernels, missing
 
 
@@ -356,10 +355,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
-    if argv is None:  # run from the command line
-        command = command_line()
-    else:             # called from Python
-        command = " ".join(["python -m benchmarks.kernels", *map(shlex.quote, argv)])
+    command = command_line(argv, "python -m benchmarks.kernels")
 
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     repeats = 3 if args.quick else 9
@@ -378,10 +374,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         kernels = {}
         for numel in sizes:
             kernels[numel] = kernel_times(numel, WORLD_SIZE, repeats, 0.01 if args.quick else 4.0)
-            t = kernels[numel]
-            print(f"{_size_label(numel):>5}: copy {t['copy'] * 1e3:.3f} ms, compress "
-                  f"{t['compress'] / t['copy']:.2f}x, decompress {t['decompress'] / t['copy']:.2f}x, "
-                  f"whole {t['whole'] / t['copy']:.2f}x", flush=True)
+            _progress(f"{_size_label(numel):>5}", kernels[numel])
         allreduce = allreduce_results(QUICK_ALLREDUCE_SIZES if args.quick else FULL_ALLREDUCE_SIZES, iters)
         body = render(kernels, allreduce, command, repeats, iters)
     finally:

@@ -5,11 +5,13 @@ rerunning one benchmark never erases another's figures and nobody edits the file
 """
 from __future__ import annotations
 
+import math
 import platform
 import shlex
+import statistics
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 HEADER = (
     "# Benchmarks\n\n"
@@ -22,11 +24,13 @@ def default_results_path() -> Path:
     return Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 
 
-def command_line(argv: Optional[Sequence[str]] = None) -> str:
-    """The command that reproduces this run, as a user would type it."""
+def command_line(argv: Optional[Sequence[str]] = None, program: Optional[str] = None) -> str:
+    """The command that reproduces this run, as a user would type it: ``program`` (default: the
+    module run as ``__main__``) and ``argv`` (default: this process's arguments)."""
+    if program is None or argv is None:
+        main_spec = getattr(sys.modules["__main__"], "__spec__", None)
+        program = f"python -m {main_spec.name}" if main_spec else shlex.quote(sys.argv[0])
     argv = sys.argv[1:] if argv is None else list(argv)
-    main_spec = getattr(sys.modules["__main__"], "__spec__", None)
-    program = f"python -m {main_spec.name}" if main_spec else shlex.quote(sys.argv[0])
     return " ".join([program, *(shlex.quote(a) for a in argv)])
 
 
@@ -41,6 +45,20 @@ def heading(title: str, command: str, machine: str = "") -> List[str]:
     """A section's first lines: its title, the command that wrote it and the machine it ran on
     (``machine`` adds what the benchmark needs said about it)."""
     return [f"## {title}", "", f"Command: `{command}`  ", f"Machine: {machine_line()}{machine}", ""]
+
+
+# Student's t, two-sided 95%, by degrees of freedom (a standard table; scipy is not a dependency)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+       20: 2.086}
+
+
+def mean_interval(values: Sequence[float]) -> Tuple[float, Optional[float]]:
+    """The mean and the half-width of its 95% interval (Student's t; None from one value)."""
+    mean = statistics.mean(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def table_row(cells: Sequence[object]) -> str:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import time
 from pathlib import Path
@@ -316,10 +315,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                         help="markdown file to write the section into (default: BENCHMARKS.md)")
     parser.add_argument("--plot", type=Path, default=DOCS / "soak.png", help="PNG to write (default: docs/soak.png)")
     args = parser.parse_args(argv)
-    if argv is None:
-        command = command_line()
-    else:
-        command = " ".join(["python -m benchmarks.soak", *map(shlex.quote, argv)])
+    command = command_line(argv, "python -m benchmarks.soak")
     freeze, steps, every = ((QUICK["freeze"], QUICK["steps"], QUICK["every"]) if args.quick
                             else (FREEZE_STEP, COMPRESSION_STEPS, RECORD_EVERY))
     start = time.perf_counter()

@@ -23,8 +23,7 @@ import argparse
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from benchmarks.fidelity import mean_interval
-from benchmarks.report import command_line
+from benchmarks.report import command_line, mean_interval
 from benchmarks.variants import DEFAULT_OF, LAMB, Variant, main_for, with_warmup
 
 CODECS = ("int8", "int4", "int2")
