@@ -24,6 +24,8 @@ Jobs, in the order they run when present in the spec:
   both stages (``hierarchy_steps``; also runs on loopback under ``spawn_local``); ``spec["modes"]``
   may add the flat and the hierarchical optimizer with ``overlap_with_backward`` (the serial step
   against the one whose exchange runs behind the backward);
+- ``hsdp``: per optimizer, ``train``'s timed steps with the model sharded by FSDP2 over each
+  host's ranks and the optimizer across the hosts (HSDP; ``benchmarks.sharded``);
 - ``train``: per optimizer, timed steps of each kind it takes (``KINDS``: the warm-up, the
   compression stage; 0/1 Adam's variance steps, 1-bit steps, local steps and syncs; DiLoCo's local
   steps and syncs) of the BERT pretraining workload on synthetic token batches, with per-kind wire
@@ -232,11 +234,15 @@ def _two_stage_rounds(runs: list, batches: list, skip: int, warm: int, comp: int
             yield stage, timed, batch, runs[k]
 
 
-def train_one(name: str, spec: dict, rank: int, group, interface: Optional[str], alone=None) -> dict:
+def train_one(name: str, spec: dict, rank: int, group, interface: Optional[str], alone=None,
+              shard_mesh=None) -> dict:
     """Run one optimizer through every kind of step it takes (``timed_kinds``); per kind: step
     times, wire and accounted bytes. The first ``skip_steps`` of each kind are untimed, as are the
     steps of a kind already timed often enough (0/1 Adam's and DiLoCo's kinds interleave).
-    ``alone``: this rank's own group (DiLoCo's inner LAMB runs on it)."""
+    ``alone``: this rank's own group (DiLoCo's inner LAMB runs on it). ``shard_mesh``: the model
+    sharded with FSDP2 over it (HSDP: a host's ranks, ``group`` the replicate group), the steps
+    between barriers of the whole world; the bytes the optimizer's per-layer reductions sent over
+    the shard group (``node_accounted``) are recorded beside the others."""
     from onebitlamb.train.model import build_model
 
     cfg = _model_config(spec)
@@ -249,10 +255,20 @@ def train_one(name: str, spec: dict, rank: int, group, interface: Optional[str],
         freeze_step = diloco_H(skip + wanted[SYNC], skip + wanted[LOCAL])
     model = build_model(cfg, seed=spec.get("seed", 0))
     model.train()
+    barriers = group
+    if shard_mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.bert.encoder.layer:
+            fully_shard(layer, mesh=shard_mesh)
+        fully_shard(model, mesh=shard_mesh)
+        barriers = dist.group.WORLD
     opt = make_optimizer(name, model.parameters(), spec.get("lr", 1e-3), freeze_step, group, alone=alone)
+    node_stats = getattr(opt, "shard_comm_stats", None)
     batches = _batches(cfg, spec["batch"], 4, seed=1000 * rank + 7)
-    barrier_bytes = _barrier_bytes(interface, group)
-    records = {kind: {"step_times": [], "opt_step_times": [], "wire": 0, "accounted": 0} for kind in wanted}
+    barrier_bytes = _barrier_bytes(interface, barriers)
+    records = {kind: {"step_times": [], "opt_step_times": [], "wire": 0, "accounted": 0, "node_accounted": 0}
+               for kind in wanted}
     taken = {kind: 0 for kind in wanted}
     step_no, loss = 0, None
     while any(taken[kind] < skip + n for kind, n in wanted.items()):
@@ -263,9 +279,10 @@ def train_one(name: str, spec: dict, rank: int, group, interface: Optional[str],
         timed = skip <= taken[kind] < skip + wanted[kind]
         taken[kind] += 1
         batch = batches[step_no % len(batches)]
-        _barrier(group)
+        _barrier(barriers)
         tx0 = read_counter(interface) if interface else 0
         stats0 = opt.comm_stats.bytes_sent
+        node0 = node_stats.bytes_sent if node_stats is not None else 0
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = model(**batch).loss
@@ -274,20 +291,42 @@ def train_one(name: str, spec: dict, rank: int, group, interface: Optional[str],
         opt.step()
         t2 = time.perf_counter()
         step_no += 1
-        _barrier(group)
+        _barrier(barriers)
         if timed:
             rec = records[kind]
             rec["step_times"].append(t2 - t0)
             rec["opt_step_times"].append(t2 - t1)  # of which in optimizer.step (maths and communication)
             rec["wire"] += (read_counter(interface) - tx0 - barrier_bytes) if interface else 0
             rec["accounted"] += opt.comm_stats.bytes_sent - stats0
+            rec["node_accounted"] += (node_stats.bytes_sent - node0) if node_stats is not None else 0
     result = {"optimizer": name, "params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     for kind, rec in records.items():
         times = rec["step_times"]
         result[kind] = {"step_times": times, "median_s": statistics.median(times),
                         "opt_step_times": rec["opt_step_times"], "wire_bytes_per_step": rec["wire"] / len(times),
-                        "accounted_bytes_per_step": rec["accounted"] / len(times), "loss": float(loss)}
+                        "accounted_bytes_per_step": rec["accounted"] / len(times),
+                        "node_accounted_bytes_per_step": rec["node_accounted"] / len(times), "loss": float(loss)}
     return result
+
+
+def hsdp_rows(rank: int, world: int, spec: dict, interface: Optional[str], solo) -> dict:
+    """``train_one`` per row of ``spec["hsdp"]``: ``[optimizer, layout]`` with layout ``"hsdp"`` (FSDP2
+    over each host's ranks, the optimizer across the hosts over the replicate group) or ``"fsdp"``
+    (FSDP2 over every rank, no replicas: the optimizer alone in its one-rank group, so that all
+    the traffic is FSDP's own)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
+    flat = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    out = {}
+    for name, layout in spec["hsdp"]:
+        if layout == "hsdp":
+            out[f"{name}-{layout}"] = train_one(name, spec, rank, mesh["replicate"].get_group(), interface,
+                                                shard_mesh=mesh["shard"])
+        else:
+            out[f"{name}-{layout}"] = train_one(name, spec, rank, solo, interface, shard_mesh=flat)
+    return out
 
 
 def paired_steps(rank: int, world: int, spec: dict) -> dict:
@@ -631,6 +670,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             result["ddp"] = ddp_steps(rank, world, spec, interface)
         if spec.get("hierarchy"):
             result["hierarchy"] = hierarchy_steps(rank, world, spec, interface, solo)
+        if spec.get("hsdp"):
+            result["hsdp"] = hsdp_rows(rank, world, spec, interface, solo)
         if spec.get("train"):
             # per optimizer, the compute-only step right before the networked one: both ranks
             # compute at once (they share the CPUs as in the real run) and the two measurements
