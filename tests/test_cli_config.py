@@ -13,7 +13,7 @@ from onebitlamb.train.model import ModelConfig
 PRETRAIN_FLAGS = {"--preset", "--optimizer", "--out", "--resume", "--overwrite", "--seed", "--steps", "--global-batch",
                   "--micro-batch", "--workers", "--lr", "--warmup-frac", "--weight-decay", "--clip", "--freeze",
                   "--var-freeze", "--var-update-scaler", "--local-step-scaler", "--warmup-dtype", "--compression-space",
-                  "--stage2-bound", "--trust-ratio-after-freeze", "--bucket-cap-mb", "--local-size", "--agree-every",
+                  "--stage2-bound", "--trust-ratio-after-freeze", "--bucket-cap-mb", "--local-size", "--shard", "--agree-every",
                   "--eval-every", "--eval-samples", "--ckpt-every", "--corpus", "--stdlib-tests", "--cache-dir",
                   "--threads", "--no-progress", "--stop-after-steps", "--timeout",
                   "--vocab-size", "--seq-len", "--hidden", "--layers", "--heads", "--intermediate"}
@@ -57,6 +57,19 @@ def test_the_exchange_flags_reach_the_optimizer():
     for bad in (["--warmup-dtype", "float16"], ["--bucket-cap-mb", "x"], ["--compression-space", "signs"]):
         with pytest.raises(SystemExit):
             cfg(*bad)
+
+
+def test_shard_is_refused_where_hsdp_cannot_run_by_its_flag():
+    for flags, said in ((["--shard", "0"], "--shard must be >= 1"),
+                        (["--shard", "2", "--local-size", "2"], "--shard 2 cannot run with --local-size"),
+                        (["--shard", "2", "--bucket-cap-mb", "1"], "--shard 2 cannot run with --bucket-cap-mb")):
+        with pytest.raises(config.SetupError, match=said):
+            cfg(*flags)
+    with pytest.raises(config.SetupError, match="cannot run 0/1 Adam"):
+        cfg("--shard", "2", optimizer="zerooneadam")
+    with pytest.raises(config.SetupError, match="--shard 3 must divide the number of workers, 4"):
+        cfg("--shard", "3").check(4)
+    cfg("--shard", "2").check(4)  # 2 replicas of 2 shards
 
 
 def test_every_flag_is_a_field_with_a_help_and_the_rest_are_preset_only():

@@ -134,6 +134,33 @@ class StagedOptimizer(Optimizer):
             raise ValueError(f"{owner} does not take sharded parameters: {self._phases[-1].not_sharded_because}")
         self._shards.check_replicas(owner, process_group)
 
+    def stats(self) -> Dict[str, Any]:
+        """Where the optimizer stands, in one dict with the same keys on all four optimizers (as
+        PowerSGD's ``compression_stats()``); the older attributes named below read the same values.
+
+        - ``bytes_sent``, ``rounds``: what this rank sent to the other ranks of ``process_group``
+          so far, and in how many collectives (``comm_stats``); ``bytes_by_op``, ``rounds_by_op``
+          by kind of collective; ``last_step_bytes``: the last step's (``last_step_bytes``);
+        - ``bytes_sent_in_shard_group``, ``rounds_in_shard_group``: with sharded parameters (HSDP),
+          what the per-layer reductions sent to the other ranks of the node (``shard_comm_stats``);
+          0 otherwise;
+        - ``step``: steps taken; ``skipped_steps`` (``skipped_steps``), ``last_step_skipped``
+          (``last_step_skipped``): steps skipped on every rank for a non-finite gradient;
+        - ``stage``: the exchange the next step runs (``stage``); ``freeze_step``: the step at
+          whose end the freeze came (None before, and always for ``Lamb``);
+        - ``freeze``: the freeze schedule's record (``freeze_stats()``; None for ``Lamb``).
+        """
+        sent, node = self.comm_stats, self.shard_comm_stats
+        flat = self.state.get("flat", {})
+        freeze = getattr(self, "freeze_stats", None)
+        return {"bytes_sent": sent.bytes_sent, "rounds": sent.calls, "bytes_by_op": dict(sent.bytes_by_op),
+                "rounds_by_op": dict(sent.rounds_by_op), "last_step_bytes": self.last_step_bytes,
+                "bytes_sent_in_shard_group": node.bytes_sent if node is not None else 0,
+                "rounds_in_shard_group": node.calls if node is not None else 0,
+                "step": flat.get("step", 0), "skipped_steps": self.skipped_steps,
+                "last_step_skipped": self.last_step_skipped, "stage": self.stage,
+                "freeze_step": flat.get("frozen_at"), "freeze": freeze() if freeze is not None else None}
+
     @property
     def shard_comm_stats(self) -> Optional[CommStats]:
         """With sharded parameters (HSDP), what the per-layer reductions sent inside the node (over

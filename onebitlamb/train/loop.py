@@ -26,7 +26,7 @@ import onebitlamb
 from onebitlamb.train import data, files, runlog
 from onebitlamb.train.checkpoints import CheckpointStore, TrainState, checkpoint_folder
 from onebitlamb.train.config import RunError, SetupError, TrainConfig
-from onebitlamb.train.metrics import WINDOW_STEPS, evaluate_mlm, freeze_stats, layer_report, write_metrics
+from onebitlamb.train.metrics import WINDOW_STEPS, evaluate_mlm, layer_report, write_metrics
 from onebitlamb.train.model import build_model, mlm_loss
 from onebitlamb.train.ranks import agree_any, gather_bytes, rank_device, ranks_flagged
 from onebitlamb.train.sharding import Sharding, clip_gradients as clip_sharded, local_tensors, saved_model
@@ -195,10 +195,10 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
         scheduler.step()
         history["train_time_s"] += time.perf_counter() - t0
 
-        history["steps"].append({"loss": loss_sum, "bytes": optimizer.comm_stats.bytes_sent,
-                                 "collectives": optimizer.comm_stats.calls, "stage": stage,
-                                 "lr": lr, "freeze": freeze_stats(optimizer),
-                                 "skipped": bool(optimizer.last_step_skipped)})
+        stats = optimizer.stats()
+        history["steps"].append({"loss": loss_sum, "bytes": stats["bytes_sent"], "collectives": stats["rounds"],
+                                 "stage": stage, "lr": lr, "freeze": stats["freeze"],
+                                 "skipped": bool(stats["last_step_skipped"])})
         if diagnose:
             start = window_start[1] if window_start is not None and window_start[0] == step + 1 - window else None
             history["diagnostics"].append({**layer_report(step + 1, stage, viewed(), before, optimizer, start),
@@ -237,7 +237,7 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
         return _stopped_by(error, cfg, done, last_saved, master)
     completed = stopped_by is None
     summary = {"completed": completed, "interrupted": stopped_by == "interrupt", "step": done}
-    ranks_bytes = gather_bytes(optimizer.comm_stats.bytes_sent, world, device)
+    ranks_bytes = gather_bytes(optimizer.stats()["bytes_sent"], world, device)
     state_bytes = gather_bytes(optimizer_state_bytes(optimizer), world, device)
     # the whole model: under --shard gathered from the shards, on every rank (a collective)
     final_model = saved_model(model, whole=True) if completed else None
@@ -374,7 +374,7 @@ def make_optimizer(cfg: TrainConfig, groups, replicate_group=None) -> torch.opti
 
 
 def _freeze_banner(optimizer) -> str:
-    stats = freeze_stats(optimizer)
+    stats = optimizer.stats()["freeze"]
     if stats is None:
         return ""
     until = f", the gradients averaged in {optimizer.exchange.wire.name} until then"

@@ -66,12 +66,6 @@ def layer_report(step: int, stage: str, names: dict, before: List[torch.Tensor],
     return {"step": step, "stage": stage, "layers": layers}
 
 
-def freeze_stats(optimizer) -> Optional[dict]:
-    """The 1-bit optimizers' freeze record of this step; LAMB has none."""
-    stats = getattr(optimizer, "freeze_stats", None)
-    return stats() if stats is not None else None
-
-
 def write_metrics(cfg: TrainConfig, world: int, history: dict, ranks_bytes: List[int], layers: List[str],
                   model_state: dict, state_bytes: Optional[List[int]] = None) -> dict:
     """OUT/metrics.json, OUT/model_final.pt (``model_state``: the whole model's state dict) and the
