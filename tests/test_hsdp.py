@@ -35,7 +35,7 @@ def _optimizer(kind, params, group, freeze, **options):
     return CLASSES[kind](groups, lr=LRS[0], process_group=group, **options)
 
 
-def _sharded_run(rank, n, replicas, shards, kind, steps, freeze, options):
+def _sharded_run(rank, n, replicas, shards, kind, steps, freeze, options, nan_at=None):
     """Each rank: the toy layers as DTensors sharded over its replica's ranks, each replica's
     gradient that of ``grads_for`` at the whole parameters (what FSDP's reduce-scatter leaves:
     the replica's average, cut in shards), stepped ``steps`` times; with one shard, the same run on
@@ -52,8 +52,11 @@ def _sharded_run(rank, n, replicas, shards, kind, steps, freeze, options):
     history, plain_history = [], []
     for t in range(1, steps + 1):
         whole = [p.full_tensor() for p in params]
-        for p, g in zip(params, grads_for(whole, replica, t)):
+        grads = grads_for(whole, replica, t)
+        for p, g in zip(params, grads):
             p.grad = distribute_tensor(g, mesh["shard"], [Shard(0)])
+        if nan_at is not None and (t, rank) == nan_at:  # one rank's shard of one gradient
+            p.grad.to_local().view(-1)[0] = float("nan")
         opt.step()
         history.append([p.full_tensor().clone() for p in params])
         if plain:
@@ -65,6 +68,7 @@ def _sharded_run(rank, n, replicas, shards, kind, steps, freeze, options):
     return {"history": history, "plain": plain_history, "stage": opt.stage,
             "exchange ranks": dist.get_process_group_ranks(opt.process_group),
             "state numel": flat["exp_avg"].numel(), "whole numel": sum(p.numel() for p in params),
+            "skipped": opt.stats()["skipped_steps"],
             "slow bytes": opt.comm_stats.bytes_sent, "node bytes": opt.shard_comm_stats.bytes_sent}
 
 
@@ -77,7 +81,11 @@ def rel_err(a, b):
 def test_two_replicas_of_two_shards_follow_the_sharded_reference(kind, space):
     steps, freeze = 24, 10
     options = {"bound_direction": True, **({"compression_space": space} if kind == "onebitlamb" else {})}
-    out = spawn_local(_sharded_run, 4, (2, 2, kind, steps, freeze, options), timeout_s=240, collective_timeout_s=120)
+    # a NaN in the shard of rank 3 (replica 1, shard 1) after the freeze: every rank skips that step
+    nan_at = (14, 3)
+    out = spawn_local(_sharded_run, 4, (2, 2, kind, steps, freeze, options, nan_at), timeout_s=240,
+                      collective_timeout_s=120)
+    assert [o["skipped"] for o in out] == [1, 1, 1, 1]
     # the exchange runs over the replicas of this rank's shard: ranks 0 and 2 hold shard 0
     assert [o["exchange ranks"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(o["stage"] == "compression" for o in out)
@@ -92,7 +100,8 @@ def test_two_replicas_of_two_shards_follow_the_sharded_reference(kind, space):
     ref = Reference(initial_params(), kind, LRS, WDS, freeze_step=freeze, n=2, shards=2, bound_direction=True,
                     **({"compression_space": space} if kind == "onebitlamb" else {}))
     for t in range(1, steps + 1):
-        ref.step([grads_for(ref.x, r, t) for r in range(2)])
+        if t != nan_at[0]:
+            ref.step([grads_for(ref.x, r, t) for r in range(2)])
         for a, x in zip(out[0]["history"][t - 1], ref.x):
             assert rel_err(a, x) < 2e-6, f"step {t}"
     # per-layer statistics went over the node's link, the exchange over the slow one
