@@ -89,8 +89,7 @@ class RankStart:
 
 
 def start_rank(cfg: TrainConfig, rank: int, world: int) -> RankStart:
-    """Seeds, data and model of one rank: the part of a run that does not depend on its optimizer
-    (the main job's and ``benchmarks/diloco.py``'s)."""
+    """Seeds, data and model of one rank: the part of a run that does not depend on its optimizer."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     device = rank_device()
