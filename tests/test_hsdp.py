@@ -216,6 +216,15 @@ def _refusals(rank, n):
         onebitlamb.ZeroOneAdam(model.parameters(), lr=0.01, var_freeze_step=4, process_group=mesh["replicate"].get_group())
     except ValueError as exc:
         said["0/1 Adam"] = str(exc)
+    # the ranks of a node must build the same optimizer: an lr given on rank 1 alone is named
+    model = fully_shard(_model(0), mesh=mesh["shard"])
+    lr = 0.02 if rank == 1 else 0.01
+    opt = onebitlamb.OneBitLamb(model.parameters(), lr=lr, freeze_step=3, process_group=mesh["replicate"].get_group())
+    model(torch.randn(4, 8)).sum().backward()
+    try:
+        opt.step()
+    except ValueError as exc:
+        said["lr on one rank"] = str(exc)
     # the state of one shard loads on that shard only
     opt = onebitlamb.OneBitLamb(model.parameters(), lr=0.01, freeze_step=3, process_group=mesh["replicate"].get_group())
     whole = onebitlamb.OneBitLamb(_model(0).parameters(), lr=0.01, freeze_step=3)
@@ -231,7 +240,8 @@ def _refusals(rank, n):
 def test_sharded_setups_without_replicas_or_with_fsdps_own_allreduce_are_refused_by_name():
     for said in spawn_local(_refusals, 4, (), timeout_s=240, collective_timeout_s=120):
         assert set(said) == {"1-D FSDP over every rank", "native HSDP", "no replicate group", "0/1 Adam",
-                             "shard into whole", "whole into shard"}
+                             "shard into whole", "whole into shard", "lr on one rank"}
+        assert "the ranks built different optimizers: param groups (lr, weight_decay)" in said["lr on one rank"]
         for name in ("1-D FSDP over every rank", "no replicate group"):
             assert "has no replicas" in said[name] and "mesh['replicate'].get_group()" in said[name]
         assert "native HSDP" in said["native HSDP"] and "set_requires_all_reduce(False)" in said["native HSDP"]

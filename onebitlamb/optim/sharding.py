@@ -118,6 +118,17 @@ class Shards:
                              f"reduce-scatters, two thirds of it parameter all-gathers that a 1-bit exchange "
                              f"cannot replace (BENCHMARKS.md, 'Sharded training'). For a 1-bit exchange across "
                              f"nodes use HSDP: {HSDP_FIX}")
+        self.spanning(process_group)
+
+    def spanning(self, process_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+        """The group of every rank of the mesh (the shard group times the replicas): the world, which
+        HSDP's mesh spans; ValueError where it does not (a group of every rank of the mesh would
+        have to be made by every rank of the world)."""
+        if dist.get_world_size(process_group) * self.size != dist.get_world_size():
+            raise ValueError(f"sharded parameters over {self.size} ranks and a process group of "
+                             f"{dist.get_world_size(process_group)} replicas that together do not span the world's "
+                             f"{dist.get_world_size()} ranks: the optimizers take HSDP on a mesh of every rank")
+        return None
 
     # ------------------------------------------------------------------ whole layers
     def _gathered(self, vector: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,9 @@ EXCHANGE_SETTINGS_BEFORE = {"warmup_dtype": "float32", "bucket_cap_mb": None}
 CHECKED_SETTINGS_BEFORE = {**EXCHANGE_SETTINGS_BEFORE, "compression_space": "momentum",
                            "trust_ratio_after_freeze": "frozen", "bound_direction": False}
 COMPRESSION_SPACES = ("momentum", "update")
+# what the setup check compares across replicas but not across the ranks of a node, which hold
+# other shards of the same parameters
+SHARD_OWN_SETUP = ("parameter sizes", "parameter values (crc32 of each tensor)", "buckets of the state")
 TRUST_RATIOS_AFTER_FREEZE = ("frozen", "live")
 
 # A step whose gradient is not finite on some rank is skipped on every rank; this many in a row
@@ -234,13 +237,27 @@ class StagedOptimizer(Optimizer):
                 self.exchange.new_error_buffers(self._flat, layout.device)  # saved on one process, resumed on several
             if "warmup_worker_error" not in self._flat:  # as above, or re-sharded
                 self.exchange.new_warmup_error_buffers(self._flat, layout.device)
-        agree_on_setup(self._setup(layout), spanning_group(self.process_group), layout.device)
+        self._agree(layout)
         if getattr(self, "_resumed_parameters", None) is not None:  # (agreed: every rank checks, or none)
             check_resumed_parameters(owner, self._resumed_parameters, layout.tensors,
                                      spanning_group(self.process_group), layout.device, self._flat["step"])
             self._resumed_parameters = None
         self._layout, self._scratch = layout, Scratch(layout.device)
         self.exchange.bind(layout, self._flat, self._scratch, self._payload, negate=self.defaults["maximize"])
+
+    def _agree(self, layout: FlatLayout, after_step: Optional[int] = None) -> None:
+        """Every rank's ``_setup`` alike (``checks.agree_on_setup``), over the process group; with
+        sharded parameters over every rank of the mesh, so that all of them raise alike: what each
+        rank of a node holds of its own (its shards' sizes and values) is first gathered over the
+        node, and the node's whole list is compared across the replicas."""
+        setup, group = self._setup(layout), spanning_group(self.process_group)
+        if layout.spans_shards:
+            shards = layout.shards
+            own: List[Any] = [None] * shards.size
+            dist.all_gather_object(own, {k: setup.pop(k) for k in SHARD_OWN_SETUP if k in setup}, group=shards.group)
+            setup["each shard's own (parameter sizes, values, buckets)"] = own
+            group = shards.spanning(self.process_group)
+        agree_on_setup(setup, group, layout.device, after_step=after_step)
 
     def _setup(self, layout: FlatLayout) -> Dict[str, Any]:
         """What every rank must have alike (``checks.agree_on_setup``)."""
@@ -509,8 +526,7 @@ class StagedOptimizer(Optimizer):
         calls = self._flat["step"] + self.skipped_steps  # the same on every rank
         if not first and self.exchange.agree_every and calls % self.exchange.agree_every == 0:
             # what the first step agreed on, again: a rank whose parameters or lr were changed since
-            agree_on_setup(self._setup(self._layout), spanning_group(self.process_group), self._layout.device,
-                           after_step=calls)
+            self._agree(self._layout, after_step=calls)
         # with register_ddp the warm-up's bytes were recorded by DDP's hook during the backward
         self.last_step_bytes = self.comm_stats.bytes_sent - self._bytes_after_last_step
         self._bytes_after_last_step = self.comm_stats.bytes_sent
