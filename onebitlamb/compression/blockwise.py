@@ -24,15 +24,20 @@ float32's maximum; no reciprocal of the step is formed (a tiny step's would over
 underflows to 0 (a block whose maximum is below ``qmax * 2**-149``) sends zeros and keeps the whole
 block in the error.
 
+On the wire (``to_wire_``, ``from_wire``: the ``compression.codec.Codec`` protocol) a segment is one
+message: its float32 steps, then its packed codes, ``wire_bytes(c)`` bytes.
+
 Pure torch, the same code on CPU and CUDA; float32 only. ``onebitlamb.comm.quantized`` moves the
 messages; this module never communicates.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple, Union
+from typing import ClassVar, Dict, Optional, Tuple, Union
 
 import torch
+
+from onebitlamb.compression.codec import decoded_into, register_codec
 
 #: Elements per block (per float32 step). The step costs 32/B bits an element: 0.125 at 256, 1.6%
 #: of the 8-bit code, 3% of the 4-bit one; smaller blocks cut the error slowly (docs/algorithm.md
@@ -47,10 +52,13 @@ class BlockwiseCodec:
 
     ``name`` (``"int8"``, ``"int4"``, ``"int2"``; a block other than ``BLOCK`` adds ``"-b<block>"``)
     is what a command line or a saved state would carry (``compression.wire.warmup_format``).
+    A ``compression.codec.Codec`` with error feedback.
     """
 
     bits: int = 8
     block: int = BLOCK
+
+    carries_error: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
@@ -155,6 +163,27 @@ class BlockwiseCodec:
             error.copy_(y)
         return codes, steps
 
+    # ------------------------------------------------------------------ on the wire
+    def to_wire_(self, y: torch.Tensor) -> torch.Tensor:
+        """Each row of ``y`` (``quantize_``'s shapes) as one uint8 message, ``[steps | codes]``,
+        ``wire_bytes(c)`` bytes; ``y`` left holding the error. A non-finite step anywhere makes
+        every step NaN, so that every receiver of any row sees it (``y`` is then left unchanged)."""
+        codes, steps = self.quantize_(y)
+        if not bool(torch.isfinite(steps).all()):
+            steps.fill_(float("nan"))
+        return torch.cat([steps.contiguous().view(torch.uint8), codes], dim=1)
+
+    def from_wire(self, message: torch.Tensor, numel: int, *, divisor: int = 1,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The ``(rows, numel)`` float32 values of ``to_wire_``'s messages; with ``divisor``, each
+        ``q * (step / divisor)``; into ``out`` when given."""
+        rows = message.reshape(-1, message.shape[-1])
+        head = 4 * self.num_blocks(numel)
+        steps = rows[:, :head].contiguous().view(torch.float32)  # a copy: aligned for float32
+        if divisor != 1:
+            steps = steps / divisor
+        return decoded_into(self.decode(rows[:, head:], steps, numel), out)
+
     # ------------------------------------------------------------------ internals
     def _blocks(self, y2: torch.Tensor) -> Tuple[torch.Tensor, bool]:
         """``(rows, nb, block)`` over ``y2``: a view, or a zero-padded copy when ``c`` is not a
@@ -209,9 +238,9 @@ def _rows(y: torch.Tensor) -> Tuple[int, int]:
     return (1, y.shape[0]) if y.dim() == 1 else (y.shape[0], y.shape[1])
 
 
-INT8 = BlockwiseCodec(8)
-INT4 = BlockwiseCodec(4)
-INT2 = BlockwiseCodec(2)
+INT8 = register_codec(BlockwiseCodec(8))
+INT4 = register_codec(BlockwiseCodec(4))
+INT2 = register_codec(BlockwiseCodec(2))
 CODECS: Dict[str, BlockwiseCodec] = {c.name: c for c in (INT8, INT4, INT2)}
 
 

@@ -6,17 +6,24 @@ server's half, the scaled signs of every rank summed into its error. Each picks 
 per call: the fused Triton kernels on CUDA (``triton_codec``), compiled C loops on CPU
 (``native``), numpy or plain torch otherwise; all give the same signs, and scales equal to
 rounding. ``onebitlamb.comm.collectives`` moves the messages; this module never communicates.
+
+``ONEBIT`` is the same code behind the ``compression.codec.Codec`` protocol: a row's message is its
+packed signs followed by its float32 scale, the layout of ``compressed_allreduce``'s messages, and
+``wire_bytes`` is what the cost model prices them at.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import ClassVar, Optional
 
 import numpy as np
 import torch
 
 from onebitlamb.compression import native
-from onebitlamb.compression.packing import fused_codec, negative_bits, pack_signs, sign_table, signed_scales
+from onebitlamb.compression.codec import decoded_into
+from onebitlamb.compression.packing import (fused_codec, negative_bits, pack_signs, packed_size, sign_table,
+                                            signed_scales, unpack_signs)
 
 # Elements per slice of the numpy compressor: small enough that the passes over one slice stay
 # in a core's L2 cache, large enough that Python's per-slice overhead is a few percent.
@@ -147,3 +154,73 @@ def add_signs_bits_(target: torch.Tensor, packed_rows: torch.Tensor, scales: tor
     for i in range(packed_rows.shape[0]):
         negative, positive = signed_scales(scales[i], target.dtype, target.device)
         rows.add_(torch.where(negative_bits(packed_rows[i]), negative, positive))
+
+
+SCALE_BYTES = 4  # a float32 scale rides at the end of each sign message
+
+
+def scale_bytes(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A 1-element float32 scale as the 4 bytes that trail a sign message."""
+    return scale.reshape(1).to(device=device, dtype=torch.float32).view(torch.uint8)
+
+
+def read_scales(messages: torch.Tensor, row_signs: int) -> torch.Tensor:
+    """The float32 scale of each message (the trailing 4 bytes of each row after ``row_signs``)."""
+    return messages[:, row_signs:].contiguous().view(torch.float32).reshape(-1)
+
+
+@dataclass(frozen=True)
+class OneBitCodec:
+    """The 1-bit code as a ``compression.codec.Codec``: a row of ``c`` elements (a multiple of 8:
+    whole bytes of signs) travels as its packed signs and one float32 scale, its RMS, with error
+    feedback. ``fused``: the kernels, as ``compress_`` takes it.
+
+    ``comm.compressed_allreduce`` sends these messages from its own preallocated buffers (its worker
+    encodes the whole buffer with one scale and sends a chunk of its signs to each rank, each with
+    that scale); this object is what the rest of the library asks about them."""
+
+    fused: Optional[bool] = None
+
+    name: ClassVar[str] = "onebit"
+    carries_error: ClassVar[bool] = True
+    block: ClassVar[int] = 8
+    bytes_per_element: ClassVar[float] = 1 / 8
+
+    def wire_bytes(self, numel: int) -> int:
+        """``numel / 8`` bytes of signs and the 4 of the scale."""
+        return packed_size(numel) + SCALE_BYTES
+
+    def to_wire_(self, y: torch.Tensor) -> torch.Tensor:
+        """Each row's signs and scale (``compress_``), ``y`` left holding the error; a non-finite
+        scale anywhere makes every scale NaN."""
+        rows = y.view(-1, y.shape[-1])
+        r, c = rows.shape
+        if c % 8:
+            raise ValueError(f"the 1-bit codec encodes rows of whole bytes of signs: {c} elements is not a "
+                             f"multiple of 8")
+        row_signs = c // 8
+        message = torch.empty(r, row_signs + SCALE_BYTES, dtype=torch.uint8, device=y.device)
+        workspace: dict = {}
+        scales = torch.cat([compress_(rows[i], None, message[i, :row_signs], workspace, fused=self.fused)
+                            for i in range(r)]).to(device=y.device, dtype=torch.float32)
+        if not bool(torch.isfinite(scales).all()):
+            scales.fill_(float("nan"))
+        message[:, row_signs:].copy_(scales.view(torch.uint8).view(r, SCALE_BYTES))
+        return message
+
+    def from_wire(self, message: torch.Tensor, numel: int, *, divisor: int = 1,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``scale / divisor * sign`` for each row (``unpack_signs``), into ``out`` when given."""
+        rows = message.reshape(-1, message.shape[-1])
+        row_signs = packed_size(numel)
+        scales = read_scales(rows, row_signs)
+        if divisor != 1:
+            scales = scales / divisor
+        values = torch.empty(rows.shape[0], numel, dtype=torch.float32, device=message.device)
+        host = scales.tolist() if message.device.type == "cpu" else scales
+        for i in range(rows.shape[0]):
+            unpack_signs(rows[i, :row_signs], numel, host[i], out=values[i], fused=self.fused)
+        return decoded_into(values, out)
+
+
+ONEBIT = OneBitCodec()
