@@ -26,12 +26,12 @@ import torch.distributed as dist
 
 from onebitlamb.comm.stats import (GLOBAL_STATS, CommStats, all_gather_bytes, all_to_all_bytes,
                                    allreduce_bytes)
-from onebitlamb.compression.onebit import add_signs_, compress_
+# (the scale helpers keep their private names here: benchmarks/kernels.py imports them from this module)
+from onebitlamb.compression.onebit import (ONEBIT, add_signs_, compress_, read_scales as _read_scales,
+                                           scale_bytes as _scale_bytes)
 from onebitlamb.compression.packing import FLOAT_DTYPES, fused_codec, unpack_signs
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-_SCALE_BYTES = 4  # a float32 scale rides at the end of each sign message
 
 
 def world_size_of(group: Optional[dist.ProcessGroup] = None) -> int:
@@ -118,7 +118,7 @@ class _Workspace:
         key = (numel, n, str(device), threading.get_ident())
         ws = cls._cache.get(key)
         if ws is None:
-            row = numel // (8 * n) + _SCALE_BYTES
+            row = ONEBIT.wire_bytes(numel // n)  # a chunk's sign bytes and its float32 scale
             u8 = dict(dtype=torch.uint8, device=device)
             ws = {
                 "signs": torch.empty(numel // 8, **u8),
@@ -247,12 +247,3 @@ def compressed_allreduce(
                      out=buffer[j * chunk:(j + 1) * chunk])
     return buffer
 
-
-def _scale_bytes(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A 1-element float32 scale as the 4 bytes that trail a sign message."""
-    return scale.reshape(1).to(device=device, dtype=torch.float32).view(torch.uint8)
-
-
-def _read_scales(messages: torch.Tensor, row_signs: int) -> torch.Tensor:
-    """The float32 scale of each received message (the trailing 4 bytes of each row)."""
-    return messages[:, row_signs:].contiguous().view(torch.float32).reshape(-1)

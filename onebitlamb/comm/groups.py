@@ -14,8 +14,9 @@ from onebitlamb.comm import collectives as flat
 from onebitlamb.comm import quantized
 from onebitlamb.comm.hierarchy import NodeGroups
 from onebitlamb.comm.stats import CommStats
-from onebitlamb.compression.blockwise import INT8, BlockwiseCodec
-from onebitlamb.compression.wire import FLOAT32, WireFormat
+from onebitlamb.compression.blockwise import INT8
+from onebitlamb.compression.codec import Codec
+from onebitlamb.compression.wire import FLOAT32
 
 Group = Union[dist.ProcessGroup, NodeGroups, None]
 
@@ -63,19 +64,24 @@ def allreduce_mean_(buffer: torch.Tensor, group: Group = None, stats: Optional[C
 
 
 def average_(values: torch.Tensor, group: Group = None, stats: Optional[CommStats] = None,
-             wire: WireFormat = FLOAT32, async_op: bool = False):
+             wire: Codec = FLOAT32, async_op: bool = False):
     """The warm-up's average, as every path takes it (the optimizer's exchange in ``step()`` and
-    behind the backward, and DDP's comm hook under ``register_ddp``): ``values`` encoded in
-    ``wire``'s format, averaged over the group (``allreduce_mean_``), decoded back into
-    ``values``, which is returned (with ``async_op``, over a process group: a future of it)."""
-    sent = wire.encode(values)
+    behind the backward, and DDP's comm hook under ``register_ddp``): ``values`` encoded by
+    ``wire``, a codec without error feedback (the float formats), averaged over the group
+    (``allreduce_mean_``: the network sums the wire tensor), decoded back into ``values``, which is
+    returned (with ``async_op``, over a process group: a future of it). A codec with error
+    feedback is refused: its codes do not add up on the wire (``quantized_average_``)."""
+    if wire.carries_error:
+        raise ValueError(f"average_ sums the wire tensor in one all-reduce: {wire.name!r} carries an error, "
+                         f"its average is quantized_average_")
+    sent = wire.to_wire_(values)
     if async_op:
         if isinstance(group, NodeGroups):
             raise ValueError("average_(async_op=True) runs over a process group, not node groups")
         return flat.allreduce_mean_(sent, group, stats, async_op=True).then(
-            lambda fut: wire.decode_(fut.value(), values))
+            lambda fut: wire.from_wire(fut.value(), values.numel(), out=values))
     allreduce_mean_(sent, group, stats)
-    return wire.decode_(sent, values)
+    return wire.from_wire(sent, values.numel(), out=values)
 
 
 def compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
@@ -93,9 +99,9 @@ def compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor, serve
 
 def quantized_average_(values: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
                        group: Group = None, stats: Optional[CommStats] = None,
-                       codec: Union[str, int, BlockwiseCodec] = INT8,
+                       codec: Union[str, int, Codec] = INT8,
                        segments: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """The error-compensated blockwise-quantised average of ``values`` over a process group
+    """The error-compensated quantised average of ``values`` over a process group
     (``quantized.quantized_average_``: the arguments and the maths). Node groups have no
     hierarchical version of it yet: a ``NodeGroups`` is refused (TypeError)."""
     if isinstance(group, NodeGroups):

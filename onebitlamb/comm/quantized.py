@@ -1,5 +1,8 @@
-"""The warm-up's quantised average: a two-phase all-reduce of k-bit blockwise codes with error
-feedback (``compression.blockwise``), the shape of the 1-bit ``collectives.compressed_allreduce``.
+"""The warm-up's quantised average: a two-phase all-reduce of codes with error feedback, the shape
+of the 1-bit ``collectives.compressed_allreduce``, for any codec that carries an error
+(``compression.codec.Codec``: the blockwise int8/int4/int2 codes of ``compression.blockwise`` and any
+codec registered since). The maths below is the blockwise codec's (codes ``q``, a step ``s`` per
+block); another codec puts its own ``to_wire_`` and ``from_wire`` in their place.
 
 For ``n`` ranks each holding ``values_i`` of ``d`` elements, ``D = padded_size(d, n)`` (the 1-bit
 all-reduce's padding: a multiple of ``8n``) cut into ``n`` chunks of ``c = D/n``, each a segment of
@@ -34,7 +37,24 @@ import torch.distributed as dist
 
 from onebitlamb.comm import collectives as flat
 from onebitlamb.comm.stats import GLOBAL_STATS, CommStats, all_gather_bytes, all_to_all_bytes
-from onebitlamb.compression.blockwise import INT8, BlockwiseCodec, blockwise_codec
+from onebitlamb.compression.blockwise import INT8, SUPPORTED_BITS, blockwise_codec
+from onebitlamb.compression.codec import Codec, codec_for, codec_names
+
+CodecLike = Union[str, int, Codec]
+
+
+def _codec(value: CodecLike) -> Codec:
+    """A codec, its registered name, or (the blockwise codecs) its bits; ValueError naming the value
+    and what is accepted otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool) and value in SUPPORTED_BITS:
+        return blockwise_codec(value)
+    try:
+        return codec_for(value)
+    except ValueError:
+        names = ", ".join(n for n in codec_names() if codec_for(n).carries_error)
+        bits = ", ".join(str(b) for b in sorted(SUPPORTED_BITS, reverse=True))
+        raise ValueError(f"Invalid blockwise codec: {value!r} (the quantised average takes a codec with error feedback "
+                         f"or its name: {names}; or a blockwise codec's bits: {bits})") from None
 
 
 def _checked_segments(segments: Optional[Sequence[int]], numel: int) -> Optional[Tuple[int, ...]]:
@@ -67,7 +87,7 @@ def aligned_positions(segments: Sequence[int], world_size: int, block: int) -> T
 
 
 def quantized_error_sizes(numel: int, world_size: int, segments: Optional[Sequence[int]] = None,
-                          codec: Union[str, int, BlockwiseCodec] = INT8) -> Tuple[int, int]:
+                          codec: CodecLike = INT8) -> Tuple[int, int]:
     """``(worker, server)``: the elements of the two error buffers ``quantized_average_`` keeps for a
     tensor of ``numel`` elements over ``world_size`` ranks: ``(numel, padded_size(numel, n) / n)``, on
     one rank too (where nothing is sent and they are never touched); with ``segments``, the server's
@@ -75,16 +95,16 @@ def quantized_error_sizes(numel: int, world_size: int, segments: Optional[Sequen
     D = flat.padded_size(numel, world_size)  # checks both arguments
     segments = _checked_segments(segments, numel)
     if segments is not None:
-        _, D = aligned_positions(segments, world_size, blockwise_codec(codec).block)
+        _, D = aligned_positions(segments, world_size, _codec(codec).block)
     return numel, D // world_size
 
 
-def quantized_wire_bytes(numel: int, world_size: int, codec: Union[str, int, BlockwiseCodec] = INT8,
+def quantized_wire_bytes(numel: int, world_size: int, codec: CodecLike = INT8,
                          segments: Optional[Sequence[int]] = None) -> int:
     """Bytes a rank sends in one ``quantized_average_`` of ``numel`` elements over ``world_size`` ranks,
     as ``CommStats`` counts them: ``2 (n-1)`` messages of ``codec.wire_bytes(c)``, ``c = D/n`` (0 on one
     rank or for an empty tensor); with ``segments``, ``c`` the aligned layout's chunk."""
-    codec = blockwise_codec(codec)
+    codec = _codec(codec)
     _, c = quantized_error_sizes(numel, world_size, segments, codec)
     if world_size == 1 or numel == 0:
         return 0
@@ -109,27 +129,20 @@ def _check(values: torch.Tensor, worker_error: torch.Tensor, server_error: torch
                          f"{worker_error.numel()} and {server_error.numel()}")
 
 
-def _message(codes: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Rows of ``[steps as 4-byte floats | packed codes]``, one per segment."""
-    return torch.cat([steps.contiguous().view(torch.uint8), codes], dim=1)
+def _bad_rows(decoded: torch.Tensor):
+    """The rows holding a non-finite value: a codec sends every row of a failed encoding so."""
+    return torch.nonzero(~torch.isfinite(decoded).all(dim=1)).flatten().tolist()
 
 
-def _read(codec: BlockwiseCodec, messages: torch.Tensor, c: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, steps)`` of each row of ``messages``: the inverse of ``_message``."""
-    head = 4 * codec.num_blocks(c)
-    steps = messages[:, :head].contiguous().view(torch.float32)  # a copy: aligned for float32
-    return messages[:, head:], steps
-
-
-def _bad_rows(steps: torch.Tensor):
-    return torch.nonzero(~torch.isfinite(steps).all(dim=1)).flatten().tolist()
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def quantized_average_(values: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
                        group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None,
-                       codec: Union[str, int, BlockwiseCodec] = INT8,
+                       codec: CodecLike = INT8,
                        segments: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """The error-compensated blockwise-quantised average of ``values`` over the group, in place.
+    """The error-compensated quantised average of ``values`` over the group, in place.
 
     Args:
         values: 1-D float32, any size ``d``; overwritten with the average, bit-identical on every rank.
@@ -138,15 +151,18 @@ def quantized_average_(values: torch.Tensor, worker_error: torch.Tensor, server_
         group: the process group (default: the world).
         stats: where the bytes sent are recorded (default: ``onebitlamb.comm.GLOBAL_STATS``), as
             ``"all_to_all"`` and ``"all_gather"``, as the 1-bit all-reduce records them.
-        codec: a ``BlockwiseCodec``, its name (``"int8"``, ``"int4"``, ``"int2"``) or its bits.
+        codec: a codec with error feedback (``compression.codec.Codec``), its registered name
+            (``"int8"``, ``"int4"``, ``"int2"``, ...) or, for the blockwise ones, its bits.
         segments: the sizes of the tensors ``values`` holds one after another; each then starts a
             block of its own (the module's docstring), and ``server_error`` is the aligned
             layout's chunk (``quantized_error_sizes(d, n, segments, codec)``). None: one segment.
 
     Two collectives, as ``compressed_allreduce``: an ``all_to_all_single`` giving rank ``j`` chunk
-    ``j`` of every rank's codes (each message its chunk's float32 steps followed by its packed codes),
-    then an all-gather of every server's message. The server sums the decoded chunks in float32,
-    in rank order, each element ``q * (step / n)``. Bytes a rank sends: ``quantized_wire_bytes``.
+    ``j`` of every rank's codes (each message the codec's ``to_wire_`` of its chunk: for the blockwise
+    codecs its float32 steps followed by its packed codes), then an all-gather of every server's
+    message. The server sums the decoded chunks in float32, in rank order, each decoded divided by
+    ``n`` as the codec divides (``from_wire``: ``q * (step / n)``). Bytes a rank sends:
+    ``quantized_wire_bytes``.
 
     Raises ``FloatingPointError`` on every rank alike when any rank's ``values + worker_error`` holds
     a NaN or an infinity (or overflows float32), or a server's sum overflows float32, leaving
@@ -154,7 +170,10 @@ def quantized_average_(values: torch.Tensor, worker_error: torch.Tensor, server_
     an exchange; this is the backstop, as in the 1-bit all-reduce). With one rank, no initialised
     process group, or ``d = 0``: nothing is sent and ``values`` is returned unchanged.
     """
-    codec = blockwise_codec(codec)
+    codec = _codec(codec)
+    if not codec.carries_error:
+        raise ValueError(f"quantized_average_ averages codes with error feedback; {codec.name!r} carries no error: "
+                         f"its average is one all-reduce (comm.average_)")
     n = flat.world_size_of(group)
     segments = _checked_segments(segments, values.numel())
     if segments is None:
@@ -168,48 +187,41 @@ def quantized_average_(values: torch.Tensor, worker_error: torch.Tensor, server_
     D = flat.padded_size(d, n)
     c = D // n
 
-    # Worker: y = values + e_w over the padded buffer; each chunk a segment of blocks.
+    # Worker: y = values + e_w over the padded buffer; each chunk a segment of its own.
     y = torch.zeros(D, dtype=torch.float32, device=values.device)
     torch.add(values, worker_error, out=y[:d])
-    codes, steps = codec.quantize_(y.view(n, c))  # y now holds the new worker error, if finite
-    if not bool(torch.isfinite(steps).all()):
-        steps.fill_(float("nan"))  # every server sees this rank's failure, whichever chunk holds it
-    send = _message(codes, steps)
+    send = codec.to_wire_(y.view(n, c))  # y now holds the new worker error, if it could be encoded
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    stats.record("all_to_all", all_to_all_bytes(send.numel(), n))
-    worker_codes, worker_steps = _read(codec, recv, c)
-    bad = _bad_rows(worker_steps)
+    stats.record("all_to_all", all_to_all_bytes(_nbytes(send), n))
+    received = codec.from_wire(recv, c, divisor=n)  # every rank's chunk, each divided by n
+    bad = _bad_rows(received)
     if bad:
         raise FloatingPointError(f"quantized_average_: the values (plus worker error) of rank(s) {bad} hold NaN "
                                  f"or infinite values, or overflowed float32")
 
-    # Server: z = e_s + the average of this chunk of every rank's decoded values; quantise again.
+    # Server: z = e_s + the average of this chunk of every rank's decoded values; encode again.
     z = server_error.clone()
-    scaled = worker_steps / n
     for i in range(n):
-        z.add_(codec.decode(worker_codes[i:i + 1], scaled[i:i + 1], c)[0])
-    server_codes, server_steps = codec.quantize_(z)  # z now holds the new server error, if finite
-    if not bool(torch.isfinite(server_steps).all()):
-        server_steps.fill_(float("nan"))
-    mine = _message(server_codes, server_steps)[0]
-    result = torch.empty(n, mine.numel(), dtype=torch.uint8, device=values.device)
+        z.add_(received[i])
+    mine = codec.to_wire_(z.view(1, c))[0]  # z now holds the new server error, if it could be encoded
+    result = torch.empty(n, mine.numel(), dtype=mine.dtype, device=values.device)
     flat._all_gather_single(result.view(-1), mine, group=group)
-    stats.record("all_gather", all_gather_bytes(mine.numel(), n))
-    result_codes, result_steps = _read(codec, result, c)
-    bad = _bad_rows(result_steps)
+    stats.record("all_gather", all_gather_bytes(_nbytes(mine), n))
+    averaged = codec.from_wire(result, c)
+    bad = _bad_rows(averaged)
     if bad:
         raise FloatingPointError(f"quantized_average_: the server sum of chunk(s) {bad} overflowed float32")
 
-    # Every check passed on every rank: commit the errors, decode the result.
+    # Every check passed on every rank: commit the errors and the result.
     worker_error.copy_(y[:d])
     server_error.copy_(z)
-    values.copy_(codec.decode(result_codes, result_steps, c).reshape(-1)[:d])
+    values.copy_(averaged.reshape(-1)[:d])
     return values
 
 
 def _aligned_average_(values: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                      group: Optional[dist.ProcessGroup], stats: Optional[CommStats], codec: BlockwiseCodec,
+                      group: Optional[dist.ProcessGroup], stats: Optional[CommStats], codec: Codec,
                       segments: Tuple[int, ...], n: int) -> torch.Tensor:
     """``quantized_average_`` with every segment starting a block: the two phases on the aligned
     layout, the values and the worker error moved there and back (the padding holds zeros)."""
