@@ -31,11 +31,12 @@ import math
 import re
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 from onebitlamb.comm.collectives import padded_size
 from onebitlamb.comm.stats import all_gather_bytes, all_to_all_bytes, allreduce_bytes
-from onebitlamb.compression.blockwise import BlockwiseCodec
+from onebitlamb.compression.codec import Codec, codec_names
+from onebitlamb.compression.onebit import ONEBIT
 from onebitlamb.compression.wire import warmup_format
 
 MTU = 1500
@@ -45,8 +46,9 @@ MSS = MTU - 20 - 20 - 12
 WIRE_OVERHEAD = (MSS + TCP_IP_ETH_HEADERS) / MSS
 
 
-#: What ``--warmup-dtype`` takes: the optimizers' ``warmup_dtype`` names (``compression.wire``).
-WARMUP_DTYPES = ("float32", "bfloat16", "int8", "int4", "int2")
+#: The optimizers' ``warmup_dtype`` names the library registers (``compression.codec``); ``--warmup-dtype``
+#: takes every name registered when its parser is built.
+WARMUP_DTYPES = codec_names()
 
 
 def lamb_collectives(d: int, n: int) -> List[int]:
@@ -54,7 +56,7 @@ def lamb_collectives(d: int, n: int) -> List[int]:
     return [allreduce_bytes(4 * d, n)] if n > 1 else []
 
 
-def quantized_message_bytes(d: int, n: int, warmup_dtype: str) -> int:
+def quantized_message_bytes(d: int, n: int, warmup_dtype: Union[str, Codec]) -> int:
     """One message of the quantised warm-up average (``comm.quantized_average_``): a segment of
     ``c = D/n`` elements (``D = padded_size(d, n)``) at the codec's long-segment rate,
     ``ceil(codec.bytes_per_element * c)`` (``bits/8 + 4/256`` bytes an element: the code and its
@@ -63,25 +65,28 @@ def quantized_message_bytes(d: int, n: int, warmup_dtype: str) -> int:
     1% for models whose tensors are much larger than 256 elements. With ``c`` a multiple of the block
     this is exactly ``codec.wire_bytes(c)``, what ``comm.quantized_wire_bytes`` counts."""
     codec = warmup_format(warmup_dtype)
-    if not isinstance(codec, BlockwiseCodec):
-        raise ValueError(f"{warmup_dtype!r} is a float format, not a quantised one")
+    if not codec.carries_error:
+        raise ValueError(f"{codec.name!r} is a float format, not a quantised one: it carries no error, and one "
+                         f"all-reduce averages it (warmup_collectives)")
     return math.ceil(codec.bytes_per_element * (padded_size(d, n) // n))
 
 
-def warmup_collectives(d: int, n: int, warmup_dtype: str = "float32") -> List[int]:
+def warmup_collectives(d: int, n: int, warmup_dtype: Union[str, Codec] = "float32") -> List[int]:
     """Bytes this rank sends per collective in a warm-up step, by ``warmup_dtype``.
 
-    float32 / bfloat16: one ring all-reduce of ``4d`` / ``2d`` bytes, ``2 (n-1)/n`` of it leaving the
-    rank. int8 / int4 / int2: the quantised average, priced as the 1-bit stage's two collectives: an
+    The codec decides by what it says of itself (``compression.codec.Codec``). float32 / bfloat16 (no
+    error feedback): one ring all-reduce of its ``wire_bytes(d)``, ``4d`` / ``2d`` bytes, ``2 (n-1)/n``
+    of it leaving the rank. int8 / int4 / int2 (error feedback, as any codec registered with it): the
+    quantised average, priced as the 1-bit stage's two collectives: an
     all-to-all and an all-gather, each sending ``n - 1`` messages of ``quantized_message_bytes``, so
     about ``2 (n-1)/n * bytes_per_element * d`` in all (1.016, 0.516, 0.266 bytes an element), and
     the 4-byte finite flag every rank agrees on first (``finite_flag_collectives``)."""
     fmt = warmup_format(warmup_dtype)
     if n == 1:
         return []
-    if not isinstance(fmt, BlockwiseCodec):
-        return [allreduce_bytes(fmt.bytes_per_element * d, n)]
-    m = quantized_message_bytes(d, n, warmup_dtype)
+    if not fmt.carries_error:
+        return [allreduce_bytes(fmt.wire_bytes(d), n)]
+    m = quantized_message_bytes(d, n, fmt)
     return finite_flag_collectives(n) + [all_to_all_bytes(n * m, n), all_gather_bytes(m, n)]
 
 
@@ -89,7 +94,7 @@ def onebit_collectives(d: int, n: int) -> List[int]:
     """Bytes this rank sends per collective in a compression-stage step (``compressed_allreduce``)."""
     if n == 1:
         return []
-    message = padded_size(d, n) // (8 * n) + 4  # one chunk's sign bytes and its float32 scale
+    message = ONEBIT.wire_bytes(padded_size(d, n) // n)  # one chunk's sign bytes and its float32 scale
     return [all_to_all_bytes(n * message, n), all_gather_bytes(message, n)]
 
 
@@ -181,7 +186,7 @@ def node_onebit_collectives(d: int, nodes: int, local: int, hierarchical: bool) 
     if n == 1:
         return []
     D = padded_size(d, n)
-    m = D // (8 * n) + 4
+    m = ONEBIT.wire_bytes(D // n)
     if not hierarchical or local == 1:
         return _flat_two_phase(m, nodes, local)
     flag, flag_node = _finite_flag(nodes, local)
@@ -211,39 +216,38 @@ def _flat_two_phase(m: int, nodes: int, local: int) -> List[NodeCollective]:
 
 
 def node_warmup_collectives(d: int, nodes: int, local: int, hierarchical: bool,
-                            warmup_dtype: str = "float32") -> List[NodeCollective]:
+                            warmup_dtype: Union[str, Codec] = "float32") -> List[NodeCollective]:
     """A warm-up step's average on ``nodes`` x ``local`` ranks, in ``warmup_dtype``.
 
-    float32 / bfloat16 (``b = 4`` / ``2`` bytes an element). Flat: one ring all-reduce over the
-    world, ``2 (n-1)/n * b d`` bytes a rank; in a ring over node-ordered ranks one edge leaves each
-    node, so the node's card carries one rank's bytes. Hierarchical (``allreduce_mean_`` with a
-    ``NodeGroups``): reduce-scatter inside the node, a ring all-reduce of the ``c = ceil(d/L)``
-    elements of each chunk among the ``N`` ranks of its local index (``L`` of them share the card:
-    ``L * 2 (N-1)/N * b c``, about ``2 (N-1)/N * b d``), and the node's all-gather.
+    float32 / bfloat16 (no error feedback; ``b = 4`` / ``2`` bytes an element: ``wire_bytes``). Flat:
+    one ring all-reduce over the world, ``2 (n-1)/n * b d`` bytes a rank; in a ring over node-ordered
+    ranks one edge leaves each node, so the node's card carries one rank's bytes. Hierarchical
+    (``allreduce_mean_`` with a ``NodeGroups``): reduce-scatter inside the node, a ring all-reduce of
+    the ``c = ceil(d/L)`` elements of each chunk among the ``N`` ranks of its local index (``L`` of
+    them share the card: ``L * 2 (N-1)/N * b c``, about ``2 (N-1)/N * b d``), and the node's all-gather.
 
-    int8 / int4 / int2 (the quantised average, flat only: the optimizers refuse it over node groups,
-    so ``hierarchical`` with ``local > 1`` raises ValueError): the 1-bit stage's all-to-all and ring
+    int8 / int4 / int2 (error feedback: the quantised average, flat only: the optimizers refuse it over
+    node groups, so ``hierarchical`` with ``local > 1`` raises ValueError): the 1-bit stage's all-to-all and ring
     all-gather with messages of ``quantized_message_bytes`` (``warmup_collectives``), node bytes as
     in ``node_onebit_collectives``, and the finite flag.
     """
     fmt = warmup_format(warmup_dtype)
     n = nodes * local
-    if isinstance(fmt, BlockwiseCodec):
+    if fmt.carries_error:
         if hierarchical and local > 1:
             raise ValueError(f"the quantised warm-up ({fmt.name}) runs over the world group only: the optimizers "
                              f"refuse it over node_groups")
-        return _flat_two_phase(quantized_message_bytes(d, n, fmt.name), nodes, local) if n > 1 else []
+        return _flat_two_phase(quantized_message_bytes(d, n, fmt), nodes, local) if n > 1 else []
     if n == 1:
         return []
-    b = fmt.bytes_per_element
     if not hierarchical or local == 1:
-        total = allreduce_bytes(b * d, n)
+        total = allreduce_bytes(fmt.wire_bytes(d), n)
         return [NodeCollective(total if nodes > 1 else 0, total)]
     c = -(-d // local)
-    node_stage = all_to_all_bytes(b * c * local, local)
+    node_stage = all_to_all_bytes(fmt.wire_bytes(c * local), local)
     out = [NodeCollective(0, node_stage, intra=True)]
     if nodes > 1:
-        total = allreduce_bytes(b * c, nodes)
+        total = allreduce_bytes(fmt.wire_bytes(c), nodes)
         out.append(NodeCollective(local * total, total))
     return out + [NodeCollective(0, node_stage, intra=True)]
 
@@ -356,7 +360,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-fraction", type=float, default=WARMUP_FRACTION,
                         help="share of the steps in the uncompressed warm-up (default %(default)s: the "
                              "earliest that AutoFreeze freezes 1-bit LAMB)")
-    parser.add_argument("--warmup-dtype", choices=WARMUP_DTYPES, default=None,
+    parser.add_argument("--warmup-dtype", choices=codec_names(), default=None,
                         help="what the 1-bit warm-up's average sends, as the optimizers' warmup_dtype: a "
                              "float32 or bfloat16 all-reduce, or the int8/int4/int2 quantised average (an "
                              "all-to-all and an all-gather; world group only) (default: the main job's, int8 "
@@ -373,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
     # the optimizers refuse a quantised warm-up over node groups: given one, that row is left out, and
     # said so; by default each exchange has the main job's (onebitlamb pretrain --warmup-dtype)
     given = args.warmup_dtype
-    quantised = given is not None and isinstance(warmup_format(given), BlockwiseCodec)
+    quantised = given is not None and warmup_format(given).carries_error
     exchanges = [("world group", False, given or DEFAULT_WARMUP_DTYPE)]
     if L > 1 and not quantised:
         exchanges.append((f"node_groups({L})", True, given or "float32"))

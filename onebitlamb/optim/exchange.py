@@ -28,9 +28,9 @@ from onebitlamb.comm import (CommStats, NodeGroups, average_, compressed_allredu
                              quantized_average_, spanning_group,
                              world_size_of)
 from onebitlamb.comm.groups import check_spans_world
+from onebitlamb.compression.codec import Codec
 from onebitlamb.compression.packing import fused_codec
-from onebitlamb.compression.blockwise import BlockwiseCodec
-from onebitlamb.compression.wire import WireFormat, warmup_format
+from onebitlamb.compression.wire import warmup_format
 from onebitlamb.optim.checks import agreed_finite, any_rank, locally_finite, refuse_averaged_gradients
 from onebitlamb.optim.layout import (Bucket, FlatLayout, Scratch, bucket_ranges, buffer_sizes, plan_buckets,
                                      plan_warmup_errors)
@@ -89,7 +89,7 @@ class Exchange:
     parameters fall silent.
     """
 
-    def __init__(self, owner: str, process_group: ProcessGroupLike, *, warmup_dtype: Union[str, WireFormat],
+    def __init__(self, owner: str, process_group: ProcessGroupLike, *, warmup_dtype: Union[str, torch.dtype, Codec],
                  bucket_cap_mb: Optional[float], overlap_with_backward: bool, agree_every: Optional[int],
                  fused: Optional[bool] = None, device: Optional[torch.device] = None) -> None:
         if not isinstance(overlap_with_backward, bool):
@@ -155,21 +155,22 @@ class Exchange:
 
     @property
     def warmup_dtype(self) -> Optional[torch.dtype]:
-        """The dtype the warm-up's average travels in (``wire``, a ``compression.wire.WireFormat``);
-        None for a quantised warm-up (``wire`` a ``compression.blockwise.BlockwiseCodec``), whose
-        codes are packed bits with a float32 step per block."""
-        return None if self.quantizes_warmup else self.wire.dtype
+        """The dtype the warm-up's average travels in (``wire``, a float format such as
+        ``compression.wire.BFLOAT16``); None for a quantised warm-up (a codec with error feedback,
+        such as ``compression.blockwise.INT8``), whose codes are no floats the network could sum."""
+        return None if self.quantizes_warmup else getattr(self.wire, "dtype", None)
 
     @property
-    def warmup_codec(self) -> Optional[BlockwiseCodec]:
+    def warmup_codec(self) -> Optional[Codec]:
         """The quantised warm-up's codec, else None."""
         return self.wire if self.quantizes_warmup else None
 
     @property
     def quantizes_warmup(self) -> bool:
-        """Whether the warm-up's average is the quantised one (``warmup_dtype="int8"``, ...): error
-        feedback, so the state holds its errors from the first step (``new_warmup_error_buffers``)."""
-        return isinstance(self.wire, BlockwiseCodec)
+        """Whether the warm-up's average is the quantised one (``warmup_dtype="int8"``, ...): its codec
+        carries an error, so the state holds the errors from the first step (``new_warmup_error_buffers``)
+        and the average is ``comm.quantized_average_``, not one all-reduce."""
+        return self.wire.carries_error
 
     def _check_quantized_warmup(self, process_group: ProcessGroupLike, overlap_with_backward: bool) -> None:
         name = self.wire.name
