@@ -248,3 +248,43 @@ def test_sharded_setups_without_replicas_or_with_fsdps_own_allreduce_are_refused
         assert "ZeroOneAdam does not take sharded parameters" in said["0/1 Adam"]
         assert "saved for shard" in said["shard into whole"] and "over unsharded parameters" in said["shard into whole"]
         assert "saved for unsharded parameters" in said["whole into shard"]
+
+
+# ---------------------------------------------------------------- another number of replicas
+def _save_states(rank, n, folder):
+    mesh = _mesh(2, 2)
+    model = _sharded_model(0, mesh, False)
+    opt = onebitlamb.OneBitLamb(model.parameters(), lr=0.02, freeze_step=3, process_group=mesh["replicate"].get_group())
+    _train(model, opt, rank, range(5))
+    torch.save(opt.state_dict(), f"{folder}/rank{rank}.pt")
+    whole = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a collective: every rank
+    if rank == 0:
+        torch.save(whole, f"{folder}/model.pt")
+    return flat_of(opt.state_dict())["exp_avg"]
+
+
+def _resume_on_one_replica(rank, n, folder):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = _mesh(1, 2)
+    model = _sharded_model(7, mesh, False)
+    whole = torch.load(f"{folder}/model.pt")
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            v.to_local().copy_(distribute_tensor(whole[k], mesh["shard"], [Shard(0)]).to_local())
+    opt = onebitlamb.OneBitLamb(model.parameters(), lr=0.02, freeze_step=3, process_group=mesh["replicate"].get_group())
+    # this rank holds shard `rank`: the saved run's replicas of it were ranks `rank` and `rank + 2`
+    replicas = [torch.load(f"{folder}/rank{r}.pt") for r in (rank, rank + 2)]
+    opt.load_state_dict(onebitlamb.reshard_state_dicts(replicas, 1)[0])
+    loaded = flat_of(opt.state_dict())["exp_avg"].clone()
+    _train(model, opt, rank, range(5, 7))
+    return loaded, opt.stats()["step"], [p.full_tensor() for p in model.parameters()]
+
+
+def test_a_sharded_state_resumes_on_another_number_of_replicas(tmp_path):
+    saved = spawn_local(_save_states, 4, (str(tmp_path),), timeout_s=240, collective_timeout_s=120)
+    out = spawn_local(_resume_on_one_replica, 2, (str(tmp_path),), timeout_s=240, collective_timeout_s=120)
+    for rank, (loaded, step, params) in enumerate(out):
+        assert torch.equal(loaded, saved[rank]) and step == 7  # its shard's moments, then two more steps
+        assert all(torch.isfinite(p).all() for p in params)
+    assert all(torch.equal(a, b) for a, b in zip(out[0][2], out[1][2]))

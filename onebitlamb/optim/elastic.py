@@ -29,7 +29,7 @@ import torch
 
 from onebitlamb.compression.wire import warmup_format
 from onebitlamb.optim.layout import Bucket, buffer_sizes, check_bucket_ranges, plan_buckets, plan_warmup_errors
-from onebitlamb.optim.state_format import PARAMETERS, flat_of, to_saved
+from onebitlamb.optim.state_format import PARAMETERS, flat_of, shard_wrapped, to_saved
 
 
 def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int,
@@ -41,6 +41,10 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int,
 
     States without compression errors (``Lamb``, or a 1-bit optimizer before its freeze) are the
     same on every rank and load on any world size as they are; this returns copies of rank 0's.
+
+    Sharded parameters (HSDP): the ranks are the replicas of one shard (their ``process_group``),
+    so pass the state dicts of one shard's replicas and get that shard's for ``world_size``
+    replicas; the shard size itself cannot change.
     """
     if not state_dicts:
         raise ValueError("reshard_state_dicts needs the state dict of every rank of the saved run, got none")
@@ -57,7 +61,7 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int,
         if flat.get("world_size", n) != n or flat.get("rank", rank) != rank:
             raise ValueError(f"state dict {rank} is rank {flat.get('rank')}'s of a run on {flat.get('world_size')} "
                              f"ranks: pass the {n} ranks' state dicts of one run, in rank order")
-        for key in ("optimizer", "step", "frozen_at", "layer_numels", "local_size", "buckets"):
+        for key in ("optimizer", "step", "frozen_at", "layer_numels", "local_size", "buckets", "shard"):
             if flat.get(key) != flats[0].get(key):
                 raise ValueError(f"state dicts 0 and {rank} differ in {key} ({flats[0].get(key)!r}, "
                                  f"{flat.get(key)!r}): not the ranks of one checkpoint")
@@ -83,7 +87,7 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int,
         sd = copy.deepcopy({k: v for k, v in state_dicts[0].items() if k != "state"})
         # (rank 0's checksum of its parameters is no new rank's: a re-sharded state is not checked)
         flat = {k: v for k, v in flats[0].items() if k not in ("worker_error", "server_error", "warmup_worker_error",
-                                                                "warmup_server_error", PARAMETERS)}
+                                                                "warmup_server_error", PARAMETERS, "shard")}
         flat = copy.deepcopy(flat)
         flat["world_size"], flat["rank"], flat["local_size"] = world_size, rank, local_size
         for key in flats[0].get("rank_local", ()):  # 0/1 Adam between syncs: what the next sync averages
@@ -105,7 +109,10 @@ def reshard_state_dicts(state_dicts: Sequence[Dict[str, Any]], world_size: int,
             flat["warmup_server_error"] = _warmup_server_part(warmup_servers, new_plan, rank, world_size)
         # a state re-sharded here is loaded with load_state_dict, which needs no templates
         key = next(iter(state_dicts[0]["state"]))
-        sd["state"] = {key: flat if key == "flat" else to_saved(flat, compresses=False, fresh_variance=False)}
+        saved = flat if key == "flat" else to_saved(flat, compresses=False, fresh_variance=False)
+        if flats[0].get("shard") is not None:  # one shard's state, under its name (``state_format``)
+            saved = shard_wrapped(saved, *flats[0]["shard"])
+        sd["state"] = {key: saved}
         out.append(sd)
     return out
 
