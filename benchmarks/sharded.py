@@ -94,9 +94,9 @@ def schedule(folder: str) -> Optional[Dict[str, int]]:
     return counts
 
 
-def section(rows: List[dict], steps: Optional[Dict[str, int]], command: str) -> str:
+def section(rows: List[dict], steps: Optional[Dict[str, int]], command: str, load: str = "") -> str:
     lines = heading("Sharded models (HSDP) on emulated hosts", command,
-                    f"; {HOSTS} emulated hosts of {RANKS_PER_HOST} ranks")
+                    f"; {HOSTS} emulated hosts of {RANKS_PER_HOST} ranks{load}")
     params = rows[0]["params"]
     lines += [f"The demo's BERT ({params:,} parameters), {BATCH} sequences a rank a step. Per step: the slowest "
               f"rank's median time, the bytes a host's interface sent across the slow link (kernel counters), and "
@@ -153,9 +153,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     check_available()
     cleanup_stale()
+    before = os.getloadavg()[0]
     raw = measure([parse_rate(r) for r in args.rates.split(",") if r.strip()], args.warmup_steps,
                   args.compression_steps, args.timeout)
-    body = section(summarise(raw), schedule(args.schedule), command_line(argv if argv is not None else sys.argv[1:]))
+    # the step times include the CPU's other load: all four ranks share this machine's cores
+    load = f"; load average {before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} cores)"
+    body = section(summarise(raw), schedule(args.schedule), command_line(argv if argv is not None else sys.argv[1:]),
+                   load)
     print(body)
     if not args.no_write:
         write_section("sharded", body)

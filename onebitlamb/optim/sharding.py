@@ -114,10 +114,10 @@ class Shards:
             raise ValueError(f"{owner} got parameters sharded over ranks {self.mesh_ranks} and a process group of "
                              f"ranks {exchange_ranks}: the group it exchanges over must hold this rank's shard in "
                              f"the other replicas (ranks it shares with the shard group: {shared}). 1-D FSDP over "
-                             f"every rank has no replicas; its traffic is FSDP's own all-gathers and "
-                             f"reduce-scatters, two thirds of it parameter all-gathers that a 1-bit exchange "
-                             f"cannot replace (BENCHMARKS.md, 'Sharded training'). For a 1-bit exchange across "
-                             f"nodes use HSDP: {HSDP_FIX}")
+                             f"every rank has no replicas; all its traffic across nodes is FSDP's own "
+                             f"parameter all-gathers and gradient reduce-scatters, which a 1-bit exchange cannot "
+                             f"replace (BENCHMARKS.md, 'Sharded models (HSDP) on emulated hosts'). For a 1-bit "
+                             f"exchange across nodes use HSDP: {HSDP_FIX}")
         self.spanning(process_group)
 
     def spanning(self, process_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
