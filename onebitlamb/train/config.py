@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
 
 import onebitlamb
-from onebitlamb.compression.blockwise import CODECS as QUANTISED_CODECS
-from onebitlamb.compression.wire import WIRE_FORMATS
+from onebitlamb.compression import codec_for, codec_names
 from onebitlamb.train import data
 from onebitlamb.train.model import ModelConfig
 
@@ -143,7 +142,7 @@ class TrainConfig:
                 "rounded; int8, int4, int2: blockwise codes with error feedback, 3.9x, 7.8x, 15x fewer bytes; "
                 "default: int8 for 1-bit LAMB, float32 for 1-bit Adam and 0/1 Adam and with --bucket-cap-mb or "
                 "--local-size, where the quantised average cannot run)",
-        "choices": [*WIRE_FORMATS, *QUANTISED_CODECS]})
+        "choices": list(codec_names())})  # the registered codecs (compression.codec), a test's or plug-in's too
     compression_space: str = field(default="update", metadata={
         "help": "1-bit LAMB and 0/1 Adam: what the 1-bit all-reduce compresses: the update (Adam's direction, the "
                 "momentum over the variance's root) or the momentum (the papers' and DeepSpeed's)",
@@ -279,7 +278,9 @@ class TrainConfig:
                 raise SetupError(f"--shard {self.shard} cannot run 0/1 Adam: its local steps leave each replica's "
                                  f"parameters its own between syncs, where FSDP2 keeps one copy of each shard for "
                                  f"every replica; use onebitlamb or onebitadam")
-        if self.warmup_dtype in QUANTISED_CODECS and self.optimizer in READ_ONLY_BY["warmup_dtype"]:
+        if self.warmup_dtype not in codec_names():
+            refuse("warmup_dtype", f"one of {', '.join(codec_names())}")
+        if codec_for(self.warmup_dtype).carries_error and self.optimizer in READ_ONLY_BY["warmup_dtype"]:
             for name in QUANTISED_CANNOT_RUN:
                 if getattr(self, name) is not None:
                     flag = "--" + name.replace("_", "-")
