@@ -367,13 +367,14 @@ class Exchange:
         freeze, its momentum formed and its errors kept (to undo a stale or skipped exchange);
         returns the exchange the thread runs."""
         b, lay, flat, scratch = self.buckets[k], self._layout, self._flat, self._scratch
-        grads = scratch.buffer("grad", lay.numel)
+        grads = scratch.grad
         self._gather(grads, b)
         self._marks[k] = _grad_marks(lay, b)
         if "worker_error" in flat:  # after the freeze
             buf = self._payload(b)  # formed here, on the hook's thread; sent on the exchange thread
-            scratch.buffer("worker_backup", flat["worker_error"].numel())[b.worker].copy_(flat["worker_error"][b.worker])
-            scratch.buffer("server_backup", flat["server_error"].numel())[b.server].copy_(flat["server_error"][b.server])
+            worker, server = scratch.error_backups(flat["worker_error"].numel(), flat["server_error"].numel())
+            worker[b.worker].copy_(flat["worker_error"][b.worker])
+            server[b.server].copy_(flat["server_error"][b.server])
             failures = self._failures
 
             def exchange() -> None:
@@ -387,9 +388,10 @@ class Exchange:
         return average
 
     def _restore_errors(self, b: Bucket) -> None:
-        flat, scratch = self._flat, self._scratch.buffers
-        flat["worker_error"][b.worker].copy_(scratch["worker_backup"][b.worker])
-        flat["server_error"][b.server].copy_(scratch["server_backup"][b.server])
+        flat = self._flat
+        worker, server = self._scratch.error_backups(flat["worker_error"].numel(), flat["server_error"].numel())
+        flat["worker_error"][b.worker].copy_(worker[b.worker])
+        flat["server_error"][b.server].copy_(server[b.server])
 
     def _finish_overlapped(self, grads: torch.Tensor, compressing: bool) -> bool:
         """Wait for the buckets' exchanges, redo the stale ones, and return whether the step may go

@@ -233,20 +233,73 @@ def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, owner: str, wor
 
 
 class Scratch:
-    """Float32 buffers reused across steps, and caches derived from the state (not part of it)."""
+    """Float32 buffers of the flat layout's size, reused across steps, each named for what it holds
+    (made at first use); caches derived from the state (``derived``: not part of it); and the
+    state's copies before a step (``StagedOptimizer._held_state``)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, numel: int = 0) -> None:
         self.device = device
-        self.buffers: Dict[str, torch.Tensor] = {}
+        self.numel = numel
+        self._buffers: Dict[str, torch.Tensor] = {}
         self.derived: Dict[str, Any] = {}
-        self.copies: Dict[str, torch.Tensor] = {}  # the state before a step (StagedOptimizer._held_state)
+        self.copies: Dict[str, torch.Tensor] = {}
 
-    def buffer(self, name: str, numel: int) -> torch.Tensor:
-        buf = self.buffers.get(name)
+    def _flat(self, name: str, numel: Optional[int] = None) -> torch.Tensor:
+        numel = self.numel if numel is None else numel
+        buf = self._buffers.get(name)
         if buf is None or buf.numel() != numel:
             buf = torch.zeros(numel, dtype=torch.float32, device=self.device)
-            self.buffers[name] = buf
+            self._buffers[name] = buf
         return buf
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """This rank's gradient in the flat layout; after the warm-up's exchange, the average."""
+        return self._flat("grad")
+
+    @property
+    def update(self) -> torch.Tensor:
+        """The step's update ``u`` (Adam's direction plus weight decay) before its coefficient."""
+        return self._flat("update")
+
+    @property
+    def momentum_prev(self) -> torch.Tensor:
+        """Stage 2: the synchronized momentum of the previous step."""
+        return self._flat("momentum_prev")
+
+    @property
+    def ratio(self) -> torch.Tensor:
+        """Stage 2: the frozen over the fresh denominator, element by element (the factor's)."""
+        return self._flat("ratio")
+
+    @property
+    def averaged(self) -> torch.Tensor:
+        """The 1-bit averages of the buckets, their scales undone."""
+        return self._flat("averaged")
+
+    @property
+    def synced(self) -> torch.Tensor:
+        """0/1 Adam: the parameters a sync sets."""
+        return self._flat("synced")
+
+    @property
+    def local_momentum(self) -> torch.Tensor:
+        """0/1 Adam: this rank's momentum before a 1-bit step averages it."""
+        return self._flat("local_momentum")
+
+    @property
+    def variance_denominator(self) -> torch.Tensor:
+        """0/1 Adam: ``sqrt(v_hat) + eps`` of the variance as it stands."""
+        return self._flat("variance_denominator")
+
+    @property
+    def frozen_denominator(self) -> torch.Tensor:
+        """``sqrt(v_frozen) + eps``."""
+        return self._flat("frozen_denominator")
+
+    def error_backups(self, worker: int, server: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the compression errors taken before a bucket's exchange behind the backward."""
+        return self._flat("worker_backup", worker), self._flat("server_backup", server)
 
     def copy_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of ``tensor`` (any dtype) in a buffer kept under ``name`` for the next copy."""

@@ -18,7 +18,8 @@ from onebitlamb.comm import world_size_of
 from onebitlamb.optim import functional as F
 from onebitlamb.optim.checks import parameter_checksum, parameters_checksum
 from onebitlamb.optim.layout import Bucket, FlatLayout
-from onebitlamb.optim.phases import COMPRESSION, LOCAL, Phase, PhaseHost
+from onebitlamb.optim.context import StepContext
+from onebitlamb.optim.phases import COMPRESSION, LOCAL, Phase
 from onebitlamb.optim.state_format import PARAMETERS
 
 
@@ -32,13 +33,13 @@ class LocalSteps(Phase):
                            "between syncs would lose the other replicas' parameters); use OneBitLamb or OneBitAdam")
 
     # ------------------------------------------------------------------ state
-    def init_state(self, opt: PhaseHost, layout: FlatLayout) -> None:
+    def init_state(self, ctx: StepContext, layout: FlatLayout) -> None:
         """The phase's entries, present from the start (DCP loads into a template of the same
         entries); the momentum and the update sum differ between ranks from the freeze on and
         are saved under this rank's key (``"rank_local"``)."""
         d, layers = layout.numel, len(layout.params)
         f32 = dict(dtype=torch.float32, device=layout.device)
-        opt._flat.update({
+        ctx.state.update({
             "rank_local": ["exp_avg", "update_sum"],
             "local_interval": 1, "local_counter": 0,
             "update_sum": torch.zeros(d, **f32),  # sum of lr * c * u since the last sync
@@ -46,51 +47,51 @@ class LocalSteps(Phase):
             "sync_params": torch.zeros(d, **f32),  # the parameters at the last sync, alike on every rank
         })
 
-    def setup(self, opt: PhaseHost, layout: FlatLayout, setup: Dict[str, Any]) -> None:
+    def setup(self, ctx: StepContext, layout: FlatLayout, setup: Dict[str, Any]) -> None:
         """What the ranks agree on after the freeze: not their parameters, which differ between
         syncs, but the last sync's, which do not."""
-        flat = opt._flat
+        flat = ctx.state
         if flat["frozen_at"] is not None:
             setup["parameter values (crc32 of each tensor)"] = [parameter_checksum(flat["sync_params"][s])
                                                                 for s in layout.slices]
 
-    def rank_entries(self, opt: PhaseHost, params: List[torch.Tensor]) -> Dict[str, Any]:
+    def rank_entries(self, ctx: StepContext, params: List[torch.Tensor]) -> Dict[str, Any]:
         """After the freeze the state holds the last sync's parameters and what this rank moved its
         own by since, so it records a checksum of them (``PARAMETERS``), for the first step after a
         load to check that the rank has its own back: between syncs a model saved from rank 0 only is
         another run on the other ranks, and any other model would be put back at the next sync.
         Before the freeze the ranks' parameters agree and the state holds nothing of them, as the
         1-bit optimizers'; the entry is there (None), so that a template for DCP has it."""
-        frozen = opt._flat["frozen_at"] is not None
+        frozen = ctx.state["frozen_at"] is not None
         return {PARAMETERS: parameters_checksum(params) if frozen else None}
 
-    def stage(self, opt: PhaseHost) -> str:
+    def stage(self, ctx: StepContext) -> str:
         """A sync or a local step."""
-        flat = opt._flat
+        flat = ctx.state
         return COMPRESSION if (flat["step"] + 1) % flat["local_interval"] == 0 else LOCAL
 
     # ------------------------------------------------------------------ the phase
     @staticmethod
-    def _rates(opt: PhaseHost) -> List[float]:
+    def _rates(ctx: StepContext) -> List[float]:
         """Each layer's step size ``lr``: what the update sum and ``lr_sums`` add up."""
-        return [float(opt.param_groups[g]["lr"]) for g in opt._layout.groups]
+        return [float(ctx.param_groups[g]["lr"]) for g in ctx.layout.groups]
 
-    def begin(self, opt: PhaseHost) -> None:
+    def begin(self, ctx: StepContext) -> None:
         """The freeze: the variance frozen (bias-corrected by its updates so far), the errors
         restarted (they will hold another quantity), the scales set for the update sums (what a
         sync sends is about ``lr m`` per layer: a layer with another step size gets another
         scale), and the parameters kept as the first sync point."""
-        flat, lay = opt._flat, opt._layout
-        beta2 = opt.defaults["betas"][1]
-        bc2 = 1 - beta2 ** flat["variance_updates"] if opt.defaults["bias_correction"] else 1.0
+        flat, lay = ctx.state, ctx.layout
+        beta2 = ctx.defaults["betas"][1]
+        bc2 = 1 - beta2 ** flat["variance_updates"] if ctx.defaults["bias_correction"] else 1.0
         v = flat["exp_avg_sq"]
         flat["momentum_mask"] = v != 0
         v.div_(bc2)
         flat["frozen_at"] = flat["step"]  # from here the denominator is the frozen one
-        rates = torch.tensor(self._rates(opt), dtype=torch.float32, device=lay.device)
+        rates = torch.tensor(self._rates(ctx), dtype=torch.float32, device=lay.device)
         sent = flat["exp_avg"]
-        if opt._compresses_update():
-            sent = sent / opt._frozen_denominators()[0]
+        if ctx.compresses_update():
+            sent = sent / ctx.frozen_denominators()[0]
         flat["momentum_scale"] = F.momentum_scales(lay.norms(sent) * rates, lay.per_layer(lay.whole_numels))
         for key in ("worker_error", "server_error"):
             if key in flat:
@@ -100,72 +101,72 @@ class LocalSteps(Phase):
         flat["lr_sums"].zero_()
         flat["local_interval"], flat["local_counter"] = 1, 0
 
-    def step(self, opt: PhaseHost, stage: str, grads: torch.Tensor, received: List[torch.Tensor]) -> None:
+    def step(self, ctx: StepContext, stage: str, grads: torch.Tensor, received: List[torch.Tensor]) -> None:
         """A local step or a sync, then the interval's schedule."""
-        flat = opt._flat
+        flat = ctx.state
         if stage == LOCAL:
-            opt._apply_(self._local_update_once(opt, flat["step"]), opt._layout.ones())
+            ctx.apply_(self._local_update_once(ctx, flat["step"]), ctx.layout.ones())
         else:
-            self._sync(opt, received)
+            self._sync(ctx, received)
         flat["local_interval"], flat["local_counter"] = F.interval_after(
-            flat["local_interval"], flat["local_counter"], opt.defaults["local_step_scaler"],
-            opt.defaults["local_step_clipper"])
+            flat["local_interval"], flat["local_counter"], ctx.defaults["local_step_scaler"],
+            ctx.defaults["local_step_clipper"])
 
-    def payload(self, opt: PhaseHost, b: Bucket, out: torch.Tensor) -> None:
+    def payload(self, ctx: StepContext, b: Bucket, out: torch.Tensor) -> None:
         """What bucket ``b`` sends at a sync: this rank's update sum times the frozen denominator,
         each layer scaled (over the denominator again in the update space)."""
-        self._local_update_once(opt, opt._flat["step"] + 1)
-        scale, _ = opt._compression_scales()
-        den, _ = opt._frozen_denominators()
-        torch.mul(opt._flat["update_sum"][b.start:b.end], den[b.start:b.end], out=out)
+        self._local_update_once(ctx, ctx.state["step"] + 1)
+        scale, _ = ctx.compression_scales()
+        den, _ = ctx.frozen_denominators()
+        torch.mul(ctx.state["update_sum"][b.start:b.end], den[b.start:b.end], out=out)
         out.mul_(scale[b.start:b.end])
 
     @staticmethod
-    def _local_update_once(opt: PhaseHost, step: int) -> torch.Tensor:
+    def _local_update_once(ctx: StepContext, step: int) -> torch.Tensor:
         """Step ``step``'s local update from this rank's gradient, once (a sync's payload asks for
         it before the step gets to it): the momentum, Adam's direction with the frozen variance,
         and the update sum. Returns the update (the parameters are not moved here)."""
-        scratch, flat, lay = opt._scratch, opt._flat, opt._layout
-        update = scratch.buffer("update", lay.numel)
+        scratch, flat, lay = ctx.buffers, ctx.state, ctx.layout
+        update = scratch.update
         if scratch.derived.get("local_update_of") == step:
             return update
-        beta1, _ = opt._betas()
+        beta1, _ = ctx.betas()
         m = flat["exp_avg"]
-        m.mul_(beta1).add_(scratch.buffers["grad"], alpha=1 - beta1).mul_(flat["momentum_mask"])
-        den, _ = opt._frozen_denominators()
-        bc1 = 1 - beta1 ** step if opt.defaults["bias_correction"] else 1.0
+        m.mul_(beta1).add_(scratch.grad, alpha=1 - beta1).mul_(flat["momentum_mask"])
+        den, _ = ctx.frozen_denominators()
+        bc1 = 1 - beta1 ** step if ctx.defaults["bias_correction"] else 1.0
         F.adam_direction(m, den, bc1, out=update)
-        opt._bound_direction_(update, step)  # a rank's own momentum over the frozen variance
-        lay.add_weight_decay_(update, opt.param_groups)
-        rates = LocalSteps._rates(opt)
+        ctx.bound_direction_(update, step)  # a rank's own momentum over the frozen variance
+        lay.add_weight_decay_(update, ctx.param_groups)
+        rates = LocalSteps._rates(ctx)
         F.accumulate_update_(flat["update_sum"], update, rates, lay.slices)
         flat["lr_sums"].add_(torch.tensor(rates, dtype=torch.float64, device=lay.device))
         scratch.derived["local_update_of"] = step
         return update
 
-    def _sync(self, opt: PhaseHost, received: List[torch.Tensor]) -> None:
+    def _sync(self, ctx: StepContext, received: List[torch.Tensor]) -> None:
         """The ranks' update sums averaged: every rank's parameters become the last sync's minus the
         average (over the frozen denominator), bit for bit alike, and its momentum the average
         per unit of step size."""
-        flat, lay = opt._flat, opt._layout
-        self._local_update_once(opt, flat["step"])  # one process: no payload asked for it
-        den, _ = opt._frozen_denominators()
-        if world_size_of(opt.process_group) > 1:
-            averaged = opt._unscaled(received, flat["update_sum"])
+        flat, lay = ctx.state, ctx.layout
+        self._local_update_once(ctx, flat["step"])  # one process: no payload asked for it
+        den, _ = ctx.frozen_denominators()
+        if world_size_of(ctx.process_group) > 1:
+            averaged = ctx.unscaled(received, flat["update_sum"])
         else:
-            averaged = opt._unscaled(received, torch.mul(flat["update_sum"], den))
-        synced = opt._scratch.buffer("synced", lay.numel)
+            averaged = ctx.unscaled(received, torch.mul(flat["update_sum"], den))
+        synced = ctx.buffers.synced
         torch.div(averaged, den, out=synced)
         torch.sub(flat["sync_params"], synced, out=synced)
         if not bool(torch.isfinite(synced).all()):
-            raise FloatingPointError(f"{type(opt).__name__}: the sync of step {flat['step']} is not finite although "
+            raise FloatingPointError(f"{ctx.owner}: the sync of step {flat['step']} is not finite although "
                                      f"every rank's gradient was; the parameters were left as they were. Resume from "
                                      f"an earlier checkpoint with a lower learning rate")
         flat["sync_params"].copy_(synced)
         lay.assign_(synced)
-        beta1, _ = opt._betas()
-        bc1 = 1 - beta1 ** flat["step"] if opt.defaults["bias_correction"] else 1.0
+        beta1, _ = ctx.betas()
+        bc1 = 1 - beta1 ** flat["step"] if ctx.defaults["bias_correction"] else 1.0
         F.synced_momentum_(flat["exp_avg"], averaged, flat["lr_sums"], lay.slices, bc1)
         flat["update_sum"].zero_()
         flat["lr_sums"].zero_()
-        opt._last_coeff = lay.ones()
+        ctx.last_coeff = lay.ones()

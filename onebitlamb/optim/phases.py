@@ -16,45 +16,23 @@ ZeroOneAdam   ``VarianceThinning`` (``zero_one.py``)         ``LocalSteps`` (``l
 Each step of a phase runs one of three exchanges (its *stage*): ``"warmup"``, the full-precision
 average of the gradients (in place); ``"compression"``, the error-compensated 1-bit all-reduce of
 what :meth:`Phase.payload` puts in each bucket, whose averages come back per bucket; ``"local"``,
-none (only the agreed check that every rank's gradient is finite). A phase reads and writes the
-optimizer's flat state (``opt._flat``) and uses its shared helpers; it holds nothing of its own
-but its settings, so an optimizer is copied, pickled and saved as before phases were objects.
+none (only the agreed check that every rank's gradient is finite). A phase works through the step
+context (``context.StepContext``): it reads and writes the flat state (``ctx.state``), uses the
+scratch buffers (``ctx.buffers``) and the helpers every phase shares, and moves the parameters with
+``ctx.apply_``; it holds nothing of its own but its settings, so an optimizer is copied, pickled and saved as before phases were objects.
 The state's form is the same as well: ``frozen_at`` (None before the freeze) says which phase runs.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from onebitlamb.optim import functional as F
 from onebitlamb.optim.exchange import COMPRESSION, LOCAL, WARMUP  # noqa: F401 (the stages, named by the exchange)
+from onebitlamb.optim.context import StepContext
 from onebitlamb.optim.layout import Bucket, FlatLayout
-
-
-
-class PhaseHost(Protocol):
-    """What a phase uses of the optimizer it runs in (``StagedOptimizer``): the flat state and
-    layout, the scratch buffers, the settings, and the helpers every phase shares."""
-
-    defaults: Dict[str, Any]
-    param_groups: List[Dict[str, Any]]
-    exchange: Any  # exchange.Exchange: its buckets, its error buffers
-    process_group: Any
-    _flat: Dict[str, Any]
-    _layout: FlatLayout
-    _scratch: Any  # layout.Scratch
-    _last_coeff: Optional[torch.Tensor]
-
-    def _betas(self) -> Tuple[float, float]: ...
-    def _compresses_update(self) -> bool: ...
-    def _compression_scales(self) -> Tuple[torch.Tensor, torch.Tensor]: ...
-    def _frozen_denominators(self) -> Tuple[torch.Tensor, torch.Tensor]: ...
-    def _bound_direction_(self, update: torch.Tensor, step: Optional[int] = None) -> bool: ...
-    def _bound_sent_(self, sent: torch.Tensor, b: Bucket) -> None: ...
-    def _unscaled(self, received: List[torch.Tensor], local: torch.Tensor) -> torch.Tensor: ...
-    def _apply_(self, update: torch.Tensor, coeff: torch.Tensor) -> None: ...
 
 
 
@@ -73,58 +51,58 @@ class Phase:
     def __repr__(self) -> str:  # the settings: part of what the ranks agree on, and of a test's view
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
-    def init_state(self, opt: PhaseHost, layout: FlatLayout) -> None:
+    def init_state(self, ctx: StepContext, layout: FlatLayout) -> None:
         """Add the phase's entries to a new flat state (all of them from the start: DCP loads into a
         template of the same entries)."""
 
-    def check_state(self, opt: PhaseHost) -> None:
+    def check_state(self, ctx: StepContext) -> None:
         """Check a loaded state's entries of this phase."""
 
-    def setup(self, opt: PhaseHost, layout: FlatLayout, setup: Dict[str, Any]) -> None:
+    def setup(self, ctx: StepContext, layout: FlatLayout, setup: Dict[str, Any]) -> None:
         """Add what every rank must have alike for this phase (``checks.agree_on_setup``), over
         ``layout`` (the one being set up)."""
 
-    def rank_entries(self, opt: PhaseHost, params: List[torch.Tensor]) -> Dict[str, Any]:
+    def rank_entries(self, ctx: StepContext, params: List[torch.Tensor]) -> Dict[str, Any]:
         """What the saved state keeps of this rank's own beside its compression errors."""
         return {}
 
-    def stage(self, opt: PhaseHost) -> str:
+    def stage(self, ctx: StepContext) -> str:
         """The exchange the next step runs (``WARMUP``, ``COMPRESSION`` or ``LOCAL``)."""
         return WARMUP
 
-    def payload(self, opt: PhaseHost, b: Bucket, out: torch.Tensor) -> None:
+    def payload(self, ctx: StepContext, b: Bucket, out: torch.Tensor) -> None:
         """What bucket ``b`` sends through the 1-bit all-reduce at a ``COMPRESSION`` step, into
         ``out`` (its ``b.numel`` elements; the exchange pads). Called in ``step()`` or, behind the
-        backward, on the exchange's hook thread, once the bucket's gradients are in ``opt``'s flat
+        backward, on the exchange's hook thread, once the bucket's gradients are in ``ctx``'s flat
         gradient buffer."""
         raise NotImplementedError(f"{type(self).__name__} sends nothing compressed")
 
-    def step(self, opt: PhaseHost, stage: str, grads: torch.Tensor, received: List[torch.Tensor]) -> None:
+    def step(self, ctx: StepContext, stage: str, grads: torch.Tensor, received: List[torch.Tensor]) -> None:
         """The update after the step's exchange (every rank's gradient finite): ``grads`` holds the
         average in the warm-up stage, this rank's own gradients otherwise; ``received`` the 1-bit
-        averages of the buckets (``opt.exchange.buckets``' order; empty with one process or when
+        averages of the buckets (``ctx.exchange.buckets``' order; empty with one process or when
         nothing compressed was exchanged)."""
         raise NotImplementedError
 
-    def ends(self, opt: PhaseHost) -> bool:
+    def ends(self, ctx: StepContext) -> bool:
         """Whether the step just taken is this phase's last (then the next phase begins)."""
         return False
 
-    def begin(self, opt: PhaseHost) -> None:
+    def begin(self, ctx: StepContext) -> None:
         """Start this phase at the end of the previous one's last step (the freeze): set what its
         steps need and mark the state (``frozen_at``)."""
         raise NotImplementedError
 
-    def inverse_denominator(self, opt: PhaseHost) -> torch.Tensor:
+    def inverse_denominator(self, ctx: StepContext) -> torch.Tensor:
         """``1 / (sqrt(v_hat) + eps)`` as the update space divides what it sends: the frozen one."""
-        return opt._frozen_denominators()[1]
+        return ctx.frozen_denominators()[1]
 
-    def bias_corrections(self, opt: PhaseHost) -> tuple[float, float]:
+    def bias_corrections(self, ctx: StepContext) -> tuple[float, float]:
         """``1 - beta1^t`` and ``1 - beta2^t``, ``t`` the steps taken (1, 1 without bias correction)."""
-        if not opt.defaults["bias_correction"]:
+        if not ctx.defaults["bias_correction"]:
             return 1.0, 1.0
-        beta1, beta2 = opt._betas()
-        t = opt._flat["step"]
+        beta1, beta2 = ctx.betas()
+        t = ctx.state["step"]
         return 1 - beta1 ** t, 1 - beta2 ** t
 
 
@@ -139,26 +117,26 @@ class Warmup(Phase):
         self.trust_ratio = trust_ratio
         self.schedule = schedule
 
-    def init_state(self, opt: PhaseHost, layout: FlatLayout) -> None:
+    def init_state(self, ctx: StepContext, layout: FlatLayout) -> None:
         if self.schedule is not None:
-            self.schedule.init_state(opt._flat, len(layout.params), layout.device)
+            self.schedule.init_state(ctx.state, len(layout.params), layout.device)
 
-    def check_state(self, opt: PhaseHost) -> None:
+    def check_state(self, ctx: StepContext) -> None:
         if self.schedule is not None:
-            self.schedule.check_state(opt._flat)
+            self.schedule.check_state(ctx.state)
 
-    def ends(self, opt: PhaseHost) -> bool:
-        return self.schedule is not None and self.schedule.due(opt._flat)
+    def ends(self, ctx: StepContext) -> bool:
+        return self.schedule is not None and self.schedule.due(ctx.state)
 
-    def step(self, opt: PhaseHost, stage: str, grads: torch.Tensor, received: List[torch.Tensor]) -> None:
-        flat, lay, defaults = opt._flat, opt._layout, opt.defaults
-        beta1, beta2 = opt._betas()
+    def step(self, ctx: StepContext, stage: str, grads: torch.Tensor, received: List[torch.Tensor]) -> None:
+        flat, lay, defaults = ctx.state, ctx.layout, ctx.defaults
+        beta1, beta2 = ctx.betas()
         F.update_moments_(flat["exp_avg"], flat["exp_avg_sq"], grads, beta1, beta2)
-        bc1, bc2 = self.bias_corrections(opt)
-        update = opt._scratch.buffer("update", lay.numel)
+        bc1, bc2 = self.bias_corrections(ctx)
+        update = ctx.buffers.update
         den = F.adam_denominator(flat["exp_avg_sq"], bc2, defaults["eps"], out=update)
         F.adam_direction(flat["exp_avg"], den, bc1, out=update)
-        lay.add_weight_decay_(update, opt.param_groups)
+        lay.add_weight_decay_(update, ctx.param_groups)
         if self.trust_ratio:
             param_norms, update_norms = lay.whole([F.norms(lay.tensors), lay.local_norms(update)])
             coeff, defined = F.trust_ratios(param_norms, update_norms, defaults["min_coeff"], defaults["max_coeff"])
@@ -167,21 +145,21 @@ class Warmup(Phase):
         else:
             coeff = lay.ones()
         if self.schedule is not None and self.schedule.watches:
-            self.schedule.record(flat, self._variance_levels(opt, bc2), self._trust_levels(opt))
-        opt._apply_(update, coeff)
+            self.schedule.record(flat, self._variance_levels(ctx, bc2), self._trust_levels(ctx))
+        ctx.apply_(update, coeff)
 
     @staticmethod
-    def _variance_levels(opt: PhaseHost, bias_correction2: float) -> torch.Tensor:
+    def _variance_levels(ctx: StepContext, bias_correction2: float) -> torch.Tensor:
         """Each layer's ``log ||v_hat||``, the statistic whose settling the automatic freeze reads."""
-        return torch.log(opt._layout.norms(opt._flat["exp_avg_sq"]) / bias_correction2)
+        return torch.log(ctx.layout.norms(ctx.state["exp_avg_sq"]) / bias_correction2)
 
-    def _trust_levels(self, opt: PhaseHost) -> Optional[torch.Tensor]:
+    def _trust_levels(self, ctx: StepContext) -> Optional[torch.Tensor]:
         """Each layer's ``log`` of the trust ratio a freeze now would keep; ``-inf`` (left out of the
         median) for a layer whose ratio was never defined."""
         if not self.trust_ratio:
             return None
-        flat = opt._flat
-        kept = F.corrected_ema(flat["coeff_ema"], flat["coeff_ema_count"], opt.defaults["coeff_beta"])
+        flat = ctx.state
+        kept = F.corrected_ema(flat["coeff_ema"], flat["coeff_ema_count"], ctx.defaults["coeff_beta"])
         return torch.where(flat["coeff_ema_count"] > 0, torch.log(kept), torch.full_like(kept, -math.inf))
 
 
@@ -206,77 +184,77 @@ class OneBitMomentum(Phase):
         """Whether the state keeps a variance fresh after the freeze (the factor's)."""
         return self.rule == "factor"
 
-    def stage(self, opt: PhaseHost) -> str:
+    def stage(self, ctx: StepContext) -> str:
         return COMPRESSION
 
-    def begin(self, opt: PhaseHost) -> None:
+    def begin(self, ctx: StepContext) -> None:
         """The freeze: the variance (bias-corrected) and the trust ratio frozen, the per-layer
         momentum scaling and the mask of never-updated elements fixed, the errors made."""
-        flat, lay = opt._flat, opt._layout
-        _, bc2 = self.bias_corrections(opt)
+        flat, lay = ctx.state, ctx.layout
+        _, bc2 = self.bias_corrections(ctx)
         v = flat["exp_avg_sq"]
         flat["momentum_mask"] = v != 0
         if self.keeps_fresh_variance:
             flat["exp_avg_sq_fresh"] = v.clone()
         v.div_(bc2)  # now v_frozen = v_hat
         flat["frozen_at"] = flat["step"]
-        flat["frozen_coeff"] = (F.corrected_ema(flat["coeff_ema"], flat["coeff_ema_count"], opt.defaults["coeff_beta"])
+        flat["frozen_coeff"] = (F.corrected_ema(flat["coeff_ema"], flat["coeff_ema_count"], ctx.defaults["coeff_beta"])
                                 if self.rule != "adam" else lay.ones())
         flat["prev_factor"] = lay.ones()
         sent = flat["exp_avg"]
-        if opt._compresses_update():  # the layers' scales are those of what is sent: m / den
-            sent = sent / opt._frozen_denominators()[0]
+        if ctx.compresses_update():  # the layers' scales are those of what is sent: m / den
+            sent = sent / ctx.frozen_denominators()[0]
         flat["momentum_scale"] = F.momentum_scales(lay.norms(sent), lay.per_layer(lay.whole_numels))
-        opt.exchange.new_error_buffers(flat, lay.device)
+        ctx.exchange.new_error_buffers(flat, lay.device)
 
-    def payload(self, opt: PhaseHost, b: Bucket, out: torch.Tensor) -> None:
+    def payload(self, ctx: StepContext, b: Bucket, out: torch.Tensor) -> None:
         """This rank's new momentum of bucket ``b`` (from its own gradient), each layer scaled."""
-        beta1, _ = opt._betas()
-        scale, _ = opt._compression_scales()
-        torch.mul(opt._flat["exp_avg"][b.start:b.end], beta1, out=out)
-        out.add_(opt._scratch.buffers["grad"][b.start:b.end], alpha=1 - beta1)
+        beta1, _ = ctx.betas()
+        scale, _ = ctx.compression_scales()
+        torch.mul(ctx.state["exp_avg"][b.start:b.end], beta1, out=out)
+        out.add_(ctx.buffers.grad[b.start:b.end], alpha=1 - beta1)
         out.mul_(scale[b.start:b.end])
-        opt._bound_sent_(out, b)
+        ctx.bound_sent_(out, b)
 
-    def step(self, opt: PhaseHost, stage: str, grads: torch.Tensor, received: List[torch.Tensor]) -> None:
+    def step(self, ctx: StepContext, stage: str, grads: torch.Tensor, received: List[torch.Tensor]) -> None:
         """The averaged momentum, the frozen variance and the rule's coefficient."""
-        flat, lay, defaults = opt._flat, opt._layout, opt.defaults
-        beta1, beta2 = opt._betas()
+        flat, lay, defaults = ctx.state, ctx.layout, ctx.defaults
+        beta1, beta2 = ctx.betas()
         d = lay.numel
         m = flat["exp_avg"]
-        m_prev = opt._scratch.buffer("momentum_prev", d)
+        m_prev = ctx.buffers.momentum_prev
         m_prev.copy_(m)
         if received:  # the buckets' averages, scaled: undone, and masked, in one pass
-            _, unscale = opt._compression_scales()
-            for b, avg in zip(opt.exchange.buckets, received):
+            _, unscale = ctx.compression_scales()
+            for b, avg in zip(ctx.exchange.buckets, received):
                 torch.mul(avg, unscale[b.start:b.end], out=m[b.start:b.end])
         else:  # one process
             m.mul_(beta1).add_(grads, alpha=1 - beta1).mul_(flat["momentum_mask"])
-        den, inverse_den = opt._frozen_denominators()
-        bc1, bc2 = self.bias_corrections(opt)
-        update = opt._scratch.buffer("update", d)
+        den, inverse_den = ctx.frozen_denominators()
+        bc1, bc2 = self.bias_corrections(ctx)
+        update = ctx.buffers.update
         coeff = flat["frozen_coeff"]
         if self.rule == "factor":
             max_ratio, plain_norms = F.fresh_variance_statistics_(
                 flat["exp_avg_sq_fresh"], m, m_prev, den, inverse_den, bc1, bc2, beta1, beta2,
-                defaults["eps"], lay.slices, lay.offsets, update, scratch=opt._scratch.buffer("ratio", d))
-            if opt._bound_direction_(update):
+                defaults["eps"], lay.slices, lay.offsets, update, scratch=ctx.buffers.ratio)
+            if ctx.bound_direction_(update):
                 plain_norms = lay.local_norms(update)
-            lay.add_weight_decay_(update, opt.param_groups)
-            update_norms = lay.decayed_update_norms(update, plain_norms, opt.param_groups)
+            lay.add_weight_decay_(update, ctx.param_groups)
+            update_norms = lay.decayed_update_norms(update, plain_norms, ctx.param_groups)
             # of this rank's shards so far: the whole layers' in one reduction (nothing when whole)
             plain_norms, update_norms, max_ratio = lay.whole([plain_norms, update_norms], [max_ratio])
             factor = F.scaling_factors(max_ratio, plain_norms, update_norms,
-                                       lay.hyper(opt.param_groups, "weight_decay"), flat["prev_factor"],
+                                       lay.hyper(ctx.param_groups, "weight_decay"), flat["prev_factor"],
                                        defaults["factor_min"], defaults["factor_max"], defaults["factor_threshold"])
             flat["prev_factor"] = factor
             coeff = coeff * factor
         else:
             F.adam_direction(m, den, bc1, out=update)
-            opt._bound_direction_(update)
-            lay.add_weight_decay_(update, opt.param_groups)
+            ctx.bound_direction_(update)
+            lay.add_weight_decay_(update, ctx.param_groups)
             if self.rule == "live":  # LAMB's own ratio, on the exchanged momentum and the frozen variance
                 param_norms, update_norms = lay.whole([F.norms(lay.tensors), lay.local_norms(update)])
                 coeff, _ = F.trust_ratios(param_norms, update_norms, defaults["min_coeff"], defaults["max_coeff"])
-        opt._apply_(update, coeff)
+        ctx.apply_(update, coeff)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -27,6 +28,7 @@ from onebitlamb.optim.checks import (agree_on_setup, check_finite_nonneg, check_
 from onebitlamb.optim.exchange import Exchange, ProcessGroupLike
 from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, check_loaded_state, check_saved_by, new_flat_state
 from onebitlamb.optim.phases import COMPRESSION, LOCAL, WARMUP, OneBitMomentum, Phase  # noqa: F401 (re-exported)
+from onebitlamb.optim.context import StepContext
 from onebitlamb.optim.sharding import Shards, local
 from onebitlamb.optim.state_format import PARAMETERS, beside, shard_wrapped, split_state, to_saved
 
@@ -112,9 +114,8 @@ class StagedOptimizer(Optimizer):
                                  device=next((p.device for g in self.param_groups for p in g["params"]), None))
         self.last_step_bytes = 0
         self._bytes_after_last_step = 0
-        self._layout: Optional[FlatLayout] = None
-        self._scratch: Optional[Scratch] = None
-        self._last_coeff: Optional[torch.Tensor] = None
+        # what the phases work with (context.py): the layout and buffers from the first step on
+        self._context = self._new_context()
         self.last_step_skipped = False
         # a loaded state's checksum of this rank's parameters, for the next step to check
         self._resumed_parameters: Optional[int] = None
@@ -170,6 +171,30 @@ class StagedOptimizer(Optimizer):
         the shard group); ``comm_stats`` counts what crossed to the other replicas. None otherwise."""
         return None if self._shards is None else self._shards.stats
 
+    def _new_context(self) -> StepContext:
+        """The step context of this optimizer. It reaches the state and the phase through a weak
+        reference: an optimizer its user drops goes at once, and with it the hooks on its
+        parameters (as the exchange holds the payload weakly)."""
+        me = weakref.ref(self)
+        return StepContext(me, phase=lambda: me()._phase())
+
+    # the layout, the buffers and the last coefficient live in the step context (context.py)
+    @property
+    def _layout(self) -> Optional[FlatLayout]:
+        return self._context.layout
+
+    @_layout.setter
+    def _layout(self, layout: Optional[FlatLayout]) -> None:
+        self._context.layout = layout
+
+    @property
+    def _scratch(self) -> Optional[Scratch]:
+        return self._context.buffers
+
+    @property
+    def _last_coeff(self) -> Optional[torch.Tensor]:
+        return self._context.last_coeff
+
     def _phase(self) -> Phase:
         """The phase the next step runs: the first until the freeze (``frozen_at``), then the second."""
         return self._phases[0] if self._flat["frozen_at"] is None else self._phases[-1]
@@ -211,7 +236,7 @@ class StagedOptimizer(Optimizer):
         self.state["flat"] = new_flat_state(layout, type(self).__name__, world, rank, self.exchange.local_size,
                                             self.exchange.bucket_ranges(layout))
         for phase in self._phases:
-            phase.init_state(self, layout)
+            phase.init_state(self._context, layout)
         self.exchange.new_warmup_error_buffers(self._flat, layout.device)
 
     def _untouched(self) -> bool:
@@ -229,7 +254,7 @@ class StagedOptimizer(Optimizer):
         else:
             check_loaded_state(self._flat, layout, owner, world, rank, self.exchange.local_size, self.exchange.warmup_codec)
             for phase in self._phases:
-                phase.check_state(self)
+                phase.check_state(self._context)
             has_errors = self._flat["frozen_at"] is not None or self._phases[0].compresses_from_start
             if not has_errors:  # the errors, made at the freeze, will follow them
                 self._flat["buckets"] = self.exchange.bucket_ranges(layout)
@@ -242,7 +267,7 @@ class StagedOptimizer(Optimizer):
             check_resumed_parameters(owner, self._resumed_parameters, layout.tensors,
                                      spanning_group(self.process_group), layout.device, self._flat["step"])
             self._resumed_parameters = None
-        self._layout, self._scratch = layout, Scratch(layout.device)
+        self._context.layout, self._context.buffers = layout, Scratch(layout.device, layout.numel)
         self.exchange.bind(layout, self._flat, self._scratch, self._payload, negate=self.defaults["maximize"])
 
     def _agree(self, layout: FlatLayout, after_step: Optional[int] = None) -> None:
@@ -273,7 +298,7 @@ class StagedOptimizer(Optimizer):
                 "parameters checked against the loaded state": getattr(self, "_resumed_parameters", None) is not None,
                 "parameter values (crc32 of each tensor)": [parameter_checksum(p) for p in layout.tensors]}
         for phase in self._phases:
-            phase.setup(self, layout, setup)
+            phase.setup(self._context, layout, setup)
         return setup
 
     def _rank_entries(self, params: List[torch.Tensor]) -> Dict[str, Any]:
@@ -284,7 +309,7 @@ class StagedOptimizer(Optimizer):
         them)."""
         entries: Dict[str, Any] = {}
         for phase in self._phases:
-            entries.update(phase.rank_entries(self, params))
+            entries.update(phase.rank_entries(self._context, params))
         return entries
 
     @property
@@ -394,8 +419,16 @@ class StagedOptimizer(Optimizer):
                              f"optimizer on that group and load_state_dict(optimizer.state_dict()) into it")
         state = super().__getstate__()
         state.update({k: v for k, v in self.__dict__.items() if k not in state and not k.startswith("_optimizer_")})
-        state.update(_layout=None, _scratch=None)
+        state.pop("_context", None)  # (its layout and buffers are made again at the next step)
+        state["_last_coeff_copy"] = self._last_coeff
         return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        last_coeff = state.pop("_last_coeff_copy", state.pop("_last_coeff", None))
+        state.pop("_layout", None), state.pop("_scratch", None)  # (copies pickled before the step context)
+        super().__setstate__(state)
+        self._context = self._new_context()
+        self._context.last_coeff = last_coeff
 
     def _exchange_settings_checked(self, saved_groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         """The exchange's settings that change the numbers must be the state's: a run resumed with
@@ -420,7 +453,7 @@ class StagedOptimizer(Optimizer):
         (the 1-bit all-reduce); 0/1 Adam's also ``"local"`` (``phases.py``)."""
         if "flat" not in self.state:
             return WARMUP
-        return self._phase().stage(self)
+        return self._phase().stage(self._context)
 
     def layer_diagnostics(self) -> List[Dict[str, Optional[float]]]:
         """Per trainable parameter (flat order): the coefficient applied at the last step
@@ -442,35 +475,7 @@ class StagedOptimizer(Optimizer):
         """What bucket ``b`` sends through the 1-bit all-reduce (the current phase's ``payload``): the
         exchange asks for it once the bucket's gradients are in, in ``step()`` or behind the
         backward, and holds this method weakly."""
-        self._phase().payload(self, b, out)
-
-    def _unscaled(self, received: List[torch.Tensor], local: torch.Tensor) -> torch.Tensor:
-        """The buckets' 1-bit averages ``received`` with their scales undone and masked, as one flat
-        tensor; with one process (nothing received), ``local`` masked."""
-        _, unscale = self._compression_scales()
-        out = self._scratch.buffer("averaged", self._layout.numel)
-        if received:
-            for b, avg in zip(self.exchange.buckets, received):
-                torch.mul(avg, unscale[b.start:b.end], out=out[b.start:b.end])
-        else:
-            torch.mul(local, self._flat["momentum_mask"], out=out)
-        return out
-
-    def _bound_sent_(self, sent: torch.Tensor, b: Bucket) -> None:
-        """In the update space, what a rank sends (its momentum over the frozen denominator, times
-        ``k_l``) clipped like the direction it stands for (``_bound_direction_``): a gradient that
-        an element meets after the freeze, against a variance that was tiny until then, would
-        otherwise enter the buffer millions of times larger than the rest and set the 1-bit
-        magnitude of its whole chunk, moving every element of the chunk by that much."""
-        if not (self.defaults.get("bound_direction", False) and self._compresses_update()):
-            return
-        beta1, beta2 = self._betas()
-        step = self._flat["step"] + 1  # the step being taken: its exchange comes before the count
-        bc1 = 1 - beta1 ** step if self.defaults["bias_correction"] else 1.0
-        limit = F.adam_direction_bound(beta1, beta2, step, self.defaults["bias_correction"]) * bc1
-        if math.isfinite(limit):
-            bound = self._scratch.derived["layer_scale"][b.start:b.end] * limit
-            torch.clamp(sent, -bound, bound, out=sent)
+        self._phase().payload(self._context, b, out)
 
     # ------------------------------------------------------------------ step
     # torch.compile(opt.step), or a compiled function that calls it, runs the step as it is: a step
@@ -498,9 +503,9 @@ class StagedOptimizer(Optimizer):
             check_layout_unchanged(owner, self._layout.params, self.param_groups, self._layout.whole_numels)
         if self._layout.numel == 0:
             return loss
-        grads = self._scratch.buffer("grad", self._layout.numel)
+        grads = self._scratch.grad
         phase = self._phase()
-        stage = phase.stage(self)  # decided by the steps completed so far
+        stage = phase.stage(self._context)  # decided by the steps completed so far
         held = self._held_state()
         try:
             received = self.exchange.run(grads, stage, first)
@@ -512,9 +517,9 @@ class StagedOptimizer(Optimizer):
                     self._restore_state(held)  # this shard's exchange went ahead: its errors moved
             if finite:
                 self._flat["step"] += 1
-                phase.step(self, stage, grads, received)
-                if phase.ends(self):
-                    self._phases[-1].begin(self)  # the freeze, at the end of the phase's last step
+                phase.step(self._context, stage, grads, received)
+                if phase.ends(self._context):
+                    self._phases[-1].begin(self._context)  # the freeze, at the end of the phase's last step
         except FloatingPointError:
             self._restore_state(held)
             raise
@@ -551,7 +556,7 @@ class StagedOptimizer(Optimizer):
     def _restore_state(self, held: Tuple[Dict[str, Any], Dict[str, torch.Tensor], Optional[torch.Tensor]]) -> None:
         """The state as ``_held_state`` found it: a refused step leaves nothing behind (the errors
         of buckets exchanged behind the backward from the exchange's own copies)."""
-        entries, copies, self._last_coeff = held
+        entries, copies, self._context.last_coeff = held
         flat = self._flat
         flat.clear()
         flat.update(entries)
@@ -595,80 +600,3 @@ class StagedOptimizer(Optimizer):
                                      f"run has diverged; lower the learning rate or resume from an earlier checkpoint")
         warnings.warn(f"{type(self).__name__}: step skipped on every rank, some rank's gradient was not finite "
                       f"({flat['skipped_steps']} skipped so far, after step {flat['step']})", RuntimeWarning)
-
-    def _betas(self) -> tuple[float, float]:
-        """beta1 as the param groups hold it now (a momentum schedule, such as OneCycleLR's
-        ``cycle_momentum``, moves it alike in every group: ``check_param_groups``), beta2 the
-        optimizer's own (after the freeze it is frozen with the variance)."""
-        return self.param_groups[0]["betas"][0], self.defaults["betas"][1]
-
-    def _bound_direction_(self, update: torch.Tensor, step: Optional[int] = None) -> bool:
-        """Stage 2's direction ``m_hat / (sqrt(v_frozen) + eps)`` clipped, element by element, to the
-        largest value Adam's own direction can take at this step (``F.adam_direction_bound``), unless
-        built with ``bound_direction=False`` (the paper's and DeepSpeed's rule). Returns whether it
-        clipped. Why: after the freeze an element's momentum is what the 1-bit code gives it (about
-        its chunk's magnitude), or in local steps its own rank's, while its variance stays the
-        frozen one; where that variance is tiny (a bias whose gradient is zero in exact arithmetic,
-        a rare embedding row) the quotient is thousands of times what LAMB or Adam would take."""
-        if not self.defaults.get("bound_direction", False):
-            return False
-        beta1, beta2 = self._betas()
-        F.clip_direction_(update, F.adam_direction_bound(beta1, beta2, self._flat["step"] if step is None else step,
-                                                         self.defaults["bias_correction"]))
-        return True
-
-    def _apply_(self, update: torch.Tensor, coeff: torch.Tensor) -> None:
-        # The agreed check before the step (checks.locally_finite: the gradient's squares) keeps the
-        # moments finite; this is the guard that the parameters never become non-finite either
-        # (parameters already near float32's limit). The update and coefficients follow from what
-        # is the same on every rank (the averaged gradient, or the exchanged momentum, and the
-        # shared state), so every rank reaches this verdict alike, without a collective.
-        finite = bool(torch.isfinite(update).all()) and bool(torch.isfinite(coeff).all())
-        if self._layout.spans_shards:  # each rank of a node holds its own shard of the update
-            finite = self._layout.shards.every_rank(finite, self._layout.device)
-        if not finite:
-            raise FloatingPointError(f"{type(self).__name__}: the update of step {self._flat['step']} is not finite "
-                                     f"although every rank's gradient was (the parameters or their weight decay "
-                                     f"are at float32's limit); the parameters were left as they were. Resume "
-                                     f"from an earlier checkpoint with a lower learning rate")
-        self._last_coeff = coeff.clone()
-        self._layout.apply_(update, coeff, self.param_groups)
-
-    def _frozen_denominators(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``sqrt(v_frozen) + eps`` and its inverse, derived from the state once after a freeze or load."""
-        derived, v_frozen = self._scratch.derived, self._flat["exp_avg_sq"]
-        if derived.get("denominator_source") is not v_frozen:
-            den = self._scratch.buffer("frozen_denominator", v_frozen.numel())
-            torch.sqrt(v_frozen, out=den).add_(self.defaults["eps"])
-            derived["denominator"], derived["inverse_denominator"] = den, torch.reciprocal(den)
-            derived["denominator_source"] = v_frozen
-        return derived["denominator"], derived["inverse_denominator"]
-
-    def _compresses_update(self) -> bool:
-        """Whether stage 2 sends ``m / den`` (``compression_space="update"``, OneBitLamb's and
-        ZeroOneAdam's default); optimizers without the setting (OneBitAdam) send the momentum."""
-        return self.defaults.get("compression_space") == "update"
-
-    def _compression_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per element, what the local momentum is multiplied by before compression: ``k_l`` (each
-        layer's momentum brought to one common RMS, since the compressor has one scale per chunk),
-        divided by the frozen denominator where the update space is compressed; and what the
-        decompressed result is multiplied by: its inverse times the momentum mask, so one pass both
-        undoes the scaling and masks.
-
-        The mask applies to what is sent as well: an element that had no gradient before the freeze
-        has ``v = 0``, so in the update space its scale is ``k_l / eps``; a gradient it meets after
-        the freeze would enter the buffer ``1e8`` times too large and set the 1-bit magnitude of its
-        whole chunk (every element of the chunk then moves by that magnitude)."""
-        derived, flat = self._scratch.derived, self._flat
-        source = (flat["momentum_scale"], flat["exp_avg_sq"], flat["momentum_mask"])
-        held = derived.get("scale_source")  # the tensors themselves: they stay alive, so `is` cannot mistake them
-        if held is None or any(a is not b for a, b in zip(held, source)):
-            numels = torch.tensor(self._layout.numels, device=self._layout.device)
-            layer_scale = torch.repeat_interleave(flat["momentum_scale"], numels)
-            scale = layer_scale * self._phase().inverse_denominator(self) if self._compresses_update() else layer_scale.clone()
-            mask = flat["momentum_mask"]
-            derived["unscale"] = torch.reciprocal(scale).mul_(mask)
-            derived["scale"], derived["layer_scale"] = scale.mul_(mask), layer_scale.mul_(mask)
-            derived["scale_source"] = source
-        return derived["scale"], derived["unscale"]

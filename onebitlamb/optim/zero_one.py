@@ -28,6 +28,7 @@ import torch
 
 from onebitlamb.comm import rank_of, world_size_of
 from onebitlamb.optim import functional as F
+from onebitlamb.optim.context import StepContext
 from onebitlamb.optim.exchange import ProcessGroupLike
 from onebitlamb.optim.layout import Bucket, FlatLayout
 from onebitlamb.optim.local_steps import LocalSteps
@@ -70,88 +71,88 @@ class VarianceThinning(Phase):
 
     compresses_from_start = True
 
-    def init_state(self, opt: StagedOptimizer, layout: FlatLayout) -> None:
+    def init_state(self, ctx: StepContext, layout: FlatLayout) -> None:
         # those entries that differ between ranks from the freeze on are saved under the rank's key
         d, layers = layout.numel, len(layout.params)
-        opt._flat.update({
+        ctx.state.update({
             "variance_updates": 0, "var_interval": 1, "var_counter": 0,
             "momentum_scale": torch.ones(layers, dtype=torch.float32, device=layout.device),
             "momentum_mask": torch.zeros(d, dtype=torch.bool, device=layout.device),
         })
-        opt.exchange.new_error_buffers(opt._flat, layout.device)
+        ctx.exchange.new_error_buffers(ctx.state, layout.device)
 
-    def setup(self, opt: StagedOptimizer, layout: FlatLayout, setup: Dict[str, Any]) -> None:
-        flat = opt._flat
+    def setup(self, ctx: StepContext, layout: FlatLayout, setup: Dict[str, Any]) -> None:
+        flat = ctx.state
         setup["schedule (var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)"] = tuple(
-            opt.defaults[k] for k in ("var_freeze_step", "var_update_scaler", "local_step_scaler",
+            ctx.defaults[k] for k in ("var_freeze_step", "var_update_scaler", "local_step_scaler",
                                       "local_step_clipper"))
         setup["0/1 Adam schedule (var_interval, var_counter, variance_updates, local_interval, local_counter)"] = (
             flat["var_interval"], flat["var_counter"], flat["variance_updates"], flat["local_interval"],
             flat["local_counter"])
 
-    def stage(self, opt: StagedOptimizer) -> str:
+    def stage(self, ctx: StepContext) -> str:
         """A variance step (the full-precision average) or a 1-bit step."""
-        flat = opt._flat
+        flat = ctx.state
         return WARMUP if (flat["step"] + 1) % flat["var_interval"] == 0 else COMPRESSION
 
-    def ends(self, opt: StagedOptimizer) -> bool:
-        return opt._flat["step"] == opt.defaults["var_freeze_step"]
+    def ends(self, ctx: StepContext) -> bool:
+        return ctx.state["step"] == ctx.defaults["var_freeze_step"]
 
-    def bias_corrections(self, opt: StagedOptimizer) -> tuple[float, float]:
+    def bias_corrections(self, ctx: StepContext) -> tuple[float, float]:
         """``1 - beta1^s`` and ``1 - beta2^k``, ``k`` the variance updates so far: the variance is an
         average over those alone."""
-        if not opt.defaults["bias_correction"]:
+        if not ctx.defaults["bias_correction"]:
             return 1.0, 1.0
-        beta1, beta2 = opt._betas()
-        return 1 - beta1 ** opt._flat["step"], 1 - beta2 ** opt._flat["variance_updates"]
+        beta1, beta2 = ctx.betas()
+        return 1 - beta1 ** ctx.state["step"], 1 - beta2 ** ctx.state["variance_updates"]
 
-    def _adam_denominator(self, opt: StagedOptimizer) -> torch.Tensor:
+    def _adam_denominator(self, ctx: StepContext) -> torch.Tensor:
         """``sqrt(v_hat) + eps`` as the next update will use it: the variance as it stands (it
         changes at variance steps only)."""
-        _, bc2 = self.bias_corrections(opt)
-        return F.adam_denominator(opt._flat["exp_avg_sq"], bc2, opt.defaults["eps"],
-                                  out=opt._scratch.buffer("variance_denominator", opt._layout.numel))
+        _, bc2 = self.bias_corrections(ctx)
+        return F.adam_denominator(ctx.state["exp_avg_sq"], bc2, ctx.defaults["eps"],
+                                  out=ctx.buffers.variance_denominator)
 
-    def inverse_denominator(self, opt: StagedOptimizer) -> torch.Tensor:
+    def inverse_denominator(self, ctx: StepContext) -> torch.Tensor:
         """The denominator moves with every variance step, and the update space divides by it as it
         stands (the staged optimizers' scales are rebuilt then: the layer scales are replaced at
         every variance step)."""
-        return torch.reciprocal(self._adam_denominator(opt))
+        return torch.reciprocal(self._adam_denominator(ctx))
 
-    def _layer_scales(self, opt: StagedOptimizer, sent: torch.Tensor) -> torch.Tensor:
+    def _layer_scales(self, ctx: StepContext, sent: torch.Tensor) -> torch.Tensor:
         """Each layer's ``k_l`` from the size of what a 1-bit step will send (the momentum, or the
         gradient), over Adam's denominator in the update space."""
-        lay = opt._layout
-        if opt._compresses_update():
-            sent = sent / self._adam_denominator(opt)
+        lay = ctx.layout
+        if ctx.compresses_update():
+            sent = sent / self._adam_denominator(ctx)
         return F.momentum_scales(lay.norms(sent), lay.per_layer(lay.whole_numels))
 
-    def payload(self, opt: StagedOptimizer, b: Bucket, out: torch.Tensor) -> None:
+    def payload(self, ctx: StepContext, b: Bucket, out: torch.Tensor) -> None:
         """At a 1-bit step this rank's momentum (or its gradient in DeepSpeed's rule), each layer
         scaled, and in the update space divided by Adam's denominator."""
-        flat = opt._flat
-        scale, _ = opt._compression_scales()
-        grad = opt._scratch.buffers["grad"][b.start:b.end]
-        if opt._compresses_update():
-            beta1, _ = opt._betas()
+        flat = ctx.state
+        scale, _ = ctx.compression_scales()
+        grad = ctx.buffers.grad[b.start:b.end]
+        if ctx.compresses_update():
+            beta1, _ = ctx.betas()
             torch.mul(flat["exp_avg"][b.start:b.end], beta1, out=out)
             out.add_(grad, alpha=1 - beta1).mul_(scale[b.start:b.end])
-            opt._bound_sent_(out, b)
+            ctx.bound_sent_(out, b)
         else:
             torch.mul(grad, scale[b.start:b.end], out=out)
 
     # ------------------------------------------------------------------ the errors across a variance step
     @staticmethod
-    def _scales_of_the_errors(opt: StagedOptimizer) -> Optional[torch.Tensor]:
+    def _scales_of_the_errors(ctx: StepContext) -> Optional[torch.Tensor]:
         """Per element, the scale the carried compression errors are in: what the last 1-bit step
         multiplied its values by (``k_l``, over Adam's denominator in the update space); None with
         one process (no errors)."""
-        if "worker_error" not in opt._flat:
+        if "worker_error" not in ctx.state:
             return None
-        return opt._compression_scales()[0].clone()
+        return ctx.compression_scales()[0].clone()
 
     @staticmethod
-    def _rescale_errors_(opt: StagedOptimizer, before: Optional[torch.Tensor]) -> None:
+    def _rescale_errors_(ctx: StepContext, before: Optional[torch.Tensor]) -> None:
         """After a variance step changed the scales (``k_l``, and the denominator in the update
         space), the errors the 1-bit steps carry are brought into the new ones: each element's times
         its new scale over its old. An error is what an earlier exchange left unsent of the scaled
@@ -167,14 +168,14 @@ class VarianceThinning(Phase):
         (server)."""
         if before is None:
             return
-        after, _ = opt._compression_scales()
+        after, _ = ctx.compression_scales()
         # (before the first variance update the update space's scale is not finite: 0 / 0)
         kept = torch.isfinite(before) & torch.isfinite(after) & (before != 0) & (after != 0)
         ratio = torch.where(kept, after / torch.where(kept, before, torch.ones_like(before)), torch.ones_like(after))
-        flat, group = opt._flat, opt.process_group
-        n, local = world_size_of(group), opt.exchange.local_size
+        flat, group = ctx.state, ctx.process_group
+        n, local = world_size_of(group), ctx.exchange.local_size
         chunk_of_worker, chunk_of_server = (group.local_rank, group.node) if local > 1 else (0, rank_of(group))
-        for b in opt.exchange.buckets:
+        for b in ctx.exchange.buckets:
             padded = b.comm.stop - b.comm.start
             full = torch.ones(padded, dtype=ratio.dtype, device=ratio.device)
             full[:b.numel] = ratio[b.start:b.end]
@@ -185,40 +186,40 @@ class VarianceThinning(Phase):
             flat["worker_error"][b.worker].mul_(worker)
             flat["server_error"][b.server].mul_(worker.view(n // local, -1)[chunk_of_server])
 
-    def step(self, opt: StagedOptimizer, stage: str, grads: torch.Tensor, received: List[torch.Tensor]) -> None:
+    def step(self, ctx: StepContext, stage: str, grads: torch.Tensor, received: List[torch.Tensor]) -> None:
         """A variance step (the averaged gradient into both moments) or a 1-bit step (the 1-bit
         average of the ranks' momenta, or in DeepSpeed's rule of the gradients into the momentum),
         then Adam's update with the variance as it stands."""
-        flat, lay = opt._flat, opt._layout
-        beta1, beta2 = opt._betas()
+        flat, lay = ctx.state, ctx.layout
+        beta1, beta2 = ctx.betas()
         m, v = flat["exp_avg"], flat["exp_avg_sq"]
         if stage == WARMUP:
-            carried = self._scales_of_the_errors(opt)
+            carried = self._scales_of_the_errors(ctx)
             F.update_moments_(m, v, grads, beta1, beta2)
             flat["variance_updates"] += 1
             flat["var_interval"], flat["var_counter"] = F.interval_after(
-                flat["var_interval"], flat["var_counter"], opt.defaults["var_update_scaler"])
+                flat["var_interval"], flat["var_counter"], ctx.defaults["var_update_scaler"])
             # the per-layer scales follow what the 1-bit steps send: the momentum, or DeepSpeed's
             # gradient (whose layers are in other proportions: the noise averages out of the
             # momentum); elements that never had a gradient at a variance step stay masked (1-bit
             # signs cannot send a 0)
-            flat["momentum_scale"] = self._layer_scales(opt, m if opt._compresses_update() else grads)
+            flat["momentum_scale"] = self._layer_scales(ctx, m if ctx.compresses_update() else grads)
             flat["momentum_mask"] = v != 0
-            self._rescale_errors_(opt, carried)  # the errors the 1-bit steps carry, into the new scales
-        elif opt._compresses_update():  # each rank's momentum, averaged as 1-bit Adam's stage 2 does
-            local = opt._scratch.buffer("local_momentum", lay.numel)
+            self._rescale_errors_(ctx, carried)  # the errors the 1-bit steps carry, into the new scales
+        elif ctx.compresses_update():  # each rank's momentum, averaged as 1-bit Adam's stage 2 does
+            local = ctx.buffers.local_momentum
             torch.mul(m, beta1, out=local).add_(grads, alpha=1 - beta1)
-            m.copy_(opt._unscaled(received, local))
+            m.copy_(ctx.unscaled(received, local))
         else:  # DeepSpeed's: the 1-bit average of the gradients into the momentum
-            m.mul_(beta1).add_(opt._unscaled(received, grads), alpha=1 - beta1)
-        bc1, bc2 = self.bias_corrections(opt)
-        update = opt._scratch.buffer("update", lay.numel)
-        den = F.adam_denominator(v, bc2, opt.defaults["eps"], out=update)
+            m.mul_(beta1).add_(ctx.unscaled(received, grads), alpha=1 - beta1)
+        bc1, bc2 = self.bias_corrections(ctx)
+        update = ctx.buffers.update
+        den = F.adam_denominator(v, bc2, ctx.defaults["eps"], out=update)
         F.adam_direction(m, den, bc1, out=update)
         if stage != WARMUP:  # the 1-bit average over a variance that is not this step's
-            opt._bound_direction_(update)
-        lay.add_weight_decay_(update, opt.param_groups)
-        opt._apply_(update, lay.ones())
+            ctx.bound_direction_(update)
+        lay.add_weight_decay_(update, ctx.param_groups)
+        ctx.apply_(update, lay.ones())
 
 
 class ZeroOneAdam(StagedOptimizer):
