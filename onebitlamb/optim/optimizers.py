@@ -183,8 +183,7 @@ class OneBitLamb(_OneBit):
                         trust_ratio_after_freeze=trust_ratio_after_freeze,
                         bound_direction=_checked_bound_direction(bound_direction), maximize=maximize,
                         **_exchange_defaults(warmup_dtype, bucket_cap_mb))
-        # the live ratio needs no fresh variance and no factor
-        stage2 = OneBitMomentum("factor" if trust_ratio_after_freeze == "frozen" else "live")
+        stage2 = OneBitMomentum(trust_ratio_after_freeze)  # the live ratio needs no fresh variance, no factor
         super().__init__(params, defaults, [Warmup(trust_ratio=True, schedule=schedule), stage2],
                          process_group=process_group,
                          overlap_with_backward=overlap_with_backward, agree_every=agree_every, fused=fused)

@@ -8,7 +8,7 @@ says so; then the second :meth:`Phase.begin`\\ s (the freeze) and runs to the en
 optimizer     first phase                                    second phase (from the freeze)
 ============  =============================================  ====================================
 Lamb          ``Warmup(trust_ratio=True)``, never ending     -
-OneBitLamb    ``Warmup(trust_ratio=True, schedule)``         ``OneBitMomentum("factor" | "live")``
+OneBitLamb    ``Warmup(trust_ratio=True, schedule)``         ``OneBitMomentum("frozen" | "live")``
 OneBitAdam    ``Warmup(trust_ratio=False, schedule)``        ``OneBitMomentum("adam")``
 ZeroOneAdam   ``VarianceThinning`` (``zero_one.py``)         ``LocalSteps`` (``local_steps.py``)
 ============  =============================================  ====================================
@@ -165,7 +165,7 @@ class Warmup(Phase):
 
 # stage 2's layer-wise coefficient: 1-bit LAMB's frozen trust ratio times its per-layer factor
 # (from a variance kept fresh after the freeze), LAMB's own ratio recomputed every step, or none
-STAGE2_RULES = ("factor", "live", "adam")
+STAGE2_RULES = ("frozen", "live", "adam")  # the first two: trust_ratio_after_freeze's values
 
 
 class OneBitMomentum(Phase):
@@ -182,7 +182,7 @@ class OneBitMomentum(Phase):
     @property
     def keeps_fresh_variance(self) -> bool:
         """Whether the state keeps a variance fresh after the freeze (the factor's)."""
-        return self.rule == "factor"
+        return self.rule == "frozen"
 
     def stage(self, ctx: StepContext) -> str:
         return COMPRESSION
@@ -234,7 +234,7 @@ class OneBitMomentum(Phase):
         bc1, bc2 = self.bias_corrections(ctx)
         update = ctx.buffers.update
         coeff = flat["frozen_coeff"]
-        if self.rule == "factor":
+        if self.rule == "frozen":
             max_ratio, plain_norms = F.fresh_variance_statistics_(
                 flat["exp_avg_sq_fresh"], m, m_prev, den, inverse_den, bc1, bc2, beta1, beta2,
                 defaults["eps"], lay.slices, lay.offsets, update, scratch=ctx.buffers.ratio)
