@@ -1,10 +1,12 @@
 """LAMB, 1-bit LAMB, 1-bit Adam and 0/1 Adam: each a schedule of phases over one shared machinery.
 
 functional.py   the maths on flat buffers (pure functions)
-layout.py       the flat layout of the parameters and the state built on it
+layout.py       the flat layout of the parameters and the state built on it, its scratch buffers
+sharding.py     FSDP2's shards (HSDP): whole-layer statistics over the shard group
 freeze.py       when the warm-up ends: a fixed step or AutoFreeze
 checks.py       what is refused, what the ranks must agree on, non-finite steps
 exchange.py     what crosses the ranks: the warm-up's average, the 1-bit all-reduce, behind the backward
+context.py      the step context: what a phase works with (state, buffers, shared helpers)
 phases.py       what a phase's steps send and how they apply what comes back: the warm-up, 1-bit stage 2
 staged.py       the step, the state and its saved form, shared by the four optimizers
 optimizers.py   the public classes
