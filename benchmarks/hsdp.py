@@ -86,7 +86,7 @@ def section(preset: str, seeds: Sequence[int], losses: dict, state: dict, comman
         lines.append(table_row([seed, f"{lamb:.4f}", f"{sharded:.4f}", f"{sharded_gaps[-1]:+.2f}%", *cells]))
     lines.append(table_row(["mean (95%)", "", "", _interval(sharded_gaps),
                             _interval(whole_gaps) if whole_gaps else "-",
-                            _interval(differences).rstrip("%") if differences else "-"]))
+                            _interval(differences).replace("%", "") if differences else "-"]))
     if state:
         lines += ["", f"1-bit LAMB's state per rank after the freeze (its tensors, rank 0; the main job's optimizer "
                   f"on the demo's model, 4 ranks): {state['unsharded'] / 1e6:.2f} MB unsharded, "
