@@ -76,16 +76,31 @@ def rel_err(a, b):
     return float((a - b).detach().norm() / b.norm())
 
 
-@pytest.mark.parametrize("kind,space", [("onebitlamb", "update"), ("onebitlamb", "momentum"),
-                                        ("onebitadam", None), ("lamb", None)])
-def test_two_replicas_of_two_shards_follow_the_sharded_reference(kind, space):
-    steps, freeze = 24, 10
-    options = ({} if kind == "lamb" else {"bound_direction": True}) | ({"compression_space": space} if space else {})
-    # a NaN in the shard of rank 3 (replica 1, shard 1) after the freeze: every rank skips that step
-    nan_at = (14, 3)
-    out = spawn_local(_sharded_run, 4, (2, 2, kind, steps, freeze, options, nan_at), timeout_s=240,
-                      collective_timeout_s=120)
-    assert [o["skipped"] for o in out] == [1, 1, 1, 1]
+CASES = [("onebitlamb", "update"), ("onebitlamb", "momentum"), ("onebitadam", None), ("lamb", None)]
+STEPS, FREEZE = 24, 10
+NAN_AT = (14, 3)  # a NaN in the shard of rank 3 (replica 1, shard 1) after the freeze
+
+
+def _options(kind, space):
+    return ({} if kind == "lamb" else {"bound_direction": True}) | ({"compression_space": space} if space else {})
+
+
+def _cases(rank, n, replicas, shards, cases, steps, freeze, nan_at):
+    """``_sharded_run`` of every case, in one launch (the ranks start once)."""
+    return {case: _sharded_run(rank, n, replicas, shards, case[0], steps, freeze, _options(*case), nan_at)
+            for case in cases}
+
+
+@pytest.fixture(scope="module")
+def two_by_two():
+    return spawn_local(_cases, 4, (2, 2, CASES, STEPS, FREEZE, NAN_AT), timeout_s=400, collective_timeout_s=120)
+
+
+@pytest.mark.parametrize("kind,space", CASES)
+def test_two_replicas_of_two_shards_follow_the_sharded_reference(two_by_two, kind, space):
+    steps, freeze, nan_at = STEPS, FREEZE, NAN_AT
+    out = [rank[(kind, space)] for rank in two_by_two]
+    assert [o["skipped"] for o in out] == [1, 1, 1, 1]  # the NaN skipped the step on every rank
     # the exchange runs over the replicas of this rank's shard: ranks 0 and 2 hold shard 0
     assert [o["exchange ranks"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(o["stage"] == ("warmup" if kind == "lamb" else "compression") for o in out)
@@ -108,13 +123,16 @@ def test_two_replicas_of_two_shards_follow_the_sharded_reference(kind, space):
     assert out[0]["node bytes"] > 0 and out[0]["slow bytes"] > 0
 
 
-@pytest.mark.parametrize("warmup_dtype", ["float32", "int8"])
-def test_a_shard_size_of_one_is_the_unsharded_optimizer_bit_for_bit(warmup_dtype):
+def _shard_size_one(rank, n, steps, freeze):
+    return {dtype: _sharded_run(rank, n, 4, 1, "onebitlamb", steps, freeze,
+                                {"warmup_dtype": dtype, "compression_space": "update", "bound_direction": True})
+            for dtype in ("float32", "int8")}
+
+
+def test_a_shard_size_of_one_is_the_unsharded_optimizer_bit_for_bit():
     steps, freeze = 16, 6
-    options = {"warmup_dtype": warmup_dtype, "compression_space": "update", "bound_direction": True}
-    out = spawn_local(_sharded_run, 4, (4, 1, "onebitlamb", steps, freeze, options), timeout_s=240,
-                      collective_timeout_s=120)
-    for o in out:
+    runs = spawn_local(_shard_size_one, 4, (steps, freeze), timeout_s=400, collective_timeout_s=120)
+    for o in (rank[dtype] for rank in runs for dtype in ("float32", "int8")):
         assert o["exchange ranks"] == [0, 1, 2, 3]
         for t in range(steps):
             assert all(torch.equal(a, b) for a, b in zip(o["history"][t], o["plain"][t])), f"step {t + 1}"
