@@ -562,8 +562,8 @@ def test_non_finite_parameters_are_never_saved(tmp_path, common, monkeypatch):
                   progress=False)
     make_optimizer = loop.make_optimizer
 
-    def poisoned(cfg, groups):
-        optimizer = make_optimizer(cfg, groups)
+    def poisoned(cfg, groups, replicate_group=None):
+        optimizer = make_optimizer(cfg, groups, replicate_group)
         step, calls = optimizer.step, []
 
         def poisoning_step(self, *a, **k):
