@@ -417,7 +417,13 @@ def _check_rank_file(cfg: TrainConfig, path: str, rank: int, loaded: Any) -> Non
     if saved_by is not None and saved_by != expected:
         raise SetupError(f"{path} holds the state of {saved_by}, and this run trains with {expected} (--optimizer "
                          f"{cfg.optimizer}): it is another run's file; not resuming from it")
-    if ("worker_error" in flat or "server_error" in flat) and flat.get("rank", rank) != rank:
+    # under --shard N, rank r holds shard r % N of replica r // N: its state names both
+    shard = flat.get("shard")
+    if shard is not None and shard[0] != rank % shard[1]:
+        raise SetupError(f"{path} holds the optimizer state of shard {shard[0]}, not rank {rank}'s shard "
+                         f"{rank % shard[1]} (files swapped?); not resuming from it")
+    own = rank if shard is None else rank // shard[1]  # the rank within the optimizer's process group
+    if ("worker_error" in flat or "server_error" in flat) and flat.get("rank", own) != own:
         raise SetupError(f"{path} holds rank {flat['rank']}'s optimizer state, not rank {rank}'s (files swapped?); "
                          f"not resuming from it")
 
