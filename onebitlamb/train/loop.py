@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import random
@@ -122,9 +123,8 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
     sharding = setup.sharding
     optimizer = make_optimizer(cfg, setup.groups, None if sharding is None else sharding.replicate_group)
     # what the loop reads and diagnoses of the parameters: this rank's shards under --shard (the
-    # diagnostics then describe rank 0's shard of each layer)
-    def viewed() -> dict:
-        return local_tensors(names)
+    # diagnostics then describe rank 0's shard of each layer); read afresh each time
+    viewed = functools.partial(local_tensors, names)
     warm = cfg.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
 
