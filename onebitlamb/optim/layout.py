@@ -232,6 +232,19 @@ def check_loaded_state(flat: Dict[str, Any], layout: FlatLayout, owner: str, wor
             flat[key] = value.to(layout.device)
 
 
+class _FlatBuffer:
+    """A float32 buffer of the flat layout's size, named by the attribute of ``Scratch`` it is."""
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, scratch: "Scratch", owner: Optional[type] = None) -> torch.Tensor:
+        return self if scratch is None else scratch._flat(self.name)
+
+
 class Scratch:
     """Float32 buffers of the flat layout's size, reused across steps, each named for what it holds
     (made at first use); caches derived from the state (``derived``: not part of it); and the
@@ -252,50 +265,16 @@ class Scratch:
             self._buffers[name] = buf
         return buf
 
-    @property
-    def grad(self) -> torch.Tensor:
-        """This rank's gradient in the flat layout; after the warm-up's exchange, the average."""
-        return self._flat("grad")
-
-    @property
-    def update(self) -> torch.Tensor:
-        """The step's update ``u`` (Adam's direction plus weight decay) before its coefficient."""
-        return self._flat("update")
-
-    @property
-    def momentum_prev(self) -> torch.Tensor:
-        """Stage 2: the synchronized momentum of the previous step."""
-        return self._flat("momentum_prev")
-
-    @property
-    def ratio(self) -> torch.Tensor:
-        """Stage 2: the frozen over the fresh denominator, element by element (the factor's)."""
-        return self._flat("ratio")
-
-    @property
-    def averaged(self) -> torch.Tensor:
-        """The 1-bit averages of the buckets, their scales undone."""
-        return self._flat("averaged")
-
-    @property
-    def synced(self) -> torch.Tensor:
-        """0/1 Adam: the parameters a sync sets."""
-        return self._flat("synced")
-
-    @property
-    def local_momentum(self) -> torch.Tensor:
-        """0/1 Adam: this rank's momentum before a 1-bit step averages it."""
-        return self._flat("local_momentum")
-
-    @property
-    def variance_denominator(self) -> torch.Tensor:
-        """0/1 Adam: ``sqrt(v_hat) + eps`` of the variance as it stands."""
-        return self._flat("variance_denominator")
-
-    @property
-    def frozen_denominator(self) -> torch.Tensor:
-        """``sqrt(v_frozen) + eps``."""
-        return self._flat("frozen_denominator")
+    # the buffers, each named for what it holds
+    grad = _FlatBuffer("this rank's gradient in the flat layout; after the warm-up's exchange, the average")
+    update = _FlatBuffer("the step's update u (Adam's direction plus weight decay) before its coefficient")
+    momentum_prev = _FlatBuffer("stage 2: the synchronized momentum of the previous step")
+    ratio = _FlatBuffer("stage 2: the frozen over the fresh denominator, element by element (the factor's)")
+    averaged = _FlatBuffer("the 1-bit averages of the buckets, their scales undone")
+    synced = _FlatBuffer("0/1 Adam: the parameters a sync sets")
+    local_momentum = _FlatBuffer("0/1 Adam: this rank's momentum before a 1-bit step averages it")
+    variance_denominator = _FlatBuffer("0/1 Adam: sqrt(v_hat) + eps of the variance as it stands")
+    frozen_denominator = _FlatBuffer("sqrt(v_frozen) + eps")
 
     def error_backups(self, worker: int, server: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Copies of the compression errors taken before a bucket's exchange behind the backward."""
