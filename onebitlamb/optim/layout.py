@@ -94,8 +94,11 @@ class FlatLayout:
         """Each (whole) layer's Euclidean norm of a flat buffer."""
         return self.whole([self.local_norms(flat)])[0]
 
-    def param_norms(self) -> torch.Tensor:
-        return self.whole([F.norms(self.tensors)])[0]
+    def trust_norms(self, update: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Each (whole) layer's parameter norm and update norm, what LAMB's trust ratio divides:
+        with sharded parameters both in one reduction over the shard group."""
+        param_norms, update_norms = self.whole([F.norms(self.tensors), self.local_norms(update)])
+        return param_norms, update_norms
 
     def params_in(self, start: int, end: int) -> List[Tuple[torch.Tensor, slice]]:
         """The parameters (with their slices) whose elements begin in ``start:end``: a bucket's,

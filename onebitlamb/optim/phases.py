@@ -138,7 +138,7 @@ class Warmup(Phase):
         F.adam_direction(flat["exp_avg"], den, bc1, out=update)
         lay.add_weight_decay_(update, ctx.param_groups)
         if self.trust_ratio:
-            param_norms, update_norms = lay.whole([F.norms(lay.tensors), lay.local_norms(update)])
+            param_norms, update_norms = lay.trust_norms(update)
             coeff, defined = F.trust_ratios(param_norms, update_norms, defaults["min_coeff"], defaults["max_coeff"])
             if self.schedule is not None:  # the running average becomes the frozen coefficient
                 F.update_ema_(flat["coeff_ema"], flat["coeff_ema_count"], coeff, defined, defaults["coeff_beta"])
@@ -254,7 +254,7 @@ class OneBitMomentum(Phase):
             ctx.bound_direction_(update)
             lay.add_weight_decay_(update, ctx.param_groups)
             if self.rule == "live":  # LAMB's own ratio, on the exchanged momentum and the frozen variance
-                param_norms, update_norms = lay.whole([F.norms(lay.tensors), lay.local_norms(update)])
+                param_norms, update_norms = lay.trust_norms(update)
                 coeff, _ = F.trust_ratios(param_norms, update_norms, defaults["min_coeff"], defaults["max_coeff"])
         ctx.apply_(update, coeff)
 

@@ -88,9 +88,9 @@ class Shards:
                              f"parameters: shard every parameter it trains with fully_shard (on the root module "
                              f"too), or none")
         from torch.distributed.tensor import Shard
-        meshes = {id(p.device_mesh) for p in sharded}
         mesh = sharded[0].device_mesh
-        if len(meshes) > 1 and len({tuple(p.device_mesh.mesh.flatten().tolist()) for p in sharded}) > 1:
+        meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for p in sharded}  # by their ranks
+        if len(meshes) > 1:
             raise ValueError(f"{owner} got parameters sharded over {len(meshes)} different meshes: its per-layer "
                              f"statistics reduce over one shard group; shard every module on the same mesh")
         for p in sharded:
@@ -118,17 +118,13 @@ class Shards:
                              f"parameter all-gathers and gradient reduce-scatters, which a 1-bit exchange cannot "
                              f"replace (BENCHMARKS.md, 'Sharded models (HSDP) on emulated hosts'). For a 1-bit "
                              f"exchange across nodes use HSDP: {HSDP_FIX}")
-        self.spanning(process_group)
-
-    def spanning(self, process_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-        """The group of every rank of the mesh (the shard group times the replicas): the world, which
-        HSDP's mesh spans; ValueError where it does not (a group of every rank of the mesh would
-        have to be made by every rank of the world)."""
+        # the checks that must hold on every rank of the mesh run over the world (``_agree``): the
+        # shard group times the replicas must be it (a group of just the mesh's ranks would have to
+        # be made by every rank of the world)
         if dist.get_world_size(process_group) * self.size != dist.get_world_size():
-            raise ValueError(f"sharded parameters over {self.size} ranks and a process group of "
+            raise ValueError(f"{owner} got parameters sharded over {self.size} ranks and a process group of "
                              f"{dist.get_world_size(process_group)} replicas that together do not span the world's "
                              f"{dist.get_world_size()} ranks: the optimizers take HSDP on a mesh of every rank")
-        return None
 
     # ------------------------------------------------------------------ whole layers
     def _gathered(self, vector: torch.Tensor) -> torch.Tensor:

@@ -281,7 +281,7 @@ class StagedOptimizer(Optimizer):
             own: List[Any] = [None] * shards.size
             dist.all_gather_object(own, {k: setup.pop(k) for k in SHARD_OWN_SETUP if k in setup}, group=shards.group)
             setup["each shard's own (parameter sizes, values, buckets)"] = own
-            group = shards.spanning(self.process_group)
+            group = None  # the world: the mesh spans it (``Shards.check_replicas``, at construction)
         agree_on_setup(setup, group, layout.device, after_step=after_step)
 
     def _setup(self, layout: FlatLayout) -> Dict[str, Any]:
