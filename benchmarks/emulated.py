@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.netsim.topology import NetsimUnavailable, check_available
-from onebitlamb.comm.costmodel import parse_rate, rate_label  # noqa: F401 (network's, from here)
+from onebitlamb.comm.costmodel import parse_rates, rate_label  # noqa: F401 (network's, from here)
 
 OPTIMIZERS = ("lamb", "onebitlamb", "onebitadam")
 LABELS = {"lamb": "LAMB", "onebitlamb": "1-bit LAMB", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam"}

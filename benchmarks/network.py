@@ -1,7 +1,7 @@
 """Network benchmark: LAMB, 1-bit LAMB (float32 or int8 warm-up), 1-bit Adam, 0/1 Adam and DiLoCo pretraining a small BERT on emulated hosts.
 
-    sudo .venv/bin/python -m benchmarks.network      # from the repository root; default: 2 hosts, 10M..1G + unshaped
-    sudo .venv/bin/python -m benchmarks.network --rates 10M,1G --hosts 4 --no-write   # print the tables only
+    sudo .venv/bin/python -m benchmarks.network      # from the repository root; default: 2 hosts, 10 Mbit/s..1 Gbit/s + unshaped
+    sudo .venv/bin/python -m benchmarks.network --rates 10Mbit/s,1Gbit/s --hosts 4 --no-write   # print the tables only
     sudo .venv/bin/python -m benchmarks.network --cleanup   # remove namespaces a kill -9 left
 
 Every host is a network namespace on a bridge, every link shaped by a token bucket (see
@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence
 
 from benchmarks import diloco, emulated
 from benchmarks.convergence import ROWS as CONVERGENCE_ROWS
-from benchmarks.emulated import Settings, kb, mean, ms, parse_rate, quartiles, rate_label, slowest
+from benchmarks.emulated import Settings, kb, mean, ms, parse_rates, quartiles, rate_label, slowest
 from benchmarks.netsim.runner import run_workers
 from benchmarks.netsim.worker import COMPRESSION, KINDS, LOCAL, SYNC, WARMUP
 from benchmarks.netsim.topology import Network, cleanup_stale
@@ -437,8 +437,9 @@ def plot(summary: dict, path) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = Settings()
     parser.add_argument("--hosts", type=int, default=d.hosts, help="emulated hosts, one worker each (default %(default)s)")
-    parser.add_argument("--rates", default="10M,50M,200M,1G,inf",
-                        help="link rates, comma-separated (10M, 1G, inf = unshaped); default %(default)s")
+    parser.add_argument("--rates", default="10Mbit/s,50Mbit/s,200Mbit/s,1Gbit/s,inf",
+                        help="link rates, comma-separated, each with its unit (10Mbit/s, 1Gbit/s, 10MB/s; "
+                             "inf = unshaped); default %(default)s")
     parser.add_argument("--optimizers", default=",".join(NETWORK_OPTIMIZERS),
                         help=f"comma-separated subset of {','.join(NETWORK_OPTIMIZERS)} (default: all)")
     parser.add_argument("--schedules", default=SCHEDULES,
@@ -493,7 +494,7 @@ def settings_from_args(args) -> Settings:
     model = {"hidden": args.hidden, "layers": args.layers, "heads": heads,
              "intermediate": args.intermediate or 4 * args.hidden}
     return Settings(
-        hosts=args.hosts, rates=[parse_rate(r) for r in args.rates.split(",") if r.strip()],
+        hosts=args.hosts, rates=parse_rates(args.rates),
         optimizers=optimizers, model=model, batch=args.batch, warmup_steps=args.warmup_steps,
         compression_steps=args.compression_steps, threads=args.threads, burst_ms=args.burst_ms,
         warmup_fraction=args.warmup_fraction, timeout_s=args.timeout, paired_rounds=args.paired_rounds)

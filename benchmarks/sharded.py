@@ -1,7 +1,7 @@
 """Sharded models on emulated hosts: HSDP with LAMB against HSDP with 1-bit LAMB, and 1-D FSDP.
 
-    sudo .venv/bin/python -m benchmarks.sharded                  # 10M, 100M, 1G between the hosts
-    sudo .venv/bin/python -m benchmarks.sharded --rates 10M --no-write   # print only
+    sudo .venv/bin/python -m benchmarks.sharded                  # 10 Mbit/s, 100 Mbit/s, 1 Gbit/s between the hosts
+    sudo .venv/bin/python -m benchmarks.sharded --rates 10Mbit/s --no-write   # print only
 
 Two emulated hosts of two ranks each (``benchmarks.netsim``: network namespaces, a token bucket on
 every link; the ranks of a host talk over its loopback, unshaped and uncounted). Per link rate, one
@@ -31,7 +31,7 @@ import statistics
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from benchmarks.emulated import kb, ms, parse_rate, rate_label
+from benchmarks.emulated import kb, ms, parse_rates, rate_label
 from benchmarks.netsim.runner import run_workers
 from benchmarks.netsim.topology import Network, check_available, cleanup_stale
 from benchmarks.netsim.worker import COMPRESSION, WARMUP
@@ -143,7 +143,8 @@ def section(rows: List[dict], steps: Optional[Dict[str, int]], command: str, loa
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sharded", description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="10M,100M,1G", help="link rates between the hosts (default %(default)s)")
+    parser.add_argument("--rates", default="10Mbit/s,100Mbit/s,1Gbit/s",
+                        help="link rates between the hosts, each with its unit (default %(default)s)")
     parser.add_argument("--warmup-steps", type=int, default=3, help="timed warm-up steps a row (default %(default)s)")
     parser.add_argument("--compression-steps", type=int, default=4,
                         help="timed compression steps of 1-bit LAMB (default %(default)s)")
@@ -154,7 +155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     check_available()
     cleanup_stale()
     before = os.getloadavg()[0]
-    raw = measure([parse_rate(r) for r in args.rates.split(",") if r.strip()], args.warmup_steps,
+    raw = measure(parse_rates(args.rates), args.warmup_steps,
                   args.compression_steps, args.timeout)
     # the step times include the CPU's other load: all four ranks share this machine's cores
     load = f"; load average {before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} cores)"

@@ -106,7 +106,7 @@ def test_refuses_clearly_without_root(monkeypatch, capsys):
         check_available()
     from benchmarks import network
 
-    assert network.main(["--rates", "10M"]) != 0
+    assert network.main(["--rates", "10Mbit/s"]) != 0
     assert "needs root" in capsys.readouterr().err
 
 

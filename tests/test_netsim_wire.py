@@ -53,7 +53,7 @@ def test_network_benchmark_end_to_end_on_a_tiny_model(tmp_path, capsys):
         (schedules / folder / "metrics.json").write_text(json.dumps({"freeze_step": freeze}))
         (schedules / folder / "log.csv").write_text("step,stage\n0,\n" + "".join(
             f"{i},{stage}\n" for i, stage in enumerate(stages, start=1)))
-    code = network.main(["--rates", "20M", "--optimizers", "lamb,onebitlamb,zerooneadam", "--hidden", "64",
+    code = network.main(["--rates", "20Mbit/s", "--optimizers", "lamb,onebitlamb,zerooneadam", "--hidden", "64",
                          "--layers", "1", "--batch", "4", "--warmup-steps", "1", "--compression-steps", "2",
                          "--raw", str(out), "--plot", str(tmp_path / "speedup.png"), "--schedules", str(schedules),
                          "--results", str(tmp_path / "BENCHMARKS.md"), "--timeout", "120", "--paired-rounds", "4"])

@@ -268,26 +268,44 @@ def predict_node_step(compute_s: float, collectives: List[NodeCollective], link:
 
 # --- the ``onebitlamb estimate`` command --------------------------------------------------------
 
-_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
+_PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+#: the unit of a rate, bits or bytes per second (its multiplier to bits), after an optional prefix k,
+#: M, G or T (either case): a lower-case b or "bit" counts bits, an upper-case B bytes
+_RATE_UNITS = {"bit/s": 1, "bit": 1, "bps": 1, "b/s": 1, "B/s": 8, "Bps": 8}
+RATE_FORMS = ("bits per second: 10Mbit/s, 10Mbit, 10Mbps, 10Mb/s; bytes per second: 10MB/s, 10MBps; "
+              "prefixes k, M, G, T; inf or unlimited: no limit")
 
 
 def parse_rate(text: str) -> Optional[float]:
-    """``10M``, ``200mbit``, ``1G``, ``1.5e8`` -> bits per second; ``inf`` / ``unlimited`` -> None."""
-    t = text.strip().lower()
-    if t in ("inf", "unlimited", "none", "0"):
+    """A link rate in bits per second, from ``10Mbit/s``, ``1Gbps``, ``200mbit`` (bits) or
+    ``10MB/s``, ``500kB/s`` (bytes, 8 bits each); ``inf`` / ``unlimited`` -> None. ValueError for
+    a number without its unit (``100``, ``10M``: bits or bytes?), an unknown unit or a rate <= 0."""
+    t = text.strip()
+    if t.lower() in ("inf", "unlimited"):
         return None
-    m = re.fullmatch(r"([0-9.e+]+)\s*([kmg]?)(?:bit|bps|b)?(?:/s)?", t)
-    if not m:
-        raise ValueError(f"cannot read a rate from {text!r} (examples: 10M, 200mbit, 1G, inf)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(\S*)", t)
+    if not m or m.group(3) not in _RATE_UNITS:
+        why = ("no unit: bits or bytes per second?" if m and not m.group(3) else
+               f"unknown unit {m.group(3)!r}" if m else "not a number with its unit")
+        raise ValueError(f"cannot read a rate from {text!r} ({why}); give it as {RATE_FORMS}")
+    rate = float(m.group(1)) * _PREFIXES[m.group(2).lower()] * _RATE_UNITS[m.group(3)]
+    if rate <= 0:
+        raise ValueError(f"a link rate must be > 0, got {text!r} (inf or unlimited: no limit)")
+    return rate
+
+
+def parse_rates(text: str) -> List[Optional[float]]:
+    """Comma-separated rates (``10Mbit/s,1Gbit/s,inf``), each as ``parse_rate`` reads it."""
+    return [parse_rate(r) for r in text.split(",") if r.strip()]
 
 
 def rate_label(rate_bps: Optional[float]) -> str:
     if rate_bps is None:
         return "unshaped"
-    if rate_bps >= 1e9:
-        return f"{rate_bps / 1e9:g} Gbit/s"
-    return f"{rate_bps / 1e6:g} Mbit/s"
+    for prefix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if rate_bps >= scale:
+            return f"{rate_bps / scale:g} {prefix}bit/s"
+    return f"{rate_bps:g} bit/s"
 
 
 def estimate(params: int, ranks: int, rate_bps: Optional[float], compute_s: float, *, ranks_per_node: int = 1,
@@ -330,12 +348,19 @@ def estimate(params: int, ranks: int, rate_bps: Optional[float], compute_s: floa
             "step_speedup": lamb_s / compression_s, "end_to_end_speedup": speedup, "volume_reduction": volume}
 
 
+def _rates(text: str) -> List[Optional[float]]:
+    try:
+        return parse_rates(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _count(text: str) -> int:
     """``110M``, ``1.5G``, ``350k``, ``124439808`` -> a number of parameters."""
-    m = re.fullmatch(r"([0-9.e+]+)\s*([kmg]?)", text.strip().lower())
+    m = re.fullmatch(r"([0-9.e+]+)\s*([kmgt]?)", text.strip().lower())
     if not m:
         raise argparse.ArgumentTypeError(f"cannot read a parameter count from {text!r} (examples: 110M, 1.5G, 350000)")
-    return int(round(float(m.group(1)) * _UNITS[m.group(2)]))
+    return int(round(float(m.group(1)) * _PREFIXES[m.group(2)]))
 
 
 # AutoFreeze's floor for 1-bit LAMB (onebitlamb.optim.freeze; it freezes no earlier): this layer
@@ -349,8 +374,8 @@ DEFAULT_WARMUP_DTYPE = "int8"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", type=_count, required=True, help="parameters of the model (110M, 1.5G, ...)")
     parser.add_argument("--ranks", type=int, required=True, help="ranks (GPUs or processes) in all")
-    parser.add_argument("--rates", required=True, nargs="+",
-                        help="link rates per node, space- or comma-separated (10G 100G, 400mbit, inf = no limit)")
+    parser.add_argument("--rates", required=True, nargs="+", type=_rates,
+                        help=f"link rates per node, space- or comma-separated, each with its unit ({RATE_FORMS})")
     parser.add_argument("--compute-ms", type=float, required=True,
                         help="one step's forward, backward and optimizer maths on one rank, without "
                              "communication (time a few steps with a world of one)")
@@ -386,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--params must be >= 1, got {args.params}")
         if min(args.compute_ms, args.alpha_ms, args.codec_ms) < 0:
             raise ValueError("--compute-ms, --alpha-ms and --codec-ms must be >= 0")
-        rates = [parse_rate(r) for given in args.rates for r in given.split(",") if r.strip()]
+        rates = [rate for given in args.rates for rate in given]
         rows = [(rate, name, estimate(args.params, args.ranks, rate, args.compute_ms / 1e3, ranks_per_node=L,
                                       node_groups=hier, warmup_fraction=args.warmup_fraction,
                                       alpha_s=args.alpha_ms / 1e3, codec_s=args.codec_ms / 1e3,
