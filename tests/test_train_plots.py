@@ -139,3 +139,25 @@ def test_compare_figure_without_rounds_has_two_panels(figures):
     fig = figures(plots.compare_figure({n: _run(n, with_rounds=False) for n in ("lamb", "onebitlamb")}))
     assert len(fig.axes) == 2
     assert_no_holes(fig)
+
+
+def test_compare_figure_marks_each_freeze_in_every_panel_against_the_step(figures):
+    """compare.png: each panel against the step, each 1-bit optimizer's freeze a line in each with
+    its legend entry; where LAMB's loss and 1-bit LAMB's coincide (here: equal values), the curve
+    drawn above is the thinner, so the one below shows at its edges, and the markers are hollow."""
+    runs = {"lamb": _run("lamb", freeze=None), "onebitlamb": _run("onebitlamb", freeze=6),
+            "onebitadam": _run("onebitadam", freeze=5)}
+    fig = figures(plots.compare_figure(runs))
+    for ax in fig.axes:
+        assert ax.get_xlabel() == "step", ax.get_title()
+        labels = ax.get_legend().get_texts()
+        assert {"freeze of 1-bit LAMB (step 6)", "freeze of 1-bit Adam (step 5)"} <= {t.get_text() for t in labels}
+        freezes = {line.get_label(): line.get_xdata()[0] for line in ax.get_lines() if "freeze" in line.get_label()}
+        assert freezes == {"freeze of 1-bit LAMB (step 6)": 6, "freeze of 1-bit Adam (step 5)": 5}
+    ax_loss = fig.axes[0]
+    assert max(x for line in ax_loss.get_lines() for x in line.get_xdata()) == 8  # steps, not samples
+    lamb, onebit = (next(line for line in ax_loss.get_lines() if line.get_label() == label)
+                    for label in ("LAMB", "1-bit LAMB"))
+    assert list(lamb.get_ydata()) == list(onebit.get_ydata())  # the case where one hid the other
+    assert onebit.get_zorder() > lamb.get_zorder() and lamb.get_linewidth() > onebit.get_linewidth()
+    assert lamb.get_marker() != onebit.get_marker() and onebit.get_markerfacecolor() == "none"

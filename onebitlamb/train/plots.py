@@ -63,17 +63,20 @@ def _shade_stages(ax, stages: List[str]) -> None:
 
 
 def plot_compare(runs: Dict[str, dict], path: str) -> None:
-    """Left: held-out MLM loss vs samples. Middle: cumulative bytes sent per worker vs step. Right:
-    cumulative rounds (collectives called) per worker vs step."""
+    """Against the step, every panel: held-out MLM loss; cumulative bytes sent per worker;
+    cumulative rounds (collectives called) per worker. Each 1-bit optimizer's freeze in each."""
     fig = compare_figure(runs)
     files.save_figure(fig, path, dpi=110)
     _plt().close(fig)
 
 
 def compare_figure(runs: Dict[str, dict]):
-    """``plot_compare``'s figure. Each optimizer has its own line style and marker; the markers of
-    curves that coincide are shifted against each other, each later curve is drawn above the
-    earlier ones, and a curve equal to an earlier one says so in the legend."""
+    """``plot_compare``'s figure. Each optimizer has its own line style and marker; where curves
+    coincide (LAMB's loss and 1-bit LAMB's, the 1-bit optimizers' bytes) each later curve is drawn
+    above and thinner than the earlier ones, so the earlier shows at its edges; the markers are
+    hollow (those of the byte and round curves shifted against each other), and a byte curve equal
+    to an earlier one says so in the legend. Every panel is against the step (the runs of a comparison take the same samples a step)
+    and marks each freeze, with a legend entry."""
     plt = _plt()
     with_rounds = any(r is not None for m in runs.values() for _, r in m.get("rounds_curve") or [])
     fig, axes = plt.subplots(1, 3 if with_rounds else 2, figsize=(17 if with_rounds else 11.5, 4.5))
@@ -82,31 +85,34 @@ def compare_figure(runs: Dict[str, dict]):
     for i, (name, m) in enumerate(runs.items()):
         label, color = LABELS.get(name, name), COLORS.get(name)
         ls, marker = STYLES.get(name, ("-", "."))
+        every = max(len(runs), len(m["bytes_curve"]) // 8)  # about 8 markers a curve, each curve's at other steps
+        style = dict(ls=ls, marker=marker, color=color, zorder=2 + i, lw=1.2 + 1.2 * (len(runs) - 1 - i),
+                     markerfacecolor="none", markeredgewidth=1.5)
+        batch = m["samples"] / m["steps"]
         xs, ys = zip(*m["eval_curve"])
-        ax_loss.plot(xs, ys, ls=ls, marker=marker, label=label, color=color, zorder=2 + i)
+        ax_loss.plot([x / batch for x in xs], ys, label=label, **style)  # a marker at each evaluation
         steps, cum = zip(*([[0, 0]] + list(m["bytes_curve"])))
         same = [LABELS.get(n, n) for n, other in drawn.items() if other == list(cum)]
         drawn[name] = list(cum)
-        every = max(len(runs), len(steps) // 8)  # about 8 markers a curve, each curve's at other steps
-        ax_bytes.plot(steps, [b / 1e6 for b in cum], ls=ls, marker=marker, color=color, zorder=2 + i,
-                      markevery=(i * every // len(runs), every),
-                      label=label + (f" (same bytes as {' and '.join(same)})" if same else ""))
+        ax_bytes.plot(steps, [b / 1e6 for b in cum], markevery=(i * every // len(runs), every),
+                      label=label + (f" (same bytes as {' and '.join(same)})" if same else ""), **style)
         rounds = [(step, r) for step, r in m.get("rounds_curve") or [] if r is not None]
         if rounds and ax_rounds is not None:
             r_steps, r_cum = zip(*([(0, 0)] + rounds))
-            ax_rounds.plot(r_steps, r_cum, ls=ls, marker=marker, color=color, zorder=2 + i,
-                           markevery=(i * every // len(runs), every), label=label)
+            ax_rounds.plot(r_steps, r_cum, markevery=(i * every // len(runs), every), label=label, **style)
+    for name, m in runs.items():
         if m.get("freeze_step"):
-            ax_bytes.axvline(m["freeze_step"], color=color, ls=":", lw=1)
-    ax_loss.set(xlabel="samples", ylabel="held-out MLM loss", title="convergence (equal samples)")
-    ax_bytes.set(xlabel="step", ylabel="MB sent per worker (cumulative)",
-                 title="communication volume (dotted: freeze step)")
+            for ax in axes:
+                ax.axvline(m["freeze_step"], color=COLORS.get(name), ls=":", lw=1.2, zorder=1,
+                           label=f"freeze of {LABELS.get(name, name)} (step {m['freeze_step']})")
+    ax_loss.set(xlabel="step", ylabel="held-out MLM loss", title="convergence (the same samples each step)")
+    ax_bytes.set(xlabel="step", ylabel="MB sent per worker (cumulative)", title="communication volume")
     if ax_rounds is not None:
         ax_rounds.set(xlabel="step", ylabel="rounds per worker (cumulative)",
                       title="communication rounds (collectives called)")
     for ax in axes:
         ax.grid(alpha=0.3)
-        _legend(ax)
+        _legend(ax, fontsize=8)
     fig.tight_layout()
     return fig
 
