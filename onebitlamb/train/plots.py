@@ -75,8 +75,8 @@ def compare_figure(runs: Dict[str, dict]):
     coincide (LAMB's loss and 1-bit LAMB's, the 1-bit optimizers' bytes) each later curve is drawn
     above and thinner than the earlier ones, so the earlier shows at its edges; the markers are
     hollow (those of the byte and round curves shifted against each other), and a byte curve equal
-    to an earlier one says so in the legend. Every panel is against the step (the runs of a comparison take the same samples a step)
-    and marks each freeze, with a legend entry."""
+    to an earlier one says so in the legend. Every panel is against the step (the runs of a
+    comparison take the same samples a step) and marks each freeze, with a legend entry."""
     plt = _plt()
     with_rounds = any(r is not None for m in runs.values() for _, r in m.get("rounds_curve") or [])
     fig, axes = plt.subplots(1, 3 if with_rounds else 2, figsize=(17 if with_rounds else 11.5, 4.5))
