@@ -128,6 +128,11 @@ class Reference:
                 self._freeze()
             return
         m_prev = [t.clone() for t in self.m]
+        # an element without a variance at the freeze is born at the first step where some worker's
+        # gradient reaches it: from then on it is sent, received and stepped like the others
+        for l in range(L):
+            reached = sum((w[l] != 0).float() for w in grads_per_worker) > 0
+            self.mask[l] = torch.maximum(self.mask[l], reached.float())
         local = [[self.b1 * self.m[l] + (1 - self.b1) * w[l] for l in range(L)] for w in grads_per_worker]
         if self.n == 1:
             self.m = local[0]
@@ -168,7 +173,10 @@ class Reference:
             ghat = (self.m[l] - self.b1 * m_prev[l]) / (1 - self.b1)
             self.v_fresh[l] = self.b2 * self.v_fresh[l] + (1 - self.b2) * ghat * ghat
             den = torch.sqrt(self.v_frozen[l]) + self.eps
-            u0 = (self.m[l] / self._hat(self.b1)) / den
+            # born after the freeze: the element's own variance, kept fresh from the exchanged momenta
+            born_late = (self.mask[l] > 0) & (self.v_frozen[l] == 0)
+            own = torch.sqrt(self.v_fresh[l] / self._hat(self.b2)) + self.eps
+            u0 = (self.m[l] / self._hat(self.b1)) / torch.where(born_late, own, den)
             if self.bounded:
                 limit = adam_bound(self.t, (self.b1, self.b2), self.bc)
                 u0 = u0.clamp(-limit, limit)
@@ -191,8 +199,11 @@ class Reference:
             self.x[l] = self.x[l] - self.lr[l] * coef * u
 
     def _sent_denominator(self, l: int):
+        """In the update space, what layer ``l``'s momentum is divided by before it is sent: the
+        frozen denominator, and where the element had no variance at the freeze its layer's RMS
+        denominator over the elements that had one (the mean of the other layers' where none had)."""
         if self.space == "update":
-            return torch.sqrt(self.v_frozen[l]) + self.eps
+            return torch.where(self.v_frozen[l] == 0, self.provisional[l], torch.sqrt(self.v_frozen[l]) + self.eps)
         return 1.0
 
     def _freeze(self) -> None:
@@ -202,6 +213,14 @@ class Reference:
         self.c_frz = [(self.c_avg[l] / (1 - self.cb ** self.c_count[l])) if self.c_count[l] > 0 else 1.0
                       for l in range(L)]
         self.r_prev = [1.0] * L
+        rms = []
+        for l in range(L):
+            had = self.v_frozen[l] != 0
+            den = torch.sqrt(self.v_frozen[l][had]) + self.eps
+            rms.append(float(torch.sqrt((den * den).mean())) if bool(had.any()) else None)
+        defined = [r for r in rms if r is not None]
+        fallback = sum(defined) / len(defined) if defined else 1.0
+        self.provisional = [fallback if r is None else r for r in rms]
         s = [float((self.m[l] / self._sent_denominator(l)).norm()) / math.sqrt(self.m[l].numel()) for l in range(L)]
         nonzero = [v for v in s if v > 0]
         s_bar = sum(nonzero) / len(nonzero) if nonzero else 0.0

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from onebitlamb.comm import CommStats, rank_of, world_size_of
-from onebitlamb.comm.stats import allreduce_bytes
+from onebitlamb.comm.stats import all_gather_bytes, allreduce_bytes
 
 # Hyper-parameters that may differ between param groups; the others are the optimizer's own.
 PER_GROUP = ("lr", "weight_decay")
@@ -270,3 +270,37 @@ def any_rank(flags: Sequence[bool], group: Optional[dist.ProcessGroup], stats: C
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     stats.record("all_reduce", allreduce_bytes(values.numel() * values.element_size(), world_size_of(group)))
     return [bool(v) for v in values.tolist()]
+
+
+def agreed_finite_and_born(values: torch.Tensor, unborn: torch.Tensor, group: Optional[dist.ProcessGroup],
+                           stats: CommStats) -> Tuple[bool, Optional[torch.Tensor]]:
+    """``agreed_finite`` for stage 2, and which of the elements ``unborn`` (flat indices, alike on
+    every rank: none of them had a gradient before the freeze, or since) some rank's gradient
+    ``values`` reaches now. Returns whether every rank's gradient is finite and, if so, those
+    indices in ascending order, the same on every rank.
+
+    Why every rank alike: a born element's momentum is exchanged and applied from this step on,
+    which must happen on every rank or none. The verdict and the largest count travel in the one
+    small all-reduce the finiteness check makes anyway (two float64: counts stay exact); only a step
+    where some rank meets a new element adds an all-gather of the indices, padded to that count,
+    so over a run each element's index travels once per rank that meets it."""
+    finite = locally_finite(values)
+    here = unborn[values[unborn] != 0] if finite and unborn.numel() else unborn[:0]
+    world = world_size_of(group)
+    if world == 1:
+        return finite, here if finite else None
+    flags = torch.tensor([0.0 if finite else 1.0, float(here.numel())], dtype=torch.float64, device=values.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    stats.record("all_reduce", allreduce_bytes(flags.numel() * flags.element_size(), world))
+    if flags[0] > 0:
+        return False, None
+    most = int(flags[1])
+    if most == 0:
+        return True, here
+    padded = torch.full((most,), -1, dtype=torch.int64, device=values.device)
+    padded[:here.numel()] = here
+    rows = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(rows, padded, group=group)
+    stats.record("all_gather", all_gather_bytes(padded.numel() * padded.element_size(), world))
+    union = torch.cat(rows)
+    return True, torch.unique(union[union >= 0])

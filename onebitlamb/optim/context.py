@@ -121,6 +121,20 @@ class StepContext:
             derived["scale_source"] = source
         return derived["scale"], derived["unscale"]
 
+    def scales_born_(self, indices: torch.Tensor, layer: torch.Tensor, inverse: Optional[torch.Tensor]) -> None:
+        """The compression scales of elements just born (their mask set: ``OneBitMomentum.born``),
+        written where ``compression_scales`` already derived them, by the same arithmetic, so that
+        a state loaded later derives the same bits; ``layer``: each element's layer, ``inverse``:
+        its wire denominator's inverse (None in the momentum space)."""
+        derived = self.buffers.derived
+        if "scale" not in derived:  # derived later, from the state, mask included
+            return
+        layer_scale = self.state["momentum_scale"][layer]
+        scale = layer_scale * inverse if inverse is not None else layer_scale.clone()
+        derived["scale"][indices] = scale
+        derived["unscale"][indices] = torch.reciprocal(scale)
+        derived["layer_scale"][indices] = layer_scale
+
     def unscaled(self, received: List[torch.Tensor], local: torch.Tensor) -> torch.Tensor:
         """The buckets' 1-bit averages ``received`` with their scales undone and masked, as one flat
         tensor; with one process (nothing received), ``local`` masked."""

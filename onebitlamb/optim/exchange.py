@@ -31,7 +31,8 @@ from onebitlamb.comm.groups import check_spans_world
 from onebitlamb.compression.codec import Codec
 from onebitlamb.compression.packing import fused_codec
 from onebitlamb.compression.wire import warmup_format
-from onebitlamb.optim.checks import agreed_finite, any_rank, locally_finite, refuse_averaged_gradients
+from onebitlamb.optim.checks import (agreed_finite, agreed_finite_and_born, any_rank, locally_finite,
+                                    refuse_averaged_gradients)
 from onebitlamb.optim.layout import (Bucket, FlatLayout, Scratch, bucket_ranges, buffer_sizes, plan_buckets,
                                      plan_warmup_errors)
 from onebitlamb.optim.overlap import BackwardOverlap
@@ -118,6 +119,7 @@ class Exchange:
     def _init_runtime(self) -> None:
         """What binds this object to a running job: the hooks, the thread, its process group."""
         self._payload_ref = None
+        self._unborn_ref = self._born_ref = None
         self._negate = False  # maximize: the gradients' sign flipped as they are gathered
         self._sent: Optional[torch.Tensor] = None  # the buckets' padded regions: sent, then their averages
         self._layout: Optional[FlatLayout] = None
@@ -225,12 +227,19 @@ class Exchange:
 
     # ------------------------------------------------------------------ binding
     def bind(self, layout: FlatLayout, flat: Dict[str, Any], scratch: Scratch,
-             payload: Callable[[Bucket, torch.Tensor], None], *, negate: bool = False) -> None:
+             payload: Callable[[Bucket, torch.Tensor], None], *, negate: bool = False,
+             unborn: Optional[Callable[[], Optional[torch.Tensor]]] = None,
+             born: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         """At the optimizer's first step (and the first after a load): the buckets of the state, what
         they send (``payload``, a bound method, held weakly), whether the gradients are gathered
-        negated (``maximize``), and the hooks that start the buckets behind the backward."""
+        negated (``maximize``), and the hooks that start the buckets behind the backward.
+        ``unborn`` and ``born`` (bound methods, held weakly): the flat indices that send nothing
+        yet because no rank has met them since before the freeze, and what makes the ones some
+        rank's gradient now reaches send from this step on (``checks.agreed_finite_and_born``)."""
         self._layout, self._flat, self._scratch = layout, flat, scratch
         self._payload_ref, self._negate = weakref.WeakMethod(payload), negate
+        self._unborn_ref = None if unborn is None else weakref.WeakMethod(unborn)
+        self._born_ref = None if born is None else weakref.WeakMethod(born)
         self.buckets = plan_buckets(flat["buckets"], self.world_size, self.local_size)
         self._sent = torch.zeros(buffer_sizes(self.buckets)[0], dtype=torch.float32, device=layout.device)
         if self._overlap is not None and self._group is None:  # collective: every rank agreed on the overlap
@@ -337,11 +346,27 @@ class Exchange:
                                f"gradient since the last step: the backward did not run through the registered "
                                f"DDP model, or its last micro-batch ran under no_sync()")
         # in the warm-up the average shows any rank's NaN; in stage 2 one flag is agreed on first
-        finite = agreed_finite(grads, spanning, self.comm_stats, averaged=not compressing)
+        if compressing and exchange:
+            finite = self._agreed_finite_and_births(grads, spanning) is not None
+        else:
+            finite = agreed_finite(grads, spanning, self.comm_stats, averaged=not compressing)
         if finite and compressing and exchange and self.world_size > 1:
             for b in self.buckets:
                 self._exchange_bucket(b, self._payload(b), self.process_group)
         return finite
+
+    def _agreed_finite_and_births(self, grads: torch.Tensor, spanning: Any) -> Optional[torch.Tensor]:
+        """Stage 2's agreed check (``checks.agreed_finite``) and, where elements wait for their
+        first gradient, their births, applied before anything is sent. Returns None when some
+        rank's gradient is not finite, else the indices born at this step (maybe none)."""
+        unborn = None if self._unborn_ref is None else self._unborn_ref()()
+        if unborn is None or unborn.numel() == 0:
+            finite = agreed_finite(grads, spanning, self.comm_stats, averaged=False)
+            return torch.empty(0, dtype=torch.int64) if finite else None
+        finite, born = agreed_finite_and_born(grads, unborn, spanning, self.comm_stats)
+        if finite and born.numel():
+            self._born_ref()(born)
+        return born if finite else None
 
     def _quantized_average(self, grads: torch.Tensor) -> None:
         """The warm-up's quantised average of each bucket's gradients, in place, with the bucket's
@@ -409,6 +434,12 @@ class Exchange:
         bad_here = compressing and not locally_finite(grads)
         agreed = any_rank([bad_here, *stale_here], spanning, self.comm_stats, grads.device)
         bad, stale = agreed[0], [k for k, s in enumerate(agreed[1:]) if s]
+        newborn: List[int] = []
+        if compressing and not bad:  # elements met for the first time went out masked: redone
+            born = self._agreed_finite_and_births(grads, spanning)
+            if born is not None and born.numel():
+                newborn = [k for k, b in enumerate(self.buckets) if k not in stale and
+                           bool(((born >= b.start) & (born < b.end)).any())]
         if stale and not self._overlap.given_up:  # every rank alike: the stale list is agreed
             self._overlap.give_up()
             warnings.warn(f"{self.owner}: the gradients of {len(stale)} of {len(self.buckets)} bucket(s) changed "
@@ -423,7 +454,7 @@ class Exchange:
                     self._restore_errors(b)
                 self._failures.clear()
                 return False
-            for k in stale:
+            for k in stale + newborn:
                 b = self.buckets[k]
                 self._failures.pop(k, None)
                 self._restore_errors(b)

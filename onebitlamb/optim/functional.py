@@ -142,6 +142,25 @@ def update_fresh_variance_(v_fresh: torch.Tensor, m: torch.Tensor, m_prev: torch
     v_fresh.mul_(beta2).addcmul_(g_scaled, g_scaled, value=(1 - beta2) / (1 - beta1) ** 2)
 
 
+def late_directions_(update: torch.Tensor, m: torch.Tensor, m_prev: torch.Tensor, v_fresh: torch.Tensor,
+                     index: torch.Tensor, beta1: float, beta2: float, bias_correction1: float,
+                     bias_correction2: float, eps: float, update_variance: bool) -> None:
+    """At the flat ``index`` of the elements born after the freeze: Adam's direction over their own
+    variance, ``(m / bc1) / (sqrt(v_fresh / bc2) + eps)``, into ``update``, the step's global bias
+    corrections as Adam's, which counts an element's steps from the start of the run, not from its
+    first gradient. ``update_variance``: first bring ``v_fresh`` up to date there from the exchanged
+    momenta (``update_fresh_variance_``'s rule), where no pass over every element did. Touches the
+    born elements only: nothing per step over a cold table's untouched rows."""
+    m_born = m[index]
+    v_born = v_fresh[index]
+    if update_variance:
+        g_scaled = m_born - beta1 * m_prev[index]
+        v_born.mul_(beta2).addcmul_(g_scaled, g_scaled, value=(1 - beta2) / (1 - beta1) ** 2)
+        v_fresh[index] = v_born
+    den = adam_denominator(v_born, bias_correction2, eps, out=torch.empty_like(v_born))
+    update[index] = adam_direction(m_born, den, bias_correction1, out=torch.empty_like(m_born))
+
+
 def max_denominator_ratios(frozen_denominator: torch.Tensor, v_fresh: torch.Tensor, bias_correction2: float,
                            eps: float, views_of: List[slice], out: torch.Tensor) -> torch.Tensor:
     """Per layer, ``max(frozen_denominator / (sqrt(v_fresh / bc2) + eps))`` (``out``: scratch of the

@@ -183,7 +183,7 @@ class OneBitLamb(_OneBit):
                         trust_ratio_after_freeze=trust_ratio_after_freeze,
                         bound_direction=_checked_bound_direction(bound_direction), maximize=maximize,
                         **_exchange_defaults(warmup_dtype, bucket_cap_mb))
-        stage2 = OneBitMomentum(trust_ratio_after_freeze)  # the live ratio needs no fresh variance, no factor
+        stage2 = OneBitMomentum(trust_ratio_after_freeze)
         super().__init__(params, defaults, [Warmup(trust_ratio=True, schedule=schedule), stage2],
                          process_group=process_group,
                          overlap_with_backward=overlap_with_backward, agree_every=agree_every, fused=fused)
@@ -221,7 +221,7 @@ OneBitLamb.__doc__ = fr"""1-bit LAMB (Li et al., "1-bit LAMB: Communication Effi
         trust_ratio_after_freeze (str, default "frozen"): the layer-wise coefficient of stage 2:
             ``"frozen"`` (the paper's: the trust ratio kept at the freeze times the per-layer
             factor) or ``"live"`` (LAMB's ``clip(||x|| / ||u||)`` every step, ``u`` from the
-            exchanged momentum and the frozen variance; no factor, no fresh variance). Changes
+            exchanged momentum and the frozen variance; no factor). Changes
             the numbers; part of the state.
         {_MAXIMIZE_DOC}
 

@@ -97,6 +97,15 @@ class Phase:
         """``1 / (sqrt(v_hat) + eps)`` as the update space divides what it sends: the frozen one."""
         return ctx.frozen_denominators()[1]
 
+    def unborn(self, ctx: StepContext) -> Optional[torch.Tensor]:
+        """The flat indices that send nothing until some rank's gradient reaches them (None: the
+        phase has no such elements); the exchange agrees on those reached before the payloads."""
+        return None
+
+    def born(self, ctx: StepContext, indices: torch.Tensor) -> None:
+        """Elements of ``unborn`` that some rank's gradient reached at this step, alike on every rank."""
+        raise NotImplementedError
+
     def bias_corrections(self, ctx: StepContext) -> tuple[float, float]:
         """``1 - beta1^t`` and ``1 - beta2^t``, ``t`` the steps taken (1, 1 without bias correction)."""
         if not ctx.defaults["bias_correction"]:
@@ -179,13 +188,19 @@ class OneBitMomentum(Phase):
             raise ValueError(f"Invalid stage 2 rule: {rule!r} (must be one of {STAGE2_RULES})")
         self.rule = rule
 
-    @property
-    def keeps_fresh_variance(self) -> bool:
-        """Whether the state keeps a variance fresh after the freeze (the factor's)."""
-        return self.rule == "frozen"
+    # the state keeps a variance fresh after the freeze under every rule: the factor's (rule
+    # "frozen", every element), and the denominator of the elements born after the freeze
+    keeps_fresh_variance = True
 
     def stage(self, ctx: StepContext) -> str:
         return COMPRESSION
+
+    def check_state(self, ctx: StepContext) -> None:
+        flat = ctx.state
+        if flat["frozen_at"] is not None and "exp_avg_sq_fresh" not in flat:
+            # saved before the rules other than "frozen" kept one: no element was born after the
+            # freeze then (none could be), so the fresh variance it would hold is zero
+            flat["exp_avg_sq_fresh"] = torch.zeros_like(flat["exp_avg_sq"])
 
     def begin(self, ctx: StepContext) -> None:
         """The freeze: the variance (bias-corrected) and the trust ratio frozen, the per-layer
@@ -194,8 +209,9 @@ class OneBitMomentum(Phase):
         _, bc2 = self.bias_corrections(ctx)
         v = flat["exp_avg_sq"]
         flat["momentum_mask"] = v != 0
-        if self.keeps_fresh_variance:
-            flat["exp_avg_sq_fresh"] = v.clone()
+        # the factor's fresh variance starts from the frozen one; under the other rules only the
+        # elements born after the freeze use it, and they start from nothing
+        flat["exp_avg_sq_fresh"] = v.clone() if self.rule == "frozen" else torch.zeros_like(v)
         v.div_(bc2)  # now v_frozen = v_hat
         flat["frozen_at"] = flat["step"]
         flat["frozen_coeff"] = (F.corrected_ema(flat["coeff_ema"], flat["coeff_ema_count"], ctx.defaults["coeff_beta"])
@@ -206,6 +222,74 @@ class OneBitMomentum(Phase):
             sent = sent / ctx.frozen_denominators()[0]
         flat["momentum_scale"] = F.momentum_scales(lay.norms(sent), lay.per_layer(lay.whole_numels))
         ctx.exchange.new_error_buffers(flat, lay.device)
+
+    # ------------------------------------------------------------------ elements born after the freeze
+    # An element without a gradient before the freeze has v = 0: it sends nothing (its momentum
+    # mask is off) until some rank's gradient reaches it, which every rank agrees on before the
+    # payloads (``Exchange``); from then on it is exchanged like the others, and its denominator
+    # is its own variance, kept fresh from the exchanged momentum (docs/algorithm.md, "Elements
+    # born after the freeze"). An element no rank's gradient ever reaches (a padding row) never
+    # moves, as under LAMB.
+    def inverse_denominator(self, ctx: StepContext) -> torch.Tensor:
+        """What the update space divides what it sends by: the frozen denominator's inverse, and for
+        the elements without a variance at the freeze the inverse of their layer's typical one
+        (``_provisional_inverse``), so that what they send stands beside the rest of their chunk."""
+        _, inverse = ctx.frozen_denominators()
+        provisional = self._provisional_inverse(ctx)
+        numels = torch.tensor(ctx.layout.numels, device=ctx.layout.device)
+        return torch.where(ctx.state["exp_avg_sq"] == 0, torch.repeat_interleave(provisional, numels), inverse)
+
+    @staticmethod
+    def _provisional_inverse(ctx: StepContext) -> torch.Tensor:
+        """Per layer, ``1 / rms(sqrt(v_frozen) + eps)`` over the elements that had a variance at the
+        freeze; a layer without any takes the mean of the others' RMS (1 if none has one). Only the
+        scale of what those elements send: their updates divide by their own variance. With sharded
+        parameters, over this rank's shard of the layer: alike on the shard's replicas, and no
+        collective, since a rank may rebuild its caches alone (after a step refused on its shard)."""
+        derived, v = ctx.buffers.derived, ctx.state["exp_avg_sq"]
+        if derived.get("provisional_source") is not v:
+            den, _ = ctx.frozen_denominators()
+            had = (v != 0).to(den.dtype)
+            rms = ctx.layout.local_norms(den * had) / ctx.layout.local_norms(had)
+            defined = ~torch.isnan(rms)  # 0 / 0: no element of the layer had a variance
+            fallback = rms[defined].mean() if bool(defined.any()) else rms.new_tensor(1.0)
+            derived["provisional_inverse"] = torch.reciprocal(torch.where(defined, rms, fallback))
+            derived["provisional_source"] = v
+        return derived["provisional_inverse"]
+
+    def unborn(self, ctx: StepContext) -> Optional[torch.Tensor]:
+        derived, mask = ctx.buffers.derived, ctx.state["momentum_mask"]
+        if derived.get("unborn_source") is not mask:  # after a freeze or a load: one pass
+            derived["unborn"] = torch.nonzero(~mask).flatten()
+            derived["born_late"] = torch.nonzero(mask & (ctx.state["exp_avg_sq"] == 0)).flatten()
+            derived["unborn_source"] = mask
+        return derived["unborn"]
+
+    def born(self, ctx: StepContext, indices: torch.Tensor) -> None:
+        derived = ctx.buffers.derived
+        ctx.state["momentum_mask"][indices] = True
+        derived["unborn"] = derived["unborn"][~torch.isin(derived["unborn"], indices)]
+        derived["born_late"] = torch.cat([derived["born_late"], indices])
+        layer = torch.searchsorted(ctx.layout.offsets.to(indices.device), indices, right=True) - 1
+        inverse = self._provisional_inverse(ctx)[layer] if ctx.compresses_update() else None
+        ctx.scales_born_(indices, layer, inverse)
+
+    def _born_late(self, ctx: StepContext) -> torch.Tensor:
+        self.unborn(ctx)
+        return ctx.buffers.derived["born_late"]
+
+    def _late_directions_(self, ctx: StepContext, update: torch.Tensor, m: torch.Tensor, m_prev: torch.Tensor,
+                          bc1: float, bc2: float) -> bool:
+        """Adam's direction of the elements born after the freeze, over their own fresh variance
+        (``F.late_directions_``), written into ``update``; whether there were any. Under the rule
+        "frozen" the step's pass over every element already brought their variance up to date."""
+        late = self._born_late(ctx)
+        if late.numel() == 0:
+            return False
+        beta1, beta2 = ctx.betas()
+        F.late_directions_(update, m, m_prev, ctx.state["exp_avg_sq_fresh"], late, beta1, beta2, bc1, bc2,
+                           ctx.defaults["eps"], update_variance=self.rule != "frozen")
+        return True
 
     def payload(self, ctx: StepContext, b: Bucket, out: torch.Tensor) -> None:
         """This rank's new momentum of bucket ``b`` (from its own gradient), each layer scaled."""
@@ -238,7 +322,8 @@ class OneBitMomentum(Phase):
             max_ratio, plain_norms = F.fresh_variance_statistics_(
                 flat["exp_avg_sq_fresh"], m, m_prev, den, inverse_den, bc1, bc2, beta1, beta2,
                 defaults["eps"], lay.slices, lay.offsets, update, scratch=ctx.buffers.ratio)
-            if ctx.bound_direction_(update):
+            late = self._late_directions_(ctx, update, m, m_prev, bc1, bc2)
+            if ctx.bound_direction_(update) or late:
                 plain_norms = lay.local_norms(update)
             lay.add_weight_decay_(update, ctx.param_groups)
             update_norms = lay.decayed_update_norms(update, plain_norms, ctx.param_groups)
@@ -251,6 +336,7 @@ class OneBitMomentum(Phase):
             coeff = coeff * factor
         else:
             F.adam_direction(m, den, bc1, out=update)
+            self._late_directions_(ctx, update, m, m_prev, bc1, bc2)
             ctx.bound_direction_(update)
             lay.add_weight_decay_(update, ctx.param_groups)
             if self.rule == "live":  # LAMB's own ratio, on the exchanged momentum and the frozen variance

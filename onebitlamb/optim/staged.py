@@ -268,7 +268,8 @@ class StagedOptimizer(Optimizer):
                                      spanning_group(self.process_group), layout.device, self._flat["step"])
             self._resumed_parameters = None
         self._context.layout, self._context.buffers = layout, Scratch(layout.device, layout.numel)
-        self.exchange.bind(layout, self._flat, self._scratch, self._payload, negate=self.defaults["maximize"])
+        self.exchange.bind(layout, self._flat, self._scratch, self._payload, negate=self.defaults["maximize"],
+                           unborn=self._unborn, born=self._born)
 
     def _agree(self, layout: FlatLayout, after_step: Optional[int] = None) -> None:
         """Every rank's ``_setup`` alike (``checks.agree_on_setup``), over the process group; with
@@ -463,8 +464,8 @@ class StagedOptimizer(Optimizer):
             return []
         compressed = self.stage == COMPRESSION
         frozen = self._flat.get("frozen_coeff") if compressed else None
-        fresh = compressed and self._stage2 is not None and self._stage2.keeps_fresh_variance
-        factor = self._flat.get("prev_factor") if fresh else None
+        has_factor = compressed and self._stage2 is not None and self._stage2.rule == "frozen"
+        factor = self._flat.get("prev_factor") if has_factor else None
         return [{"trust_ratio": float(self._last_coeff[i]),
                  "frozen_coeff": None if frozen is None else float(frozen[i]),
                  "factor": None if factor is None else float(factor[i])}
@@ -476,6 +477,14 @@ class StagedOptimizer(Optimizer):
         exchange asks for it once the bucket's gradients are in, in ``step()`` or behind the
         backward, and holds this method weakly."""
         self._phase().payload(self._context, b, out)
+
+    def _unborn(self) -> Optional[torch.Tensor]:
+        """The flat indices that wait for their first gradient (the current phase's ``unborn``)."""
+        return self._phase().unborn(self._context)
+
+    def _born(self, indices: torch.Tensor) -> None:
+        """Those of them some rank's gradient reached at this step (the current phase's ``born``)."""
+        self._phase().born(self._context, indices)
 
     # ------------------------------------------------------------------ step
     # torch.compile(opt.step), or a compiled function that calls it, runs the step as it is: a step

@@ -1,0 +1,99 @@
+"""Elements born after the freeze (docs/algorithm.md, "Elements born after the freeze"): rows of an
+embedding whose ids first appear in stage 2, on 2 real gloo ranks, against the independent
+reference (tests/reference.py), bit for bit on every rank, through a checkpoint; a row no rank ever
+meets (a padding row) stays where it was."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import onebitlamb
+from rank_pool import run_ranks
+from reference import Reference
+from toy import initial_params, grads_for, through_a_checkpoint
+
+ROWS, DIM = 12, 4
+FREEZE, STEPS = 8, 22
+# the step at which each late row is first met, and the rank that meets it (None: both)
+BIRTHS = {6: (11, 0), 7: (11, None), 8: (13, 1), 9: (16, None), 10: (19, 1)}
+PADDING = 11  # never met
+LRS = [0.02, 0.01, 0.05]
+WDS = [0.01, 0.0, 0.0]
+
+
+def _init():
+    g = torch.Generator().manual_seed(3)
+    return initial_params()[:2] + [torch.randn(ROWS, DIM, generator=g)]
+
+
+def _grads(params, rank: int, step: int):
+    """The toy's gradients for the first two layers; for the table, rows met at this step: every
+    early row on every rank, a late row from its birth on (by one rank at its birth), and then on
+    alternate steps, as a rare id is."""
+    dense = grads_for(params[:2], rank, step)
+    g = torch.Generator().manual_seed(7000 + 100 * step + rank)
+    table = params[2].detach() - 0.5 + torch.randn(ROWS, DIM, generator=g)
+    met = torch.zeros(ROWS, 1)
+    met[:6] = 1.0
+    for row, (born, by) in BIRTHS.items():
+        if step == born and by in (None, rank) or step > born and (step - born) % 2 == 0:
+            met[row] = 1.0
+    return dense + [table * met]
+
+
+def _run(rank, n, kind, options, resume_at):
+    def fresh(init):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        groups = [{"params": [p], "lr": lr, "weight_decay": wd} for p, lr, wd in zip(params, LRS, WDS)]
+        return params, getattr(onebitlamb, kind)(groups, lr=LRS[0], freeze_step=FREEZE, **options)
+
+    def run(params, opt, start, stop):
+        history = []
+        for t in range(start, stop + 1):
+            for p, g in zip(params, _grads(params, rank, t)):
+                p.grad = g
+            opt.step()
+            history.append([p.detach().clone() for p in params])
+        return history
+
+    params, opt = fresh(_init())
+    history = run(params, opt, 1, STEPS)
+    resumed = {}
+    for stop in resume_at:
+        params, opt = fresh(_init())
+        run(params, opt, 1, stop)
+        params, opt = through_a_checkpoint(params, opt, fresh)
+        resumed[stop] = run(params, opt, stop + 1, STEPS)[-1]
+    return {"history": history, "resumed": resumed}
+
+
+CASES = [("OneBitLamb", "onebitlamb", dict(compression_space="update", trust_ratio_after_freeze="frozen")),
+         ("OneBitLamb", "onebitlamb", dict(compression_space="momentum", trust_ratio_after_freeze="frozen",
+                                           bound_direction=False)),
+         ("OneBitLamb", "onebitlamb", dict(compression_space="update", trust_ratio_after_freeze="live")),
+         ("OneBitAdam", "onebitadam", dict())]
+
+
+@pytest.mark.parametrize("kind,ref_kind,options", CASES, ids=["update-frozen", "momentum-unbounded", "live", "adam"])
+def test_rows_born_after_the_freeze_learn_as_the_reference_says(kind, ref_kind, options):
+    n = 2
+    out = run_ranks(_run, n, (kind, options, (12, 15)), timeout_s=180)
+    for t in range(STEPS):
+        for a, b in zip(out[0]["history"][t], out[1]["history"][t]):
+            assert torch.equal(a, b), f"rank 1 differs from rank 0 at step {t + 1}"
+    for stop, final in out[0]["resumed"].items():
+        for a, b in zip(final, out[0]["history"][-1]):
+            assert torch.equal(a, b), f"resumed after step {stop}"
+    defaults = {"OneBitLamb": dict(compression_space="update", bound_direction=True),
+                "OneBitAdam": dict(compression_space="momentum", bound_direction=True)}[kind]
+    ref = Reference(_init(), ref_kind, LRS, WDS, freeze_step=FREEZE, n=n, **{**defaults, **options})
+    init_table = _init()[2]
+    for t in range(1, STEPS + 1):
+        ref.step([_grads(ref.x, r, t) for r in range(n)])
+        for layer, (a, x) in enumerate(zip(out[0]["history"][t - 1], ref.x)):
+            assert float((a - x).norm() / x.norm()) < 1e-5, f"layer {layer}, step {t}"
+    final = out[0]["history"][-1][2]
+    # each late row moved from its start, as under LAMB; the padding row did not move at all
+    for row in BIRTHS:
+        assert float((final[row] - init_table[row]).norm()) > 1e-3, f"row {row} never moved"
+    assert torch.equal(final[PADDING], init_table[PADDING])
