@@ -120,7 +120,7 @@ class SmallCNN(nn.Module):
         return nn.functional.cross_entropy(self.head(self.features(images).flatten(1)), labels)
 
 
-def _image_batch(g: torch.Generator, batch: int = 32):
+def _image_batch(g: torch.Generator, progress: float, batch: int = 32):
     """Images of four classes: a class's fixed pattern plus noise, so a classifier can reach a
     loss near zero (the regime where a CNN with BatchNorm once diverged)."""
     patterns = torch.randn(4, 1, 12, 12, generator=torch.Generator().manual_seed(11))
@@ -142,20 +142,35 @@ class RareRows(nn.Module):
         return nn.functional.cross_entropy(self.head(self.embed(tokens)), labels)
 
 
-def _rare_batch(g: torch.Generator, batch: int = 32):
+def _rare_batch(g: torch.Generator, progress: float, batch: int = 32):
     ranks = torch.arange(1, 481, dtype=torch.float)  # rows 480-511 are never drawn
     tokens = torch.multinomial(1.0 / ranks ** 1.2, batch * 6, replacement=True, generator=g).view(batch, 6)
     labels = (tokens % 2).sum(dim=1) % 2  # a function of the rows, so the embedding must learn them
     return tokens, labels
 
 
+# the late-rows family: rows LATE_ROWS first drawn once LATE_FROM of the run has passed (after any
+# freeze the zoo's runs make), as new ids reach a recommender; rows 480-511 never
+LATE_ROWS, LATE_FROM = slice(384, 480), 0.8
+
+
+def _late_batch(g: torch.Generator, progress: float, batch: int = 32):
+    tokens, _ = _rare_batch(g, progress, batch)
+    tokens = tokens % LATE_ROWS.start  # the early ids only
+    if progress >= LATE_FROM:  # from then on a third of each sample's ids are new ones
+        late = torch.randint(LATE_ROWS.start, LATE_ROWS.stop, (batch, 2), generator=g)
+        tokens = torch.cat([tokens[:, :4], late], dim=1)
+    return tokens, (tokens % 2).sum(dim=1) % 2
+
+
 @dataclass(frozen=True)
 class Family:
     build: Callable[[], nn.Module]
-    batch: Callable[[torch.Generator], object]
+    batch: Callable[[torch.Generator, float], object]  # a rank's batch at a point of the run (0..1)
+    late_rows: Optional[slice] = None  # rows of the first parameter (an embedding) first met late
 
 
-def _tokens(g: torch.Generator):
+def _tokens(g: torch.Generator, progress: float):
     return _markov_tokens(g, BATCH, SEQ)
 
 
@@ -167,6 +182,7 @@ ZOO: Dict[str, Family] = {
     "lstm": Family(_lstm, _tokens),
     "gru": Family(_gru, _tokens),
     "rare-rows": Family(RareRows, _rare_batch),
+    "late-rows": Family(RareRows, _late_batch, late_rows=LATE_ROWS),
 }
 
 
@@ -218,6 +234,7 @@ def run_case(rank: int, world: int, family: str, optimizer: str, lr: float, step
     model = fam.build()
     opt = make_optimizer(optimizer, param_groups(model, weight_decay), lr, steps, freeze, bound)
     params = [p for p in model.parameters() if p.requires_grad]
+    start = params[0].detach().clone()
     losses, moves, stages = [], [], []
     diverged = None
     for step in range(1, steps + 1):
@@ -225,7 +242,7 @@ def run_case(rank: int, world: int, family: str, optimizer: str, lr: float, step
         before = torch.cat([p.detach().flatten() for p in params]).clone()
         stages.append(getattr(opt, "stage", "warmup"))  # what this step runs
         opt.zero_grad()
-        loss = model(fam.batch(g))
+        loss = model(fam.batch(g, (step - 1) / steps))
         loss.backward()
         if not isinstance(opt, onebitlamb.optim.StagedOptimizer) and world > 1:  # a torch optimizer: average here
             for p in params:
@@ -254,6 +271,9 @@ def run_case(rank: int, world: int, family: str, optimizer: str, lr: float, step
         sums = [checksum]
     return {"family": family, "optimizer": optimizer, "steps": steps, "bound": bound, "losses": mean_losses.tolist(), "moves": moves,
             "stages": stages, "ranks_identical": len(set(sums)) == 1, "diverged": diverged,
+            # how far the rows first met late moved, in all (their own norm: they start where the rest did)
+            "late_rows_moved": (None if fam.late_rows is None else
+                                float((params[0].detach()[fam.late_rows] - start[fam.late_rows]).norm())),
             "finite": bool(torch.isfinite(flat).all()) and all(math.isfinite(x) for x in mean_losses.tolist())}
 
 

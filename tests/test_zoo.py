@@ -24,7 +24,7 @@ import pytest
 
 import torch
 
-from benchmarks.zoo import OPTIMIZERS, ZOO, make_optimizer, param_groups, run_cases
+from benchmarks.zoo import LATE_FROM, OPTIMIZERS, ZOO, make_optimizer, param_groups, run_cases
 from onebitlamb.optim.freeze import EarlyFreezeWarning
 from rank_pool import run_ranks
 
@@ -90,6 +90,26 @@ def test_an_early_fixed_freeze_stays_bounded(family):
     assert not failures, f"{family}, freeze at step 5 of 12: " + "; ".join(failures)
 
 
+# the late rows' total move over their counterpart's: within this factor either way
+LATE_MOVE_FACTOR = 4.0
+
+
+@pytest.mark.parametrize("optimizer", ["onebitlamb", "onebitlamb-momentum", "onebitadam"])
+def test_rows_first_met_after_the_freeze_learn(optimizer):
+    """The late-rows model's ids 384-479 are first drawn four fifths into the run, after every
+    1-bit optimizer's freeze: their rows move within ``LATE_MOVE_FACTOR`` of what the uncompressed
+    counterpart moves them on the same data (before elements born after the freeze were exchanged,
+    they never moved at all). 0/1 Adam is not held to it (docs/algorithm.md, "Elements born after
+    the freeze")."""
+    runs = _zoo_runs()
+    run, ref = runs["late-rows", optimizer, STEPS], runs["late-rows", BASELINE[optimizer], STEPS]
+    first_late = int(LATE_FROM * STEPS)
+    assert run["stages"][first_late] == "compression", f"{optimizer} had not frozen when the late ids came"
+    ratio = run["late_rows_moved"] / ref["late_rows_moved"]
+    assert 1 / LATE_MOVE_FACTOR <= ratio <= LATE_MOVE_FACTOR, \
+        f"{optimizer} moved the late rows {ratio:.3g}x what {BASELINE[optimizer]} moved them"
+
+
 def _warnings_of_a_fixed_freeze(freeze, steps):
     torch.manual_seed(0)
     family = ZOO["lstm"]
@@ -99,7 +119,7 @@ def _warnings_of_a_fixed_freeze(freeze, steps):
         warnings.simplefilter("always")
         for step in range(1, freeze + 2):
             opt.zero_grad()
-            model(family.batch(torch.Generator().manual_seed(step))).backward()
+            model(family.batch(torch.Generator().manual_seed(step), (step - 1) / steps)).backward()
             opt.step()
     assert opt.freeze_stats()["frozen_at"] == freeze
     return [w for w in caught if issubclass(w.category, EarlyFreezeWarning)]

@@ -268,7 +268,10 @@ class OneBitMomentum(Phase):
     def born(self, ctx: StepContext, indices: torch.Tensor) -> None:
         derived = ctx.buffers.derived
         ctx.state["momentum_mask"][indices] = True
-        derived["unborn"] = derived["unborn"][~torch.isin(derived["unborn"], indices)]
+        unborn = derived["unborn"]  # ascending, and ``indices`` are some of them: found by bisection
+        waiting = torch.ones_like(unborn, dtype=torch.bool)
+        waiting[torch.searchsorted(unborn, indices)] = False
+        derived["unborn"] = unborn[waiting]
         derived["born_late"] = torch.cat([derived["born_late"], indices])
         layer = torch.searchsorted(ctx.layout.offsets.to(indices.device), indices, right=True) - 1
         inverse = self._provisional_inverse(ctx)[layer] if ctx.compresses_update() else None
