@@ -97,3 +97,26 @@ def test_rows_born_after_the_freeze_learn_as_the_reference_says(kind, ref_kind, 
     for row in BIRTHS:
         assert float((final[row] - init_table[row]).norm()) > 1e-3, f"row {row} never moved"
     assert torch.equal(final[PADDING], init_table[PADDING])
+
+
+def _counts(rank, n):
+    params = [torch.nn.Parameter(t.clone()) for t in _init()]
+    opt = onebitlamb.OneBitLamb(params, lr=0.01, freeze_step=FREEZE)
+    seen = []
+    for t in range(1, STEPS + 1):
+        for p, g in zip(params, _grads(params, rank, t)):
+            p.grad = g
+        opt.step()
+        stats = opt.stats()
+        seen.append((stats["elements_waiting"], stats["elements_born_after_freeze"]))
+    return seen
+
+
+def test_stats_count_the_waiting_and_the_born_elements():
+    """``stats()`` says how many elements wait for their first gradient and how many were born
+    after the freeze: counted here from the schedule of births the data follows."""
+    seen = run_ranks(_counts, 2, (), timeout_s=120)[0]
+    assert seen[FREEZE - 2] == (None, None)  # before the freeze
+    for t in range(FREEZE, STEPS + 1):
+        born = sum(DIM for born, _ in BIRTHS.values() if born <= t)
+        assert seen[t - 1] == (DIM * (len(BIRTHS) + 1) - born, born), f"after step {t}"

@@ -152,18 +152,25 @@ class StagedOptimizer(Optimizer):
           (``last_step_skipped``): steps skipped on every rank for a non-finite gradient;
         - ``stage``: the exchange the next step runs (``stage``); ``freeze_step``: the step at
           whose end the freeze came (None before, and always for ``Lamb``);
-        - ``freeze``: the freeze schedule's record (``freeze_stats()``; None for ``Lamb``).
+        - ``freeze``: the freeze schedule's record (``freeze_stats()``; None for ``Lamb``);
+        - ``elements_waiting``, ``elements_born_after_freeze``: after the freeze, the elements that
+          no rank's gradient has reached yet (they send nothing and do not move), and those first
+          reached after it (docs/algorithm.md, "Elements born after the freeze"); with sharded
+          parameters, of this rank's shards. None before the freeze (one pass over the state).
         """
         sent, node = self.comm_stats, self.shard_comm_stats
         flat = self.state.get("flat", {})
         freeze = getattr(self, "freeze_stats", None)
+        mask = flat.get("momentum_mask") if flat.get("frozen_at") is not None else None
         return {"bytes_sent": sent.bytes_sent, "rounds": sent.calls, "bytes_by_op": dict(sent.bytes_by_op),
                 "rounds_by_op": dict(sent.rounds_by_op), "last_step_bytes": self.last_step_bytes,
                 "bytes_sent_in_shard_group": node.bytes_sent if node is not None else 0,
                 "rounds_in_shard_group": node.calls if node is not None else 0,
                 "step": flat.get("step", 0), "skipped_steps": self.skipped_steps,
                 "last_step_skipped": self.last_step_skipped, "stage": self.stage,
-                "freeze_step": flat.get("frozen_at"), "freeze": freeze() if freeze is not None else None}
+                "freeze_step": flat.get("frozen_at"), "freeze": freeze() if freeze is not None else None,
+                "elements_waiting": None if mask is None else int((~mask).sum()),
+                "elements_born_after_freeze": None if mask is None else int((mask & (flat["exp_avg_sq"] == 0)).sum())}
 
     @property
     def shard_comm_stats(self) -> Optional[CommStats]:
