@@ -297,7 +297,7 @@ def test_warmup_format_takes_every_name_and_wire_format_still_only_the_float_one
     assert warmup_format("float32") is FLOAT32 and warmup_format(torch.bfloat16) is BFLOAT16
     with pytest.raises(ValueError, match="float32, bfloat16, int8, int4, int2"):
         warmup_format("int3")
-    with pytest.raises(ValueError, match="Invalid warmup_dtype"):  # a format without error buffers (DDP's hook)
+    with pytest.raises(ValueError, match="Invalid warmup_dtype"):  # a format one all-reduce sums (no error buffers)
         wire_format("int8")
     assert FLOAT32.bytes_per_element == 4 and BFLOAT16.wire_bytes(10) == 20
 

@@ -131,7 +131,7 @@ def test_the_registry_resolves_names_and_dtypes_and_refuses_a_second_meaning(reg
     with pytest.raises(TypeError, match="not a Codec"):
         register_codec(object())
     with pytest.raises(ValueError, match="without error buffers"):
-        wire_format("float16-ef")  # DDP's hook cannot send it: it carries an error
+        wire_format("float16-ef")  # one all-reduce cannot sum it: it carries an error
     unregister_codec("float16-ef")
     with pytest.raises(ValueError, match="Invalid warmup_dtype: 'float16-ef'"):
         warmup_format("float16-ef")

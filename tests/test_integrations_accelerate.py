@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -34,8 +35,8 @@ def _batch(rank, step, micro=0):
     return torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
 
 
-def _optimizer(model):
-    return onebitlamb.OneBitLamb(model.parameters(), lr=0.02, freeze_step=FREEZE)
+def _optimizer(model, warmup_dtype="float32"):
+    return onebitlamb.OneBitLamb(model.parameters(), lr=0.02, freeze_step=FREEZE, warmup_dtype=warmup_dtype)
 
 
 class _CountAllReduce:
@@ -60,7 +61,7 @@ def _loss(net, rank, step, micro=0):
     return torch.nn.functional.cross_entropy(net(x), y)
 
 
-def _train(rank, n, folder, accumulation):
+def _train(rank, n, folder, accumulation, warmup_dtype="float32"):
     """The prepared run beside the plain one (no DDP, the optimizer averages), step by step; saves
     its state into ``folder`` after SAVE_AT steps. Returns both runs' parameters, the all_reduce
     calls of each backward with the stage, and this rank's compression error when saved."""
@@ -68,9 +69,9 @@ def _train(rank, n, folder, accumulation):
 
     accelerator = _accelerator(rank, n, accumulation)
     model = _model()
-    net, optimizer = prepare(accelerator, model, _optimizer(model))
+    net, optimizer = prepare(accelerator, model, _optimizer(model, warmup_dtype))
     plain = _model()
-    plain_opt = _optimizer(plain)
+    plain_opt = _optimizer(plain, warmup_dtype)
     calls, error_at_save = [], None
     for step in range(STEPS):
         if step == SAVE_AT:
@@ -156,8 +157,11 @@ def test_prepare_silences_ddp_after_the_freeze_and_resumes_every_rank_exactly(tm
         assert len(errors) == 5
 
 
-def test_prepare_follows_the_plain_run_under_gradient_accumulation(tmp_path):
-    runs = run_ranks(_train, 2, (str(tmp_path / "ckpt"), 2), timeout_s=120, collective_timeout_s=60)
+@pytest.mark.parametrize("warmup_dtype", ["float32", "int8"])
+def test_prepare_follows_the_plain_run_under_gradient_accumulation(tmp_path, warmup_dtype):
+    """With the int8 warm-up too: DDP's hook hands the backward's buckets to the optimizer's own
+    quantised average, so the run is the plain one's, bit for bit."""
+    runs = run_ranks(_train, 2, (str(tmp_path / "ckpt"), 2, warmup_dtype), timeout_s=120, collective_timeout_s=60)
     for params, plain, calls, _, _ in runs:
         assert all(torch.equal(a, b) for a, b in zip(params, plain))
         # the first micro-batch runs under no_sync; the second averages in the warm-up, then sends nothing

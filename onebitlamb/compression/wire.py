@@ -10,8 +10,8 @@ or dtype, at construction; the name is what a saved state records. Both implemen
 
 ``warmup_format`` resolves every registered codec (``"float32"``, ``"bfloat16"``, the blockwise
 ``"int8"`` to ``"int2"``, and any codec registered since): what the optimizers' ``warmup_dtype``
-takes. ``wire_format`` resolves the codecs without error feedback alone: what an all-reduce without
-error buffers, such as DDP's hook, can send.
+takes. ``wire_format`` resolves the codecs without error feedback alone: what one all-reduce without
+error buffers can send (``comm.average_``, and DDP's hook bucket by bucket through it).
 """
 from __future__ import annotations
 

@@ -5,7 +5,12 @@ averaged gradient in the warm-up, the 1-bit momentum after): more bytes than DDP
 step. With :func:`register_ddp` the two split the work:
 
 - warm-up: DDP's bucketed all-reduce, overlapped with backward, averages the gradients
-  (``sum / n``, as the optimizer's own average does); the optimizer takes them as they are;
+  (``sum / n``, as the optimizer's own average does); the optimizer takes them as they are. A
+  quantised warm-up (``warmup_dtype="int8"``, ...) keeps error buffers in the optimizer's state,
+  cut by the optimizer's buckets and agreed finite over the whole gradient first: the hook holds
+  DDP's buckets until the last one of the backward is in, then the optimizer's own exchange
+  averages them all (``Exchange.average_in_ddp_hook``), with the same errors and the same bytes as
+  without DDP, and hands each bucket back averaged;
 - compression stage: DDP sends nothing (each bucket is handed back as it came, like DDP's
   ``noop_hook``); the optimizer's 1-bit all-reduce of the momentum is the only exchange.
 
@@ -13,7 +18,7 @@ The hook reads ``optimizer.stage`` when each bucket is ready, so the freeze, dec
 of a step, takes effect at the next backward.
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as objects
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,19 +30,42 @@ from onebitlamb.optim.staged import WARMUP, StagedOptimizer
 
 class DDPLink:
     """The hook's state (like PowerSGD's ``PowerSGDState``): the optimizer whose stage decides,
-    the group, and how many buckets DDP handed the hook since the optimizer's last step, which
-    the optimizer reads to make sure this step's gradients did go through DDP."""
+    the group, how many buckets DDP handed the hook since the optimizer's last step, which the
+    optimizer reads to make sure this step's gradients did go through DDP, and, for a quantised
+    warm-up, the buckets of this backward held until the last one. The error buffers stay in the
+    optimizer's state, which its checkpoints save."""
 
     def __init__(self, optimizer: StagedOptimizer, process_group: Optional[dist.ProcessGroup]) -> None:
         self.optimizer = optimizer
         self.process_group = process_group
         self.buckets_since_step = 0
+        self._held: List[Tuple[List[torch.Tensor], List[torch.Tensor], torch.Tensor, torch.futures.Future]] = []
 
     def averages_this_step(self) -> bool:
         """Called by the optimizer's warm-up step: True when DDP averaged at least one bucket
         since the last step (it then resets the count)."""
         seen, self.buckets_since_step = self.buckets_since_step, 0
         return seen > 0
+
+    def hold_for_quantized_average(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The future of ``bucket``'s quantised average: held until DDP hands over the backward's last
+        bucket (DDP hands them in order), then all of them averaged at once by the optimizer's
+        exchange. Why not bucket by bucket: the average agrees first that every rank's whole gradient
+        is finite (a NaN must not reach the errors), and its errors follow the optimizer's buckets,
+        not DDP's, which DDP re-cuts after its first backward."""
+        if bucket.index() == 0:  # what a backward that raised left behind
+            self._held = []
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._held.append((bucket.parameters(), bucket.gradients(), bucket.buffer(), done))
+        if bucket.is_last():
+            held, self._held = self._held, []
+            with torch.no_grad():
+                self.optimizer.prepare_state()  # the first backward, or the first after a load
+                self.optimizer.exchange.average_in_ddp_hook(
+                    [(p, g) for params, grads, _, _ in held for p, g in zip(params, grads)])
+            for _, _, buffer, future in held:  # the gradients are views of the buffers, averaged in place
+                future.set_result(buffer)
+        return done
 
 
 def _stage_hook(link: DDPLink, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -48,6 +76,8 @@ def _stage_hook(link: DDPLink, bucket: dist.GradBucket) -> torch.futures.Future[
         done.set_result(buffer)
         return done
     exchange = link.optimizer.exchange  # the warm-up's average, as the optimizer itself takes it
+    if exchange.quantizes_warmup:
+        return link.hold_for_quantized_average(bucket)
     return average_(buffer, link.process_group, exchange.comm_stats, exchange.wire, async_op=True)
 
 
@@ -61,7 +91,9 @@ def register_ddp(ddp_model: DistributedDataParallel, optimizer: StagedOptimizer)
         onebitlamb.register_ddp(model, opt)
 
     The trajectory is the plain usage's (an unwrapped model, the optimizer averaging); what
-    changes is that the warm-up's all-reduce runs bucket by bucket behind the backward pass.
+    changes is that the warm-up's all-reduce runs bucket by bucket behind the backward pass (a
+    quantised warm-up, ``warmup_dtype="int8"``, runs once DDP's last bucket is in: its errors are
+    the optimizer's state, as without DDP).
     Every optimizer step must follow a backward through ``ddp_model`` that synchronised (the last
     micro-batch outside ``no_sync()``): a warm-up step whose gradients DDP did not average raises.
     Returns the hook's state object.

@@ -19,7 +19,7 @@ import contextlib
 import math
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -80,7 +80,7 @@ class Exchange:
     Built by the optimizer from its keyword-only options; read it, do not change it. Public:
     ``process_group``, ``wire`` (and its ``warmup_dtype``), ``bucket_cap_mb``, ``overlap_with_backward``, ``fused``,
     ``comm_stats`` (bytes and rounds so far), ``buckets`` (after the first step), ``ddp_link``
-    and :meth:`no_sync`.
+    and :meth:`no_sync`; :meth:`average_in_ddp_hook` is ``register_ddp``'s hook's.
 
     :meth:`run` does a step's exchange and returns what it averaged. The optimizer binds its state
     at its first step (:meth:`bind`) with one function, ``payload(bucket, out)``: what the bucket
@@ -129,6 +129,10 @@ class Exchange:
         self._marks: Dict[int, list] = {}  # per bucket, which gradients it took (_grad_marks)
         self._overlap: Optional[BackwardOverlap] = None
         self._exchanged_behind_backward = False  # this step's errors changed in the backward (run)
+        # register_ddp's quantised warm-up, averaged in DDP's hook before step() (average_in_ddp_hook):
+        # whether it changed the warm-up errors since the last step, and a failure for step() to raise
+        self._averaged_in_hook = False
+        self._hook_failure: Optional[FloatingPointError] = None
         self._group = None
         if self.overlap_with_backward and self.world_size > 1:
             # the thread's own group (its collectives never interleave with the caller's) is made at
@@ -266,11 +270,52 @@ class Exchange:
                              f"that or register_ddp, not both")
         if self.ddp_link is not None:
             raise ValueError(f"{self.owner} is already registered with a DDP model")
-        if self.quantizes_warmup:
-            raise ValueError(f"{self.owner} quantises its warm-up average (warmup_dtype={self.wire.name!r}), which "
-                             f"keeps error buffers in the optimizer's state: DDP's hook cannot; use the optimizer's "
-                             f"own exchange (no register_ddp) or warmup_dtype='float32' or 'bfloat16'")
         self.ddp_link = link
+
+    def average_in_ddp_hook(self, gradients: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``register_ddp``'s quantised warm-up, run by DDP's hook once DDP has handed it every bucket
+        of the backward: ``gradients`` pairs each parameter with its gradient in DDP's buckets, which
+        are gathered into the flat layout, averaged exactly as ``step()`` averages them without DDP
+        (every rank's gradient agreed finite, then each bucket of the state through
+        ``comm.quantized_average_`` with its region of the warm-up errors), and written back: the same
+        numbers bit for bit, the same errors in the same state, the same bytes. DDP's buckets only
+        say where the gradients are; they are cut otherwise than the state's and DDP re-cuts them
+        after its first backward, so no error follows them. A gradient not finite on some rank leaves
+        the errors as they were and hands NaN back on every rank: ``step()`` skips the step, as it does
+        after DDP's float average of a NaN. Needs the state laid out
+        (``StagedOptimizer.prepare_state``)."""
+        if self.world_size == 1:  # the average of one gradient is itself
+            return
+        lay, grads, flat = self._layout, self._scratch.grad, self._flat
+        views = {id(p): g for p, g in gradients}
+        missing = [i for i, p in enumerate(lay.params) if id(p) not in views]
+        if missing:  # register_ddp checked the parameters; one set to require a gradient since then
+            raise ValueError(f"{len(missing)} of {self.owner}'s trainable parameters (index {missing[0]} in its "
+                             f"order) are in none of DDP's buckets: DDP does not average them")
+        for p, s in zip(lay.params, lay.slices):
+            grads[s].copy_(views[id(p)].reshape(-1))
+        if self._negate:
+            grads.neg_()
+        if not agreed_finite(grads, spanning_group(self.process_group), self.comm_stats, averaged=False):
+            for _, g in gradients:
+                g.fill_(float("nan"))
+            return
+        worker, server = flat["warmup_worker_error"], flat["warmup_server_error"]
+        # kept until step(): a step refused after the average (a non-finite update) puts them back
+        self._scratch.copy_of("warmup worker error before the hook", worker)
+        self._scratch.copy_of("warmup server error before the hook", server)
+        try:
+            self._quantized_average(grads)
+        except FloatingPointError as failure:  # on every rank alike; step() raises it, as it would its own
+            self._restore_warmup_errors()
+            self._hook_failure = failure
+            return
+        self._averaged_in_hook = True
+        if self._negate:
+            grads.neg_()
+        for p, s in zip(lay.params, lay.slices):
+            g = views[id(p)]
+            g.copy_(grads[s].view(g.shape))
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """A context for the backwards of all micro-batches but the last of a gradient accumulation:
@@ -291,7 +336,8 @@ class Exchange:
         check. Returns None when some rank's gradient was not finite (the step is then skipped on
         every rank), else the buckets' averages (empty when nothing compressed was exchanged, or
         with one process)."""
-        self._exchanged_behind_backward = False
+        # register_ddp's quantised warm-up changed this step's errors before step() was called
+        self._exchanged_behind_backward, self._averaged_in_hook = self._averaged_in_hook, False
         compressing = stage != WARMUP
         if self._overlap is not None and not first:
             finite = self._finish_overlapped(grads, compressing)
@@ -307,8 +353,11 @@ class Exchange:
         after them: ``StagedOptimizer._restore_state``); nothing when the step exchanged in
         ``step()``, whose errors the optimizer's own copy holds."""
         if self._exchanged_behind_backward:
-            for b in self.buckets:
-                self._restore_errors(b)
+            if self.ddp_link is not None:  # the quantised warm-up in DDP's hook (average_in_ddp_hook)
+                self._restore_warmup_errors()
+            else:
+                for b in self.buckets:
+                    self._restore_errors(b)
             self._exchanged_behind_backward = False
 
     def _gather(self, grads: torch.Tensor, bucket: Optional[Bucket] = None) -> None:
@@ -345,6 +394,9 @@ class Exchange:
             raise RuntimeError(f"{self.owner} is registered with a DDP model (register_ddp) but DDP averaged no "
                                f"gradient since the last step: the backward did not run through the registered "
                                f"DDP model, or its last micro-batch ran under no_sync()")
+        elif self._hook_failure is not None:
+            failure, self._hook_failure = self._hook_failure, None
+            raise failure
         # in the warm-up the average shows any rank's NaN; in stage 2 one flag is agreed on first
         if compressing and exchange:
             finite = self._agreed_finite_and_births(grads, spanning) is not None
@@ -379,6 +431,12 @@ class Exchange:
         for b, (segments, region) in zip(self.buckets, plan):  # each parameter starts a block of its own
             quantized_average_(grads[b.start:b.end], worker[b.start:b.end], server[region], self.process_group,
                                self.comm_stats, self.wire, segments=segments)
+
+    def _restore_warmup_errors(self) -> None:
+        """The warm-up errors as ``average_in_ddp_hook`` found them."""
+        flat, scratch = self._flat, self._scratch
+        flat["warmup_worker_error"].copy_(scratch.copies["warmup worker error before the hook"])
+        flat["warmup_server_error"].copy_(scratch.copies["warmup server error before the hook"])
 
     def _exchange_bucket(self, b: Bucket, momentum: torch.Tensor, group: ProcessGroupLike) -> None:
         """The compressed all-reduce of bucket ``b``'s momentum over ``group``, with the bucket's

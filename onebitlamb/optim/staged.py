@@ -250,6 +250,14 @@ class StagedOptimizer(Optimizer):
         flat = self._flat
         return flat["step"] == 0 and flat.get("skipped_steps", 0) == 0 and flat["frozen_at"] is None
 
+    def prepare_state(self) -> None:
+        """Lay out the state now where the next ``step()`` would (its first, or the first after a load):
+        collective, as there. For an exchange that runs before ``step()`` and needs the state:
+        ``register_ddp``'s quantised warm-up, in DDP's hook."""
+        if self._layout is None:
+            check_param_groups(type(self).__name__, self.param_groups, self.defaults)
+            self._prepare()
+
     def _prepare(self) -> None:
         """The layout is built at the first step (or the first after a load), when the param groups
         are final; a loaded state is checked against it."""
