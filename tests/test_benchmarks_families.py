@@ -102,3 +102,52 @@ def test_a_rate_chosen_at_the_grids_edge_is_said():
         runs[families.key(r)] = r
     text = report(runs, ["lstm-prose"], {"lstm-prose": STEPS}, [1, 2], WORLD, [])
     assert "Chosen at the grid's edge: 0/1 Adam. LAMB's own seed spread" in text
+
+
+def test_late_ids_and_shifted_bytes_first_appear_at_their_point_of_the_run():
+    """The click data holds no late id before LATE_FROM of the run and a fifth of its ids are late; the
+    shifted prose brings bytes the English never has only from SHIFT_FROM on."""
+    import torch
+    d = families.FAMILIES["dlrm"].load("")
+    d["steps"] = 100
+    late = d["teacher"]["late"]
+    assert abs(float(late.float().mean()) - families.LATE_SHARE) < 0.01
+    batch = lambda step: families.FAMILIES["dlrm"].batch(d, step, 0, 2, 1)  # noqa: E731
+    assert not late[batch(79)[1]].any() and late[batch(80)[1]].any()
+    p = families.FAMILIES["lstm-shift"].load("")
+    p["steps"] = 100
+    english = set(torch.unique(p["train"]).tolist())
+    shift = lambda step: families.FAMILIES["lstm-shift"].batch(p, step, 0, 2, 1)  # noqa: E731
+    assert set(torch.unique(shift(79)).tolist()) <= english
+    assert set(torch.unique(shift(80)).tolist()) - english
+
+
+def _late_runs():
+    runs = hand_written_runs("dlrm")
+    for (fam, opt, lr, seed, steps, world), r in list(runs.items()):
+        # the late-id loss: LAMB 1.0 at each seed; 1-bit LAMB 1.02 and 1.04 (gaps +2%, +4%)
+        late = {"lamb": 1.0, "onebitlamb": 1.0 + 0.02 * seed}.get(opt, 1.1)
+        runs[(fam, opt, lr, seed, steps, world)] = {**r, "late_loss": late, "auc": 0.6 + 0.01 * seed}
+    return runs
+
+
+def test_the_late_figures_are_paired_with_lambs_and_with_another_commits_runs():
+    runs = _late_runs()
+    text = report(runs, ["dlrm"], {"dlrm": STEPS}, [1, 2], WORLD, [])
+    # (2, 4): mean 3, stdev sqrt 2, t 12.706 / sqrt 2
+    assert "| 1-bit LAMB (update space, default) | 0.6150 | 1.03 | +3.00% ± 12.71 | +2.00%, +4.00% |" in text
+    other = {k: {**r, "late_loss": r["late_loss"] * 1.1} for k, r in runs.items()}
+    lines = families.paired_with(runs, other, ["dlrm"], {"dlrm": STEPS}, [1, 2], WORLD, "the commit before")
+    assert lines[0] == "### Against the commit before, paired by seed"
+    row = next(line for line in lines if "| 1-bit LAMB (update space, default) | late_loss |" in line)
+    assert "-9.09%, -9.09%" in row  # 1 / 1.1 - 1, at each seed
+    assert not any("| LAMB |" in line for line in lines)
+
+
+def test_fixed_rates_replace_the_grid_and_bad_ones_are_refused(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit, match="lamb, onebitadam and zerooneadam"):
+        main(["--rates", "lamb=0.04", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="optimizer=rate"):
+        main(["--rates", "lamb=fast", "--out", str(tmp_path)])
+    monkeypatch.setattr(families, "FIXED_RATES", {"lamb": 0.04, "onebitadam": 0.032, "zerooneadam": 0.016})
+    assert families.grid_of("onebitadam", "lstm-prose") == (0.032,)
