@@ -506,10 +506,11 @@ def _fmt(x: float, digits: int = 4) -> str:
 
 
 def report(runs, families: Sequence[str], steps_of: Dict[str, int], seeds: Sequence[int], world: int,
-           argv: Optional[List[str]]) -> str:
+           argv: Optional[List[str]], section: str = "families") -> str:
     from benchmarks.report import command_line, heading, table_row
 
-    lines = heading(TITLE, command_line(argv), f", {world} gloo ranks")
+    title = TITLE if section == "families" else f"{TITLE}: {section}"
+    lines = heading(title, command_line(argv), f", {world} gloo ranks")
     lines += [f"`benchmarks/families.py`: model families none of our settings were tuned on, each optimizer as "
               f"a user gets it (`AutoFreeze`; 0/1 Adam with the main job's schedules). Learning rates chosen once on a "
               f"grid at seed {GRID_SEED} (LAMB: {', '.join(f'{x:g}' for x in LAMB_GRID)}; 1-bit and 0/1 Adam: "
@@ -661,7 +662,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"{family}: rates chosen at seed {GRID_SEED}: {chosen}", flush=True)
         run_missing([dict(optimizer=o, lr=chosen[o], seed=s, steps=steps) for s in seeds for o in OPTIMIZERS],
                     family, runs, args.ranks, log_path, args.out)
-    text = report(runs, args.families, steps_of, seeds, args.ranks, argv)
+    text = report(runs, args.families, steps_of, seeds, args.ranks, argv, args.section)
     if args.paired_with:
         other = load_runs(os.path.join(args.paired_with, "runs.jsonl"))
         text += "\n".join(paired_with(runs, other, args.families, steps_of, seeds, args.ranks, args.paired_label))
