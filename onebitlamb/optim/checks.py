@@ -272,24 +272,27 @@ def any_rank(flags: Sequence[bool], group: Optional[dist.ProcessGroup], stats: C
     return [bool(v) for v in values.tolist()]
 
 
-def agreed_finite_and_born(values: torch.Tensor, unborn: torch.Tensor, group: Optional[dist.ProcessGroup],
+def agreed_finite_and_born(values: torch.Tensor, born: torch.Tensor, group: Optional[dist.ProcessGroup],
                            stats: CommStats) -> Tuple[bool, Optional[torch.Tensor]]:
-    """``agreed_finite`` for stage 2, and which of the elements ``unborn`` (flat indices, alike on
-    every rank: none of them had a gradient before the freeze, or since) some rank's gradient
-    ``values`` reaches now. Returns whether every rank's gradient is finite and, if so, those
-    indices in ascending order, the same on every rank.
+    """``agreed_finite`` for stage 2, and which elements not yet ``born`` (a mask alike on every
+    rank: False where no rank's gradient has reached the element since before the freeze) some
+    rank's gradient ``values`` reaches now. Returns whether every rank's gradient is finite and, if
+    so, the flat indices of those elements in ascending order, the same on every rank.
 
     Why every rank alike: a born element's momentum is exchanged and applied from this step on,
     which must happen on every rank or none. The verdict and the largest count travel in the one
     small all-reduce the finiteness check makes anyway (two float64: counts stay exact); only a step
     where some rank meets a new element adds an all-gather of the indices, padded to that count,
-    so over a run each element's index travels once per rank that meets it."""
+    so over a run each element's index travels once per rank that meets it. Found here by one
+    comparison over the gradient and the mask (``(g != 0) > born``): a gather at a list of the
+    waiting indices reads 8 bytes of index and one scattered value per element, and is slower."""
     finite = locally_finite(values)
-    here = unborn[values[unborn] != 0] if finite and unborn.numel() else unborn[:0]
+    here = torch.nonzero(torch.gt(values != 0, born)).flatten() if finite else None
     world = world_size_of(group)
     if world == 1:
-        return finite, here if finite else None
-    flags = torch.tensor([0.0 if finite else 1.0, float(here.numel())], dtype=torch.float64, device=values.device)
+        return finite, here
+    flags = torch.tensor([0.0 if finite else 1.0, float(here.numel()) if finite else 0.0], dtype=torch.float64,
+                         device=values.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     stats.record("all_reduce", allreduce_bytes(flags.numel() * flags.element_size(), world))
     if flags[0] > 0:

@@ -119,7 +119,7 @@ class Exchange:
     def _init_runtime(self) -> None:
         """What binds this object to a running job: the hooks, the thread, its process group."""
         self._payload_ref = None
-        self._unborn_ref = self._born_ref = None
+        self._waiting_ref = self._born_ref = None
         self._negate = False  # maximize: the gradients' sign flipped as they are gathered
         self._sent: Optional[torch.Tensor] = None  # the buckets' padded regions: sent, then their averages
         self._layout: Optional[FlatLayout] = None
@@ -232,17 +232,18 @@ class Exchange:
     # ------------------------------------------------------------------ binding
     def bind(self, layout: FlatLayout, flat: Dict[str, Any], scratch: Scratch,
              payload: Callable[[Bucket, torch.Tensor], None], *, negate: bool = False,
-             unborn: Optional[Callable[[], Optional[torch.Tensor]]] = None,
+             waiting: Optional[Callable[[], Optional[torch.Tensor]]] = None,
              born: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         """At the optimizer's first step (and the first after a load): the buckets of the state, what
         they send (``payload``, a bound method, held weakly), whether the gradients are gathered
         negated (``maximize``), and the hooks that start the buckets behind the backward.
-        ``unborn`` and ``born`` (bound methods, held weakly): the flat indices that send nothing
-        yet because no rank has met them since before the freeze, and what makes the ones some
-        rank's gradient now reaches send from this step on (``checks.agreed_finite_and_born``)."""
+        ``waiting`` and ``born`` (bound methods, held weakly): while some elements send nothing yet,
+        because no rank has met them since before the freeze, the mask of those that do (else
+        None); and what makes the ones some rank's gradient now reaches send from this step on
+        (``checks.agreed_finite_and_born``)."""
         self._layout, self._flat, self._scratch = layout, flat, scratch
         self._payload_ref, self._negate = weakref.WeakMethod(payload), negate
-        self._unborn_ref = None if unborn is None else weakref.WeakMethod(unborn)
+        self._waiting_ref = None if waiting is None else weakref.WeakMethod(waiting)
         self._born_ref = None if born is None else weakref.WeakMethod(born)
         self.buckets = plan_buckets(flat["buckets"], self.world_size, self.local_size)
         self._sent = torch.zeros(buffer_sizes(self.buckets)[0], dtype=torch.float32, device=layout.device)
@@ -411,11 +412,11 @@ class Exchange:
         """Stage 2's agreed check (``checks.agreed_finite``) and, where elements wait for their
         first gradient, their births, applied before anything is sent. Returns None when some
         rank's gradient is not finite, else the indices born at this step (maybe none)."""
-        unborn = None if self._unborn_ref is None else self._unborn_ref()()
-        if unborn is None or unborn.numel() == 0:
+        born_mask = None if self._waiting_ref is None else self._waiting_ref()()
+        if born_mask is None:  # nothing waits: the one flag, as before elements could be born
             finite = agreed_finite(grads, spanning, self.comm_stats, averaged=False)
             return torch.empty(0, dtype=torch.int64) if finite else None
-        finite, born = agreed_finite_and_born(grads, unborn, spanning, self.comm_stats)
+        finite, born = agreed_finite_and_born(grads, born_mask, spanning, self.comm_stats)
         if finite and born.numel():
             self._born_ref()(born)
         return born if finite else None

@@ -97,13 +97,14 @@ class Phase:
         """``1 / (sqrt(v_hat) + eps)`` as the update space divides what it sends: the frozen one."""
         return ctx.frozen_denominators()[1]
 
-    def unborn(self, ctx: StepContext) -> Optional[torch.Tensor]:
-        """The flat indices that send nothing until some rank's gradient reaches them (None: the
-        phase has no such elements); the exchange agrees on those reached before the payloads."""
+    def waiting(self, ctx: StepContext) -> Optional[torch.Tensor]:
+        """While some elements send nothing until a rank's gradient reaches them, the mask of the
+        others (None: none waits, or the phase has no such elements); the exchange agrees on those
+        reached before the payloads."""
         return None
 
     def born(self, ctx: StepContext, indices: torch.Tensor) -> None:
-        """Elements of ``unborn`` that some rank's gradient reached at this step, alike on every rank."""
+        """Waiting elements (flat indices) some rank's gradient reached at this step, alike on every rank."""
         raise NotImplementedError
 
     def bias_corrections(self, ctx: StepContext) -> tuple[float, float]:
@@ -257,28 +258,31 @@ class OneBitMomentum(Phase):
             derived["provisional_source"] = v
         return derived["provisional_inverse"]
 
-    def unborn(self, ctx: StepContext) -> Optional[torch.Tensor]:
+    def waiting(self, ctx: StepContext) -> Optional[torch.Tensor]:
+        self._count_waiting(ctx)
+        return ctx.state["momentum_mask"] if ctx.buffers.derived["waiting"] else None
+
+    @staticmethod
+    def _count_waiting(ctx: StepContext) -> None:
+        """How many elements wait, and the indices of those born after the freeze: counted after a
+        freeze or a load (one pass), then kept by ``born``."""
         derived, mask = ctx.buffers.derived, ctx.state["momentum_mask"]
-        if derived.get("unborn_source") is not mask:  # after a freeze or a load: one pass
-            derived["unborn"] = torch.nonzero(~mask).flatten()
+        if derived.get("waiting_source") is not mask:
+            derived["waiting"] = int((~mask).sum())
             derived["born_late"] = torch.nonzero(mask & (ctx.state["exp_avg_sq"] == 0)).flatten()
-            derived["unborn_source"] = mask
-        return derived["unborn"]
+            derived["waiting_source"] = mask
 
     def born(self, ctx: StepContext, indices: torch.Tensor) -> None:
         derived = ctx.buffers.derived
         ctx.state["momentum_mask"][indices] = True
-        unborn = derived["unborn"]  # ascending, and ``indices`` are some of them: found by bisection
-        waiting = torch.ones_like(unborn, dtype=torch.bool)
-        waiting[torch.searchsorted(unborn, indices)] = False
-        derived["unborn"] = unborn[waiting]
+        derived["waiting"] -= indices.numel()
         derived["born_late"] = torch.cat([derived["born_late"], indices])
         layer = torch.searchsorted(ctx.layout.offsets.to(indices.device), indices, right=True) - 1
         inverse = self._provisional_inverse(ctx)[layer] if ctx.compresses_update() else None
         ctx.scales_born_(indices, layer, inverse)
 
     def _born_late(self, ctx: StepContext) -> torch.Tensor:
-        self.unborn(ctx)
+        self._count_waiting(ctx)
         return ctx.buffers.derived["born_late"]
 
     def _late_directions_(self, ctx: StepContext, update: torch.Tensor, m: torch.Tensor, m_prev: torch.Tensor,

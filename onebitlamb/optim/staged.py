@@ -284,7 +284,7 @@ class StagedOptimizer(Optimizer):
             self._resumed_parameters = None
         self._context.layout, self._context.buffers = layout, Scratch(layout.device, layout.numel)
         self.exchange.bind(layout, self._flat, self._scratch, self._payload, negate=self.defaults["maximize"],
-                           unborn=self._unborn, born=self._born)
+                           waiting=self._waiting, born=self._born)
 
     def _agree(self, layout: FlatLayout, after_step: Optional[int] = None) -> None:
         """Every rank's ``_setup`` alike (``checks.agree_on_setup``), over the process group; with
@@ -493,12 +493,13 @@ class StagedOptimizer(Optimizer):
         backward, and holds this method weakly."""
         self._phase().payload(self._context, b, out)
 
-    def _unborn(self) -> Optional[torch.Tensor]:
-        """The flat indices that wait for their first gradient (the current phase's ``unborn``)."""
-        return self._phase().unborn(self._context)
+    def _waiting(self) -> Optional[torch.Tensor]:
+        """While some elements wait for their first gradient, the mask of those that do not (the
+        current phase's ``waiting``)."""
+        return self._phase().waiting(self._context)
 
     def _born(self, indices: torch.Tensor) -> None:
-        """Those of them some rank's gradient reached at this step (the current phase's ``born``)."""
+        """Waiting elements some rank's gradient reached at this step (the current phase's ``born``)."""
         self._phase().born(self._context, indices)
 
     # ------------------------------------------------------------------ step
