@@ -42,7 +42,7 @@ def test_the_readmes_install_route_names_real_extras_quoted_and_no_package_index
     readme = _read("README.md")
     install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
     named = re.findall(r"'(?:\.|dist/onebitlamb-[\w.-]+\.whl)\[(\w+)\]'", install)
-    assert set(named) == {"example", "frameworks", "gpu"} and set(named) <= extras, named
+    assert set(named) == {"example", "frameworks", "gpu", "tensorboard"} and set(named) <= extras, named
     assert not re.search(r"pip install (?!')[^\n]*\[", install), "an unquoted extra"
     everywhere = readme + "".join(_read(os.path.join("docs", p)) for p in os.listdir(os.path.join(ROOT, "docs"))
                                   if p.endswith(".md"))
