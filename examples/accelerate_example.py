@@ -21,7 +21,9 @@ from accelerate.utils import InitProcessGroupKwargs
 import onebitlamb
 from onebitlamb.integrations.accelerate import prepare
 
-STEPS, FREEZE, SAVE_AT, DIM, CLASSES = 40, 10, 25, 32, 4
+STEPS, SAVE_AT, DIM, CLASSES = 40, 25, 32, 4
+# the warm-up decides the freeze, by half the run at the latest: before the checkpoint
+FREEZE = onebitlamb.AutoFreeze(total_steps=STEPS, max_fraction=0.5)
 CHECKPOINT = os.path.join("runs", "accelerate_example")
 
 

@@ -18,7 +18,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import onebitlamb
 
-STEPS, FREEZE, SAVE_AT, DIM, CLASSES = 20, 5, 10, 32, 4
+STEPS, SAVE_AT, DIM, CLASSES = 20, 10, 32, 4
+# the warm-up decides the freeze, by 40% of the run at the latest: before the checkpoint
+FREEZE = onebitlamb.AutoFreeze(total_steps=STEPS, max_fraction=0.4)
 
 
 def train(model, opt, rank, steps) -> None:

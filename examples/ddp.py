@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import onebitlamb
 
-STEPS, FREEZE, MICRO_BATCHES, DIM, CLASSES = 30, 10, 2, 32, 4
+STEPS, MICRO_BATCHES, DIM, CLASSES = 30, 2, 32, 4
 
 
 def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +32,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(
         torch.nn.Sequential(torch.nn.Linear(DIM, 64), torch.nn.GELU(), torch.nn.Linear(64, CLASSES)))
-    opt = onebitlamb.OneBitLamb(model.parameters(), lr=1e-2, freeze_step=FREEZE)
+    opt = onebitlamb.OneBitLamb(model.parameters(), lr=1e-2, freeze_step=onebitlamb.AutoFreeze(total_steps=STEPS))
     onebitlamb.register_ddp(model, opt)
     for step in range(STEPS):
         stage, sent = opt.stage, opt.comm_stats.bytes_sent

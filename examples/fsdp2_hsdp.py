@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 import onebitlamb
 
-STEPS, FREEZE, DIM, CLASSES, SHARDS = 30, 10, 32, 4, 2
+STEPS, DIM, CLASSES, SHARDS = 30, 32, 4, 2
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +39,7 @@ def main() -> None:
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
-    opt = onebitlamb.OneBitLamb(model.parameters(), lr=1e-2, freeze_step=FREEZE,
+    opt = onebitlamb.OneBitLamb(model.parameters(), lr=1e-2, freeze_step=onebitlamb.AutoFreeze(total_steps=STEPS),
                                 process_group=mesh["replicate"].get_group())
     for step in range(STEPS):
         stage, across, inside = opt.stage, opt.comm_stats.bytes_sent, opt.shard_comm_stats.bytes_sent

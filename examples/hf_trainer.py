@@ -17,7 +17,9 @@ from transformers import BertConfig, BertForMaskedLM, TrainingArguments  # noqa:
 import onebitlamb  # noqa: E402
 from onebitlamb.integrations.transformers import OneBitTrainer  # noqa: E402
 
-STEPS, FREEZE, VOCAB, SEQ = 60, 15, 128, 16
+STEPS, VOCAB, SEQ = 60, 128, 16
+# the warm-up decides the freeze, by 40% of the run at the latest: before the checkpoint at step 30
+FREEZE = onebitlamb.AutoFreeze(total_steps=STEPS, max_fraction=0.4)
 
 
 class RandomTokens(torch.utils.data.Dataset):

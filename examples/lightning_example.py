@@ -6,7 +6,7 @@ Lightning's own launcher starts the second process. The one change to a Lightnin
 ``strategy=OneBitDDPStrategy()`` in place of ``strategy="ddp"``: DDP then averages the warm-up's
 gradients and sends nothing once the optimizer compresses, and the checkpoints hold every rank's
 own compression errors. The run trains 4 epochs with a checkpoint at each epoch's end (the freeze
-comes in the first), then a second Trainer resumes from the one after epoch 2 and finishes the
+comes before the end of the second), then a second Trainer resumes from the one after epoch 2 and finishes the
 run; both print the same checksum of the weights.
 """
 import datetime
@@ -19,7 +19,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import onebitlamb
 from onebitlamb.integrations.lightning import OneBitDDPStrategy
 
-EPOCHS, RESUME_AFTER, FREEZE, DIM, CLASSES = 4, 2, 10, 32, 4
+EPOCHS, RESUME_AFTER, DIM, CLASSES, SAMPLES, BATCH, RANKS = 4, 2, 32, 4, 640, 32, 2
+STEPS = EPOCHS * SAMPLES // (BATCH * RANKS)
+# the warm-up decides the freeze, before 45% of the run: before the checkpoint the second Trainer resumes
+FREEZE = onebitlamb.AutoFreeze(total_steps=STEPS, max_fraction=0.45)
 ROOT = os.path.join("runs", "lightning_example")
 
 
@@ -38,9 +41,9 @@ class Classifier(pl.LightningModule):
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         # Lightning gives each rank its share through a DistributedSampler
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(640, DIM, generator=g)
+        x = torch.randn(SAMPLES, DIM, generator=g)
         y = (x @ torch.randn(DIM, CLASSES, generator=g)).argmax(dim=1)
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=True)
 
 
 def trainer() -> pl.Trainer:
@@ -48,7 +51,7 @@ def trainer() -> pl.Trainer:
     saver = ModelCheckpoint(dirpath=ROOT, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True,
                             enable_version_counter=False)
     return pl.Trainer(strategy=OneBitDDPStrategy(timeout=datetime.timedelta(seconds=120)), accelerator="cpu",
-                      devices=2, max_epochs=EPOCHS, callbacks=[saver], logger=False, enable_progress_bar=False,
+                      devices=RANKS, max_epochs=EPOCHS, callbacks=[saver], logger=False, enable_progress_bar=False,
                       enable_model_summary=False, default_root_dir=ROOT)
 
 
