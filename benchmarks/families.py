@@ -392,7 +392,7 @@ def train_one(rank: int, world: int, family: Family, data: dict, heldout: List[o
     held = float(result[0])
     if diverged is None and not math.isfinite(held):
         diverged = "held-out loss not finite"
-    born = opt.stats()["elements_born_after_freeze"] if isinstance(opt, onebitlamb.optim.StagedOptimizer) else None
+    born = opt.stats().get("elements_born_after_freeze") if isinstance(opt, onebitlamb.optim.StagedOptimizer) else None
     return {"heldout": held, "train_curve": result[1 + len(names):].tolist(), "freeze": first_compressed,
             "diverged": diverged, "seconds": round(time.perf_counter() - start, 1), "born_after_freeze": born,
             **{k: float(result[1 + i]) for i, k in enumerate(names)}}
@@ -527,7 +527,8 @@ def report(runs, families: Sequence[str], steps_of: Dict[str, int], seeds: Seque
         edges = [NAMES[o] for o in OPTIMIZERS if o not in TAKES_LAMBS_RATE and len(grid_of(o, family)) > 1
                  and chosen[o] in (min(grid_of(o, family)), max(grid_of(o, family)))]
         rates = ("Rates: fixed by --rates (no grid). " if FIXED_RATES else
-                 "Rates: the main job's, tuned on this model before (no grid). " if fam.grids is not None else
+                 "Rates: fixed for this family, not chosen on a grid (`benchmarks/families.py` says where they "
+                 "come from). " if fam.grids is not None else
                  ("Chosen at the grid's edge: " + ", ".join(edges) + ". ") if edges else "")
         lines += [f"### {family}: {fam.title}; {steps} steps, global batch {fam.global_batch}", "",
                   f"{rates}LAMB's own seed spread (max - min over mean): {spread:.2f}%.", "",
@@ -596,7 +597,7 @@ def paired_with(runs, other, families: Sequence[str], steps_of: Dict[str, int], 
     ``other``, from another commit: the paired change of each figure, in %, mean with its 95% interval
     (runs copied into both folders, of optimizers the commits do not differ in, are left out)."""
     from benchmarks.report import table_row
-    lines = [f"### Against {label}, paired by seed", "",
+    lines = ["", f"### Against {label}, paired by seed", "",
              table_row(["family", "optimizer", "figure", "change per seed", "mean ± 95%"]),
              table_row(["---", "---", "---", "---:", "---:"])]
     for family in families:
