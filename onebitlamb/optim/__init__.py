@@ -13,7 +13,9 @@ optimizers.py   the public classes
 zero_one.py     0/1 Adam: its variance phase (the thinning schedule), then local steps
 local_steps.py  local steps after a freeze and the syncs that average them (0/1 Adam's second phase)
 elastic.py      a checkpoint of n ranks re-sharded for m
+clip.py         gradient clipping by one factor agreed by the ranks
 """
+from onebitlamb.optim.clip import clip_grad_norm_
 from onebitlamb.optim.elastic import reshard_state_dicts
 from onebitlamb.optim.freeze import AutoFreeze
 from onebitlamb.optim.optimizers import Lamb, OneBitAdam, OneBitLamb
@@ -21,4 +23,4 @@ from onebitlamb.optim.staged import COMPRESSION, LOCAL, WARMUP, StagedOptimizer
 from onebitlamb.optim.zero_one import ZeroOneAdam
 
 __all__ = ["AutoFreeze", "COMPRESSION", "LOCAL", "Lamb", "OneBitAdam", "OneBitLamb", "StagedOptimizer", "WARMUP",
-           "ZeroOneAdam", "reshard_state_dicts"]
+           "ZeroOneAdam", "clip_grad_norm_", "reshard_state_dicts"]
