@@ -241,27 +241,34 @@ def schedule_folders() -> Dict[str, str]:
     return folders
 
 
+def step_kinds(stages: Sequence[str], name: str, frozen_at: Optional[int]) -> List[str]:
+    """The kind (``KINDS``) of each step of optimizer ``name``'s run from its steps' stages: 0/1
+    Adam's compression steps after its ``freeze_step`` (``frozen_at``) are syncs."""
+    return [SYNC if name == "zerooneadam" and stage == COMPRESSION and step > frozen_at else stage
+            for step, stage in enumerate(stages, start=1)]
+
+
+def run_step_kinds(run: str, name: str) -> Optional[List[str]]:
+    """``step_kinds`` of optimizer ``name``'s finished run in folder ``run`` (the stages its
+    ``log.csv`` records); None when the run is missing or unfinished (no metrics.json)."""
+    if not os.path.exists(os.path.join(run, "metrics.json")):
+        return None
+    with open(os.path.join(run, "metrics.json")) as f:
+        frozen_at = json.load(f).get("freeze_step")
+    with open(os.path.join(run, "log.csv")) as f:
+        stages = [line["stage"] for line in csv.DictReader(f) if line["stage"]]  # not the evaluation before step 1
+    return step_kinds(stages, name, frozen_at)
+
+
 def load_schedules(folder: str, optimizers: Sequence[str]) -> Dict[str, Dict[str, int]]:
     """Per optimizer, how many steps of each kind (``KINDS``) its run (``schedule_folders``) under
-    ``folder`` took (the stages its ``log.csv`` records; 0/1 Adam's compression steps after its
-    ``freeze_step`` are syncs). Optimizers whose run is missing or unfinished (no metrics.json)
-    are left out."""
+    ``folder`` took (``run_step_kinds``). Optimizers whose run is missing or unfinished are left out."""
     folders = schedule_folders()
     out = {}
     for name in optimizers:
-        run = os.path.join(folder, folders[name])
-        if not os.path.exists(os.path.join(run, "metrics.json")):
-            continue
-        with open(os.path.join(run, "metrics.json")) as f:
-            frozen_at = json.load(f).get("freeze_step")
-        counts = {kind: 0 for kind in KINDS}
-        with open(os.path.join(run, "log.csv")) as f:
-            for line in csv.DictReader(f):
-                if not line["stage"]:  # the evaluation before the first step
-                    continue
-                sync = name == "zerooneadam" and line["stage"] == "compression" and int(line["step"]) > frozen_at
-                counts[SYNC if sync else line["stage"]] += 1
-        out[name] = {kind: n for kind, n in counts.items() if n}
+        kinds = run_step_kinds(os.path.join(folder, folders[name]), name)
+        if kinds is not None:
+            out[name] = {kind: kinds.count(kind) for kind in KINDS if kind in kinds}
     return out
 
 
@@ -532,8 +539,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 + (", unfinished" if os.path.exists(os.path.join(args.schedules, folders[name], "log.csv")) else "")
                 + ")" for name in missing]
         tables += (f"\n\nNo whole run for {', '.join(runs)}: no finished run in {args.schedules} "
-                   f"(`python -m benchmarks.convergence` and `benchmarks.warmup_quantised` train them; DiLoCo's run "
-                   f"on the main job is recorded in docs/lab/retired_benchmarks.md).")
+                   f"(`python -m benchmarks.convergence` and `benchmarks.warmup_quantised` train them, "
+                   f"`python -m benchmarks.diloco --H {DILOCO_H}` DiLoCo's, torchft's).")
     targets = check_targets(summary)
     print(tables)
     print()

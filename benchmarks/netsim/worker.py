@@ -74,35 +74,45 @@ def read_counter(interface: str, name: str = "tx_bytes") -> int:
 
 
 class DiLoCoSteps:
-    """DiLoCo (``benchmarks.diloco.DiLoCo``, the reference implementation) as ``train_one`` drives an
-    optimizer: ``step()`` is the inner LAMB's step on this rank's own group ``alone`` (it sends
-    nothing), then the outer step, which every ``H``-th step syncs over ``process_group`` (one
-    float32 all-reduce of the parameters' change, the outer SGD-Nesterov step, the parameters
-    reloaded). ``stage`` is the kind of the next step, ``LOCAL`` or ``SYNC``; ``comm_stats`` what
+    """DiLoCo's steps as they cost (``benchmarks.diloco`` runs torchft's DiLoCo, whose syncs send the
+    outer gradient in one bucket), as ``train_one`` drives an optimizer: ``step()`` is the inner
+    LAMB's step on this rank's own group ``alone`` (it sends nothing); every ``H``-th step then
+    syncs over ``process_group``: one float32 all-reduce of the parameters' change since the last
+    sync, an outer SGD step with Nesterov momentum (the paper's 0.7, 0.9), the parameters
+    reloaded. ``stage`` is the kind of the next step, ``LOCAL`` or ``SYNC``; ``comm_stats`` what
     the syncs sent."""
 
     def __init__(self, params, lr: float, H: int, process_group, alone) -> None:
         import onebitlamb
-        from benchmarks.diloco import DiLoCo
+        from onebitlamb.comm import CommStats
 
-        params = list(params)
-        self.inner = onebitlamb.Lamb(params, lr=lr, process_group=alone)
-        self.outer = DiLoCo(params, H, process_group=process_group)
+        self.params = list(params)
+        self.inner = onebitlamb.Lamb(self.params, lr=lr, process_group=alone)
+        self.H, self.since_sync, self.group, self.comm_stats = H, 0, process_group, CommStats()
+        self.anchor = torch.cat([p.detach().reshape(-1) for p in self.params]).float()
+        self.outer = torch.optim.SGD([self.anchor], lr=0.7, momentum=0.9, nesterov=True)
 
     @property
     def stage(self) -> str:
-        return SYNC if self.outer.since_sync + 1 >= self.outer.H else LOCAL
-
-    @property
-    def comm_stats(self):
-        return self.outer.comm_stats
+        return SYNC if self.since_sync + 1 >= self.H else LOCAL
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 
+    @torch.no_grad()
     def step(self) -> None:
+        from onebitlamb.comm import allreduce_mean_
+
         self.inner.step()
+        self.since_sync += 1
+        if self.since_sync < self.H:
+            return
+        self.anchor.grad = self.anchor - torch.cat([p.detach().reshape(-1) for p in self.params]).float()
+        allreduce_mean_(self.anchor.grad, self.group, self.comm_stats)  # one float32 all-reduce, counted
         self.outer.step()
+        for p, chunk in zip(self.params, self.anchor.split([p.numel() for p in self.params])):
+            p.copy_(chunk.view_as(p))
+        self.since_sync = 0
 
 
 def make_optimizer(name: str, params, lr: float, freeze_step: int, group, *, alone=None, **exchange):
