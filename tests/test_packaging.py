@@ -80,22 +80,31 @@ def _site_packages_without(tmp_path, left_out):
     return farm
 
 
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """The wheel, built once from a copy of the source tree (a build writes build/ and *.egg-info
+    where it runs)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*NOT_SOURCE), symlinks=True)
+    dist = tmp / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                    "--quiet", "-w", str(dist), str(src)], check=True, capture_output=True, timeout=90)
+    (built,) = dist.glob("onebitlamb-*.whl")
+    return built
+
+
 @pytest.mark.timeout(240)
-def test_the_wheel_holds_the_package_and_its_bare_command_names_the_extra(tmp_path):
-    """Build the wheel from a copy of the source tree, install it with no dependencies into a new
-    environment that sees torch and numpy but not the example extra's packages, and run its
-    `onebitlamb pretrain`: it stops at once with a `pip install` of the extra's packages that works
-    wherever the wheel came from; given those packages, the same command trains."""
+def test_the_wheel_holds_the_package_and_its_bare_command_names_the_extra(tmp_path, wheel):
+    """Install the wheel with no dependencies into a new environment that sees torch and numpy but
+    not the example extra's packages, and run its `onebitlamb pretrain`: it stops at once with a
+    `pip install` of the extra's packages that works wherever the wheel came from; given those
+    packages, the same command trains. Its `python -m onebitlamb.docs` prints a section of the
+    documentation, which the wheel carries."""
     import pip
 
     if tuple(int(x) for x in pip.__version__.split(".")[:2]) < (22, 3):
         pytest.skip(f"pip {pip.__version__} cannot install into another environment (--python: pip 22.3+)")
-    src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*NOT_SOURCE), symlinks=True)
-    dist = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                    "--quiet", "-w", str(dist), str(src)], check=True, capture_output=True, timeout=90)
-    (wheel,) = dist.glob("onebitlamb-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         dist_info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
@@ -123,6 +132,10 @@ def test_the_wheel_holds_the_package_and_its_bare_command_names_the_extra(tmp_pa
                            env=env, capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert "No module named 'tokenizers'" in where.stderr, where  # the new environment lacks the extra...
     assert where.stdout.startswith(str(env_dir)), where  # ...and runs the installed wheel, not this tree
+    # the documentation a message points at, from the wheel alone (no checkout beside it)
+    shown = subprocess.run([str(python), "-m", "onebitlamb.docs", "algorithm", "A freeze that comes too early"],
+                           env=env, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert shown.returncode == 0 and shown.stdout.startswith("### A freeze that comes too early"), shown
 
     run = subprocess.run([str(env_dir / "bin" / "onebitlamb"), "pretrain", "--preset", "tiny", "--out",
                           str(tmp_path / "run")], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=60)
@@ -148,3 +161,78 @@ def test_the_wheel_holds_the_package_and_its_bare_command_names_the_extra(tmp_pa
                          env=env, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_the_package_list_names_every_package_of_the_source_tree():
+    """pyproject lists the packages (the documentation is one, mapped from docs/): a new package
+    left off the list would be missing from the wheel."""
+    listed = set(_pyproject()["tool"]["setuptools"]["packages"])
+    found = {os.path.relpath(d, ROOT).replace(os.sep, ".")
+             for d, _, fs in os.walk(os.path.join(ROOT, "onebitlamb")) if "__init__.py" in fs}
+    assert listed == found | {"onebitlamb._docs"}
+    assert _pyproject()["tool"]["setuptools"]["package-dir"] == {"onebitlamb._docs": "docs"}
+
+
+DOCS_PAGE = re.compile(r"docs/([\w-]+)\.md")
+# a file name a reader of the wheel cannot follow: a page of docs/ named as a path, or a root file
+UNFOLLOWABLE = re.compile(r"docs/[\w-]+\.md|BENCHMARKS\.md|README\.md")
+
+
+def _documentation_nodes(tree) -> set:
+    """The ids of the nodes of docstrings, of strings assigned to ``*_DOC`` names and to
+    ``__doc__``: documentation, read in the source or through help(), not printed by a message."""
+    import ast
+
+    roots = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, (ast.Constant, ast.JoinedStr)):
+                roots.append(first.value)
+        elif isinstance(node, ast.Assign):
+            names = [t.id if isinstance(t, ast.Name) else t.attr if isinstance(t, ast.Attribute) else ""
+                     for t in node.targets]
+            if any(n.endswith("_DOC") or n == "__doc__" for n in names):
+                roots.append(node.value)
+    return {id(n) for root in roots for n in ast.walk(root)}
+
+
+@pytest.mark.timeout(240)
+def test_every_docs_pointer_in_the_package_resolves_in_the_wheel(tmp_path, wheel):
+    """The wheel carries docs/*.md; every ``pointer(page, section)`` a message prints names a page
+    and a section the wheel's copy has; no message names a file the wheel lacks (a path under
+    docs/, BENCHMARKS.md, the README); and every docs/ page the docstrings name is in the wheel."""
+    import ast
+
+    from onebitlamb import docs
+
+    with zipfile.ZipFile(wheel) as z:
+        shipped = sorted(n for n in z.namelist() if n.startswith("onebitlamb/_docs/"))
+        z.extractall(tmp_path, shipped)
+    where = tmp_path / "onebitlamb" / "_docs"
+    assert docs.pages(where) == sorted(p[:-3] for p in os.listdir(os.path.join(ROOT, "docs")) if p.endswith(".md"))
+    pointers, unfollowable, unshipped = 0, [], []
+    for folder, _, files in os.walk(os.path.join(ROOT, "onebitlamb")):
+        for name in (f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            where_in = os.path.relpath(path, ROOT)
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            documentation = _documentation_nodes(tree)
+            for node in ast.walk(tree):
+                func = getattr(node, "func", None)
+                if isinstance(node, ast.Call) and getattr(func, "id", getattr(func, "attr", None)) == "pointer":
+                    args = [a.value for a in node.args]
+                    assert all(isinstance(a, str) for a in args), f"{where_in}:{node.lineno}: pointer's arguments"
+                    docs.read(*args, where=where)  # ValueError naming the page or section if it is missing
+                    pointers += 1
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    if id(node) in documentation:
+                        unshipped += [f"{where_in}:{node.lineno}: docs/{page}.md" for page in
+                                      DOCS_PAGE.findall(node.value) if not (where / f"{page}.md").exists()]
+                    elif UNFOLLOWABLE.search(node.value):
+                        unfollowable.append(f"{where_in}:{node.lineno}: {node.value!r}")
+    assert not unfollowable, "messages naming a file the wheel lacks (use onebitlamb.docs.pointer):\n" + \
+        "\n".join(unfollowable)
+    assert not unshipped, unshipped
+    assert pointers >= 7

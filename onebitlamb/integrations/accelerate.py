@@ -27,6 +27,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from torch.nn.parallel import DistributedDataParallel
 
+from onebitlamb.docs import pointer
 from onebitlamb.integrations.ddp import register_ddp
 from onebitlamb.integrations.rank_files import (load_rank_state, own_state_instead_of_rank_0s, save_rank_state,
                                                  saved_worlds)
@@ -104,7 +105,7 @@ def _the_optimizer(accelerator: Accelerator, objects: tuple) -> StagedOptimizer:
         raise ValueError("mixed_precision='fp16' is not supported: accelerate wraps optimizer.step in a function "
                          "that hides its grad_scaler parameter from the GradScaler, whose update() would then read "
                          "each rank's own overflow, so the ranks' loss scales would part; use bf16, or "
-                         "torch.amp.GradScaler in a plain loop (docs/optimizers.md)")
+                         f"torch.amp.GradScaler in a plain loop ({pointer('optimizers', 'Mixed precision')})")
     return ours[0]
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from onebitlamb.comm import CommStats, rank_of, world_size_of
 from onebitlamb.comm.stats import all_gather_bytes, allreduce_bytes
+from onebitlamb.docs import pointer
 
 # Hyper-parameters that may differ between param groups; the others are the optimizer's own.
 PER_GROUP = ("lr", "weight_decay")
@@ -147,7 +148,7 @@ def check_resumed_parameters(owner: str, saved: int, params: Sequence[torch.Tens
                      f"would also put back the state's parameters). Save each rank's own model beside its "
                      f"optimizer state and load each rank's own, or checkpoint where "
                      f"opt.parameters_synchronized is True (right after a sync), where one copy of the model "
-                     f"serves every rank (docs/optimizers.md, 'State and checkpoints')")
+                     f"serves every rank ({pointer('optimizers', 'State and checkpoints')})")
 
 
 def agree_on_setup(setup: Dict[str, Any], group: Optional[dist.ProcessGroup], device: torch.device,
@@ -221,7 +222,7 @@ def refuse_averaged_gradients(owner: str, grads: torch.Tensor, params: Sequence[
                          f"accelerate or Lightning wraps the model in) averaged them before the optimizer saw "
                          f"them, and every step would send them twice. Call onebitlamb.register_ddp(ddp_model, "
                          f"optimizer) once before the first backward, or use the integration for your framework "
-                         f"(docs/integrations.md)")
+                         f"({pointer('integrations')})")
 
 
 def _held_by_ddp(params: Sequence[torch.Tensor]) -> bool:

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 
 from onebitlamb._stack import user_stacklevel
+from onebitlamb.docs import pointer
 from onebitlamb.optim import functional as F
 
 
@@ -178,7 +179,8 @@ class FixedSchedule:
                     f"last {len(self._levels) - 1} warm-up steps, where AutoFreeze waits for {AutoFreeze.tolerance}. "
                     f"Stage 2 keeps this variance, and the loss may jump after the freeze. Use "
                     f"freeze_step=onebitlamb.AutoFreeze(total_steps=...) or a later step "
-                    f"(docs/algorithm.md, \"A freeze that comes too early\")", EarlyFreezeWarning, stacklevel=user_stacklevel())
+                    f"({pointer('algorithm', 'A freeze that comes too early')})", EarlyFreezeWarning,
+                    stacklevel=user_stacklevel())
         return True
 
     def stats(self, flat: Optional[Dict[str, Any]]) -> Dict[str, Any]:

@@ -31,10 +31,11 @@ import torch.distributed as dist
 
 from onebitlamb.comm import CommStats
 from onebitlamb.comm.stats import all_gather_bytes, allreduce_bytes
+from onebitlamb.docs import pointer
 
 HSDP_FIX = ("shard each node's ranks with fully_shard(module, mesh=mesh['shard']) on mesh = init_device_mesh("
             "device, (nodes, ranks_per_node), mesh_dim_names=('replicate', 'shard')), and build the optimizer "
-            "with process_group=mesh['replicate'].get_group() (docs/integrations.md, 'Sharded models')")
+            f"with process_group=mesh['replicate'].get_group() ({pointer('integrations', 'Sharded models')})")
 
 
 def is_sharded(p: torch.Tensor) -> bool:
@@ -116,7 +117,7 @@ class Shards:
                              f"the other replicas (ranks it shares with the shard group: {shared}). 1-D FSDP over "
                              f"every rank has no replicas; all its traffic across nodes is FSDP's own "
                              f"parameter all-gathers and gradient reduce-scatters, which a 1-bit exchange cannot "
-                             f"replace (BENCHMARKS.md, 'Sharded models (HSDP) on emulated hosts'). For a 1-bit "
+                             f"replace ({pointer('integrations', 'Sharded models')}). For a 1-bit "
                              f"exchange across nodes use HSDP: {HSDP_FIX}")
         # the checks that must hold on every rank of the mesh run over the world (``_agree``): the
         # shard group times the replicas must be it (a group of just the mesh's ranks would have to

@@ -23,6 +23,7 @@ import time
 from typing import Dict, List
 
 from onebitlamb.compression.wire import warmup_format
+from onebitlamb.docs import pointer
 from onebitlamb.train import config, files, pretrain
 from onebitlamb.train.checkpoints import check_run_names, existing_run
 from onebitlamb.train.ranks import under_torchrun
@@ -192,7 +193,8 @@ def where_the_seed_falls(runs: Dict[str, dict], measured: dict) -> List[str]:
         spread = f" ± {entry['half_width_pct']:.2f} (95% interval)" if entry["half_width_pct"] is not None else ""
         seeds = entry["seeds"]
         lines.append(f"{LABELS.get(name, name)}: {gap:+.2f}% against LAMB at this seed; over seeds {seeds[0]}-"
-                     f"{seeds[-1]} ({entry['command']}; BENCHMARKS.md) {entry['mean_pct']:+.2f}%{spread}, from "
+                     f"{seeds[-1]} ({entry['command']}; {pointer('convergence', 'What the defaults give, in full')}) "
+                     f"{entry['mean_pct']:+.2f}%{spread}, from "
                      f"{min(entry['gaps_pct']):+.2f}% to {max(entry['gaps_pct']):+.2f}%")
     return lines
 

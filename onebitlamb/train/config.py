@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence, Union
 
 import onebitlamb
 from onebitlamb.compression import codec_for, codec_names
+from onebitlamb.docs import pointer
 from onebitlamb.train import data
 from onebitlamb.train.model import ModelConfig
 
@@ -163,7 +164,7 @@ class TrainConfig:
     shard: int = field(default=1, metadata={
         "help": "ranks per replica: the model, its gradients and the optimizer's state sharded with FSDP2 over "
                 "each N consecutive ranks (a node), the optimizer's exchange across the replicas (HSDP; "
-                "docs/integrations.md, 'Sharded models'). 1: every rank holds the whole model"})
+                f"{pointer('integrations', 'Sharded models')}). 1: every rank holds the whole model"})
     agree_every: int = field(default=1000, metadata={
         "help": "steps between the ranks' checks that they still train alike (hyper-parameters, a checksum of "
                 "every parameter); 0 = at the first step only"})
