@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # the files a comparison writes into OUT itself (each optimizer's run is in OUT/<optimizer>)
-COMPARE_FILES = ("metrics.json", "metrics.json.tmp", "table.md", "compare.png", "diagnostics.png")
+# (a write of metrics.json cut short leaves it under the run's temporary name: files.temporary_name)
+COMPARE_FILES = ("metrics.json", "table.md", "compare.png", "diagnostics.png")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,8 +137,8 @@ def check_out_dir(args: argparse.Namespace, configs: Dict[str, "config.TrainConf
                 with open(metrics_path) as f:
                     changed = config.changed_settings(cfg, json.load(f).get("config", {}))
                 if changed:
-                    raise config.SetupError(f"--resume: the finished run {cfg.out} has different settings "
-                                            f"(saved, now): {changed}")
+                    raise config.SetupError(config.resume_refusal(
+                        changed, f"--resume: the finished run {cfg.out} has different settings"))
         else:
             found += [f"{name}/{x}" for x in existing_run(cfg.out)]
     for f in COMPARE_FILES:

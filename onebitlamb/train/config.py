@@ -381,6 +381,40 @@ def config_from_flags(flags: Sequence[str]) -> TrainConfig:
     return config_from_args(parser.parse_args(list(flags)))
 
 
+def _switch(name: str) -> str:
+    """The flag of setting ``name``; a switch turns the default around (``--no-progress``)."""
+    default = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
+    return ("--no-" if default is True else "--") + name.replace("_", "-")
+
+
+def _as_flags(name: str, value) -> str:
+    """A setting as the command line gives it: ``--steps 8``, ``--no-progress``, ``--corpus a b``,
+    ``no --bucket-cap-mb``; a setting only a preset sets, by its name."""
+    fld = next((f for f in dataclasses.fields(TrainConfig) if f.name == name), None)
+    if fld is None or "help" not in fld.metadata:
+        return f"{name} {value!r} (set by --preset)"
+    flag = _switch(name)
+    if isinstance(value, bool):
+        return flag if value != fld.default else f"no {flag}"
+    if value is None:
+        return f"no {flag}"
+    if isinstance(value, (list, tuple)):
+        return " ".join([flag, *map(str, value)])
+    return f"{flag} {value}"
+
+
+def resume_refusal(changed: dict, what: str) -> str:
+    """The refusal of a --resume whose settings differ from the saved run's (``changed``: name:
+    (saved, now)), ``what`` its first words: the differences, the settings a resume may change,
+    and both ways on (the saved values, or a new run)."""
+    may = sorted(_switch(k) for k in RESUMABLE_CHANGES - {"resume", "overwrite"})
+    saved = ", ".join(_as_flags(k, old) for k, (old, _) in changed.items())
+    return (f"{what} (saved, now): {changed}. A resume continues the same run, so only {', '.join(may)} may differ "
+            f"(and the flags its optimizer does not read); the rest would change its numbers. To continue it, give "
+            f"the saved values ({saved}); to train with the new ones, start a new run: another --out, or --overwrite "
+            f"(which removes this run's own files, its checkpoints included)")
+
+
 def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
     """The settings (name: (saved, now)) in which ``cfg`` differs from a saved run's config, other
     than those that cannot change its numbers (RESUMABLE_CHANGES; the flags this optimizer does not
