@@ -88,11 +88,12 @@ def test_the_runs_files_are_created_anew_never_through_a_link(tmp_path):
     victim.write_text("mine")
     out = tmp_path / "out"
     out.mkdir()
-    for name in ("checkpoint.json", "metrics.json", "config.json"):  # written under name.tmp, then renamed
-        os.symlink(victim, out / f"{name}.tmp")
-        with pytest.raises(files.OutError, match=f"{name}.tmp is a link"):
+    for name in ("checkpoint.json", "metrics.json", "config.json"):  # written under a temporary name, then renamed
+        tmp = files.temporary_name(str(out / name))
+        os.symlink(victim, tmp)
+        with pytest.raises(files.OutError, match=f"{os.path.basename(tmp)} is a link"):
             files.write_json(str(out / name), {"a": 1})
-    os.symlink(tmp_path / "created-outside.pt", out / f"model.pt.tmp.{os.getpid()}")  # a dangling link
+    os.symlink(tmp_path / "created-outside.pt", files.temporary_name(str(out / "model.pt")))  # a dangling link
     with pytest.raises(files.OutError, match="is a link"):
         data.atomic_save({"x": 1}, str(out / "model.pt"))
     os.symlink(victim, out / "curves.png")
@@ -100,7 +101,8 @@ def test_the_runs_files_are_created_anew_never_through_a_link(tmp_path):
         files.save_figure(None, str(out / "curves.png"))
     assert victim.read_text() == "mine" and not (tmp_path / "created-outside.pt").exists()
     # the run's own stale temporary file is replaced; a link at the final name is replaced, not followed
-    (out / "log.json.tmp").write_text("half of it")
+    with open(files.temporary_name(str(out / "log.json")), "w") as f:
+        f.write("half of it")
     os.symlink(victim, out / "log.json")
     files.write_json(str(out / "log.json"), {"a": 1})
     assert not os.path.islink(out / "log.json") and json.loads((out / "log.json").read_text()) == {"a": 1}
@@ -114,28 +116,31 @@ def test_the_runs_files_are_created_anew_never_through_a_link(tmp_path):
 
 
 def test_a_link_at_the_next_checkpoint_is_refused_and_the_run_stays_resumable(stopped, tmp_path, common, capfd):
-    """The command in this process (its workers write to the captured stderr); the last resume, which
-    only shows that the run goes on, on the persistent ranks (tests/pretrain_pool.py)."""
+    """A link where the run writes one of its files, or makes a later checkpoint folder: refused at
+    the start (exit 2), by name, nothing followed or changed; the resume goes on once it is removed.
+    Before, a link at ckpt-0000004 was found only at that step's checkpoint (exit 1). The command in
+    this process (its workers write to the captured stderr); the last resume, which only shows
+    that the run goes on, on the persistent ranks (tests/pretrain_pool.py)."""
     out = tmp_path / "run"
     shutil.copytree(stopped, out, symlinks=True)
     victim = tmp_path / "victim.csv"
     victim.write_text("mine")
-    # at the start: a link where the run writes one of its files is refused, by name
     os.remove(out / "log.csv")
     os.symlink(victim, out / "log.csv")
     code = cli.main(["pretrain", *common, "--out", str(out), "--resume"])
     err = capfd.readouterr().err
     assert code == 2 and "log.csv is a link" in err and "Traceback" not in err, err[-3000:]
     os.remove(out / "log.csv")
-    # during the run: a link planted at the next checkpoint folder is neither followed nor removed
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     os.symlink(elsewhere, out / "ckpt-0000004")
+    before = sorted(os.listdir(out))
     code = cli.main(["pretrain", *common, "--out", str(out), "--resume"])
     err = capfd.readouterr().err
-    assert code == 1, err[-3000:]
-    assert "checkpoint of step 4" in err and "ckpt-0000004 is a link" in err
-    assert "Traceback" not in err and os.listdir(elsewhere) == [] and victim.read_text() == "mine"
+    assert code == 2, err[-3000:]
+    assert "ckpt-0000004 is a link, where the run makes its checkpoint of step 4" in err
+    assert "held-out loss" not in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-3000:]
+    assert os.listdir(elsewhere) == [] and victim.read_text() == "mine" and sorted(os.listdir(out)) == before
     assert checkpoints.read_pointer(str(out))["step"] == 2 and (out / "ckpt-0000002" / "model.pt").exists()
     os.remove(out / "ckpt-0000004")
     assert pretrain_on_ranks(*common, "--out", str(out), "--resume").summary["completed"]

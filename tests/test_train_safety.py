@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from onebitlamb import cli
-from onebitlamb.train import checkpoints, config, loop, pretrain, ranks
+from onebitlamb.train import checkpoints, config, files, loop, pretrain, ranks
 from pretrain_pool import pretrain_on_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,6 +43,10 @@ def _as_a_run_writes(out, name):
         with open(path, "wb") as f:
             f.write(b"\x89PNG\r\n\x1a\n tEXtSoftware Matplotlib")
         return
+    if checkpoints.EVENTS_FILE.fullmatch(os.path.basename(name)):
+        with open(path, "wb") as f:
+            f.write(b"\x18\x00\x00\x00\x00\x00\x00\x00\xa3\x7fK\"\t\x00\x00\x00\x00\x00\x00\x00\x00\x1a\rbrain.Event:2")
+        return
     _write(path, {"config.json": json.dumps(saved),
                   "checkpoint.json": json.dumps({"folder": "ckpt-0000002", "step": 2, "sha256": {}}),
                   "metrics.json": json.dumps({"config": saved, "final_eval_loss": 5.0}),
@@ -50,15 +54,27 @@ def _as_a_run_writes(out, name):
                   }.get(name, "x"))
 
 
+def _saved_checkpoint(out, name, ranks=2):
+    """A checkpoint folder as a run saves it: its files, and its manifest.json listing their sha256."""
+    folder = os.path.join(out, name)
+    saved = ["model.pt", "trainer.pt", *(f"rank{r}.pt" for r in range(ranks))]
+    for f in saved:
+        _as_a_run_writes(folder, f)
+    manifest = {"folder": name, "step": int(name[5:]), "world_size": ranks,
+                "sha256": {f: checkpoints._sha256(os.path.join(folder, f)) for f in saved}}
+    _write(os.path.join(folder, "manifest.json"), json.dumps(manifest))
+    return manifest
+
+
 def _earlier_run(out):
     """An OUT as a run leaves it, plus a user's own files among them."""
     for name in ("config.json", "checkpoint.json", "metrics.json", "model_final.pt", "freeze.png", "curves.png",
-                 "log.csv"):
+                 "log.csv", "tensorboard/events.out.tfevents.1700000000.host.42.0"):
         _as_a_run_writes(out, name)
-    for name in ("tensorboard/events.out.tfevents.1700000000.host.42.0",
-                 "metrics.json.tmp", "ckpt-0000002/model.pt", "ckpt-0000002/trainer.pt", "ckpt-0000002/rank0.pt",
-                 "ckpt-0000002/rank1.pt", "ckpt-0000004/rank0.pt.tmp.4242",  # an interrupted write
-                 "ckpt-0000006/model.pt", "ckpt-0000006/notes.txt",  # a user's file in a checkpoint folder
+    _saved_checkpoint(out, "ckpt-0000002")
+    for name in ("ckpt-0000004/rank0.pt" + files.TEMPORARY_MARK,  # an interrupted write
+                 "metrics.json.tmp",  # a user's: not a name the run writes under
+                 "ckpt-0000012/model.pt", "ckpt-0000012/notes.txt",  # a user's files where the run never writes
                  "ckpt-notes/todo.txt", "notes.txt", "cache/corpus-x/blocks.pt", "plots/loss.png"):
         _write(os.path.join(out, name))
 
@@ -91,10 +107,10 @@ def test_an_earlier_run_is_refused_before_anything_starts(tmp_path, capsys):
 def test_overwrite_removes_the_runs_own_files_and_nothing_else(tmp_path, capsys):
     _earlier_run(tmp_path)
     checkpoints.prepare_out_dir(_config(tmp_path, overwrite=True))
-    assert _tree(tmp_path) == ["cache/corpus-x/blocks.pt", "ckpt-0000006/model.pt", "ckpt-0000006/notes.txt",
-                               "ckpt-notes/todo.txt", "notes.txt", "plots/loss.png"]
+    assert _tree(tmp_path) == ["cache/corpus-x/blocks.pt", "ckpt-0000012/model.pt", "ckpt-0000012/notes.txt",
+                               "ckpt-notes/todo.txt", "metrics.json.tmp", "notes.txt", "plots/loss.png"]
     err = capsys.readouterr().err
-    assert "left in place" in err and "ckpt-notes/" in err and "ckpt-0000006/ (also holds notes.txt)" in err
+    assert "left in place" in err and "ckpt-notes/" in err and "ckpt-0000012/ (holds model.pt, notes.txt)" in err
     assert "cache" not in err.split("left in place")[1]  # the corpus cache is no business of the run's
 
 
@@ -134,13 +150,17 @@ def test_a_link_is_never_followed(tmp_path):
     _as_a_run_writes(str(out), "metrics.json")
     os.symlink(elsewhere, out / "ckpt-0000002")
     os.symlink(elsewhere / "model.pt", out / "model_final.pt")
-    # a link where the run writes one of its files: refused, by name, --overwrite or not
+    # a link where the run writes one of its files, or makes a checkpoint: refused, by name, --overwrite or not
     with pytest.raises(ValueError, match="model_final.pt is a link"):
         checkpoints.prepare_out_dir(_config(out, overwrite=True))
     assert os.path.islink(out / "model_final.pt") and (out / "metrics.json").exists()
     os.remove(out / "model_final.pt")
+    with pytest.raises(ValueError, match="ckpt-0000002 is a link, where the run makes its checkpoint of step 2"):
+        checkpoints.prepare_out_dir(_config(out, overwrite=True))
+    assert (out / "metrics.json").exists()  # nothing removed by a refusal
+    os.rename(out / "ckpt-0000002", out / "ckpt-0000020")  # where the run never writes: left as it is
     checkpoints.prepare_out_dir(_config(out, overwrite=True))
-    assert (elsewhere / "model.pt").exists() and os.path.islink(out / "ckpt-0000002")
+    assert (elsewhere / "model.pt").exists() and os.path.islink(out / "ckpt-0000020")
     assert not (out / "metrics.json").exists()
 
 
@@ -222,7 +242,9 @@ def test_the_checkpoint_has_a_manifest_and_resumes(run_copy):
     out, pointer, cfg = run_copy
     folder = out / "ckpt-0000003"
     assert pointer["folder"] == "ckpt-0000003" and pointer["step"] == 3 and pointer["world_size"] == 2
-    assert set(pointer["sha256"]) == {"model.pt", "trainer.pt", "rank0.pt", "rank1.pt"} == set(os.listdir(folder))
+    assert set(pointer["sha256"]) == {"model.pt", "trainer.pt", "rank0.pt", "rank1.pt"}
+    assert set(os.listdir(folder)) == {*pointer["sha256"], "manifest.json"}
+    assert json.loads((folder / "manifest.json").read_text()) == pointer  # the folder carries its own
     for name, digest in pointer["sha256"].items():
         assert checkpoints._sha256(str(folder / name)) == digest
         torch.load(folder / name, weights_only=True)  # plain data
@@ -276,27 +298,27 @@ def test_a_checkpoint_without_its_manifest_is_refused(run_copy, capsys, manifest
 def test_a_resume_removes_what_the_pointer_no_longer_names_and_only_that(run_copy, capsys):
     """A run killed between the switch of checkpoint.json and the removal of the previous folder
     (or during a save that never completed) leaves a ckpt-* folder, and a write cut short leaves a
-    ``*.pt.tmp.<pid>``: the next resume removes those, and nothing of the user's. Before, they
-    stayed for good."""
+    file under the run's temporary name: the next resume removes those, and nothing of the user's.
+    Before, they stayed for good."""
     out, pointer, cfg = run_copy
     shutil.copytree(out / "ckpt-0000003", out / "ckpt-0000001")  # the previous checkpoint, not removed
     os.makedirs(out / "ckpt-0000005")  # a save cut short
-    _write(str(out / "ckpt-0000005" / "rank0.pt.tmp.4242"))
+    _write(str(out / "ckpt-0000005" / ("rank0.pt" + files.TEMPORARY_MARK)))
     shutil.copytree(out / "ckpt-0000003", out / "ckpt-0000002")
-    _write(str(out / "ckpt-0000003" / "rank1.pt.tmp.4243"))
-    _write(str(out / "checkpoint.json.tmp"))
+    _write(str(out / "ckpt-0000003" / f"rank1.pt{files.TEMPORARY_MARK}.4243"))
+    _write(str(out / f"checkpoint.json{files.TEMPORARY_MARK}.4244"))
     _write(str(out / "ckpt-0000002" / "notes.txt"))  # the user's file in an old folder: that folder stays
     _write(str(out / "ckpt-notes" / "todo.txt"))
     _write(str(out / "ckpt-0000003" / "notes.txt"))  # a user's file in the current folder stays too
     checkpoints.check_resumable(cfg)
     assert sorted(n for n in os.listdir(out) if n.startswith("ckpt")) == ["ckpt-0000002", "ckpt-0000003",
                                                                           "ckpt-notes"]
-    assert sorted(os.listdir(out / "ckpt-0000003")) == ["model.pt", "notes.txt", "rank0.pt", "rank1.pt",
-                                                         "trainer.pt"]
-    assert not (out / "checkpoint.json.tmp").exists() and (out / "ckpt-notes" / "todo.txt").exists()
-    assert len(os.listdir(out / "ckpt-0000002")) == 5
+    assert sorted(os.listdir(out / "ckpt-0000003")) == ["manifest.json", "model.pt", "notes.txt", "rank0.pt",
+                                                         "rank1.pt", "trainer.pt"]
+    assert not [n for n in os.listdir(out) if "tmp" in n] and (out / "ckpt-notes" / "todo.txt").exists()
+    assert len(os.listdir(out / "ckpt-0000002")) == 6
     err = capsys.readouterr().err
-    assert "ckpt-0000001/" in err and "ckpt-0000005/" in err and "ckpt-0000002/ (also holds notes.txt)" in err
+    assert "ckpt-0000001/" in err and "ckpt-0000005/" in err and "ckpt-0000002/ (holds notes.txt)" in err
 
 
 @pytest.mark.parametrize("how", ["another optimizer", "swapped"])
@@ -384,6 +406,194 @@ def test_a_missing_rank_file_is_refused_at_the_start(run_copy):
 def _flags(cfg):
     return ["--preset", "tiny", "--optimizer", cfg.optimizer, "--freeze", str(cfg.freeze), "--corpus", *cfg.corpus,
             "--cache-dir", cfg.cache_dir, "--out", cfg.out, "--no-progress"]
+
+
+def test_a_checkpoint_folder_copied_alone_into_a_new_out_resumes(run_copy, tmp_path, common, capsys):
+    """--resume in an OUT holding a checkpoint folder but no checkpoint.json (the folder copied
+    alone into a new --out, or the pointer deleted): the newest complete checkpoint (its own
+    manifest.json, every file matching it) is resumed, checkpoint.json written to name it, and the
+    run ends bit for bit where the original resumed run ends. Before, every ckpt-* folder was
+    removed as an interrupted run's leftovers and the run trained from step 0, exit 0."""
+    out, pointer, cfg = run_copy
+    new = tmp_path / "new"
+    new.mkdir()
+    shutil.copytree(out / "ckpt-0000003", new / "ckpt-0000003")
+    deleted = tmp_path / "deleted"
+    shutil.copytree(out, deleted)
+    os.remove(deleted / "checkpoint.json")
+    checkpoints.check_resumable(dataclasses.replace(cfg, out=str(deleted), cache_dir=cfg.cache_dir))
+    assert checkpoints.read_pointer(str(deleted)) == pointer and len(os.listdir(deleted / "ckpt-0000003")) == 5
+    flags = [*common, "--optimizer", "onebitlamb", "--resume"]
+    assert pretrain_on_ranks(*flags, "--out", str(new)).summary["completed"]
+    err = capsys.readouterr().err
+    assert f"{new} has no checkpoint.json: continuing from ckpt-0000003 (step 3)" in err, err[-3000:]
+    assert pretrain_on_ranks(*flags, "--out", str(out)).summary["completed"]
+    resumed, original = (torch.load(d / "model_final.pt", weights_only=True) for d in (new, out))
+    assert resumed.keys() == original.keys() and all(torch.equal(resumed[k], original[k]) for k in original)
+    assert json.loads((new / "metrics.json").read_text())["final_eval_loss"] == \
+        json.loads((out / "metrics.json").read_text())["final_eval_loss"]
+
+
+@pytest.mark.parametrize("left", ["results", "a checkpoint without its manifest", "a damaged checkpoint"])
+def test_a_resume_with_nothing_to_continue_never_starts_over_on_top_of_it(run_copy, tmp_path, capsys, left):
+    """--resume without checkpoint.json and without a complete checkpoint folder: where OUT holds
+    an earlier run's results, or checkpoint files whose manifest cannot prove them (a checkpoint of
+    an earlier version, a damaged one), it is refused in one line (exit 2) saying how to go on, and
+    nothing is removed. Before, the folders were removed and the run trained from step 0 over the
+    results, exit 0."""
+    out, pointer, cfg = run_copy
+    new = tmp_path / "new"
+    if left == "results":
+        for name in ("metrics.json", "model_final.pt", "config.json", "log.csv"):
+            _as_a_run_writes(str(new), name)
+        said = "holds an earlier run's results (metrics.json, model_final.pt) but no checkpoint"
+    else:
+        shutil.copytree(out / "ckpt-0000003", new / "ckpt-0000003")
+        if left == "a damaged checkpoint":
+            blob = bytearray((new / "ckpt-0000003" / "rank1.pt").read_bytes())
+            blob[len(blob) // 2] ^= 0x01
+            (new / "ckpt-0000003" / "rank1.pt").write_bytes(bytes(blob))
+            said = "ckpt-0000003 is damaged: its manifest.json does not list rank1.pt with the sha256 they have"
+        else:
+            (new / "ckpt-0000003" / "manifest.json").unlink(missing_ok=True)  # as an earlier version saved it
+            said = "holds model.pt, rank0.pt, rank1.pt, trainer.pt without the manifest.json a complete checkpoint"
+    before = _tree(new)
+    moved = dataclasses.replace(cfg, out=str(new))
+    with pytest.raises(ValueError, match=re.escape(said)):
+        checkpoints.check_resumable(moved)
+    code = cli.main(["pretrain", *_flags(moved), "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and "nothing was changed" in err, err[-3000:]
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and _tree(new) == before
+    if left == "a checkpoint without its manifest":  # its run's checkpoint.json beside it: it resumes
+        shutil.copy(out / "checkpoint.json", new / "checkpoint.json")
+        checkpoints.check_resumable(moved)
+
+
+def test_only_what_the_run_can_prove_its_own_is_removed(run_copy, tmp_path, capsys):
+    """--overwrite, and a --resume's removal of what an interrupted run left, remove a file only
+    when the run can prove it its own: under the run's temporary name, or listed with its sha256 in
+    a manifest the run wrote. A user's ``*.json.tmp`` and the user's own files named model.pt,
+    trainer.pt or rankN.pt in a ckpt-* folder stay, named; where the run will make such a folder
+    they are refused at the start, and nothing is removed. Before, both removed them by name."""
+    mine = "my own file\n"
+    fresh = tmp_path / "fresh"
+    _earlier_run(fresh)  # a run's checkpoint (its manifest) in ckpt-0000002, an interrupted write in ckpt-0000004
+    users = ["metrics.json.tmp", "checkpoint.json.tmp", "ckpt-0000012/model.pt", "ckpt-0000012/trainer.pt",
+             "ckpt-0000012/rank0.pt"]
+    for name in users:
+        _write(str(fresh / name), mine)
+    checkpoints.prepare_out_dir(_config(fresh, overwrite=True))
+    assert all((fresh / name).read_text() == mine for name in users)
+    assert not (fresh / "ckpt-0000002").exists() and not (fresh / "ckpt-0000004").exists()
+    err = capsys.readouterr().err
+    assert "removed the earlier run's" in err and "ckpt-0000002/" in err.split("left in place")[0]
+    assert "checkpoint.json.tmp" in err and "metrics.json.tmp" in err.split("left in place")[1]
+    assert "ckpt-0000012/ (holds model.pt, notes.txt, rank0.pt, trainer.pt)" in err
+    # where the run makes its checkpoint of step 4: refused, before anything is removed
+    _write(str(fresh / "ckpt-0000004" / "rank0.pt"), mine)
+    _as_a_run_writes(str(fresh), "metrics.json")
+    before = _tree(fresh)
+    with pytest.raises(ValueError, match="ckpt-0000004 holds rank0.pt, where the run makes its checkpoint of step 4"):
+        checkpoints.prepare_out_dir(_config(fresh, overwrite=True))
+    assert _tree(fresh) == before
+    # a resume's leftovers: the user's files stay, the run's own go
+    out, pointer, cfg = run_copy
+    shutil.copytree(out / "ckpt-0000003", out / "ckpt-0000001")  # the run's previous checkpoint
+    for name in ("checkpoint.json.tmp", "ckpt-0000002/rank0.pt", "ckpt-0000002/model.pt"):
+        _write(str(out / name), mine)
+    checkpoints.check_resumable(cfg)
+    assert not (out / "ckpt-0000001").exists() and (out / "checkpoint.json.tmp").read_text() == mine
+    assert sorted(os.listdir(out / "ckpt-0000002")) == ["model.pt", "rank0.pt"]
+    assert "ckpt-0000002/ (holds model.pt, rank0.pt)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("world_size", ["2", None, 2.5, 1, 0, True])
+def test_an_edited_world_size_is_one_line_naming_it(run_copy, capsys, world_size):
+    """checkpoint.json's world_size edited: refused at the start in one line naming the value
+    (exit 2), nothing removed. Before, a string, null or a float ended in a raw TypeError traceback
+    (one per rank under torchrun), and 1 was reported as a missing rank file."""
+    out, pointer, cfg = run_copy
+    pointer["world_size"] = world_size
+    _set_pointer(out, pointer)
+    before = _tree(out)
+    said = f"checkpoint.json is damaged: its world_size is {world_size!r}"
+    with pytest.raises(ValueError, match=re.escape(said)):
+        checkpoints.check_resumable(cfg)
+    code = cli.main(["pretrain", *_flags(cfg), "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert _tree(out) == before
+
+
+def test_a_link_at_a_later_checkpoint_folder_is_refused_before_a_new_run_starts(tmp_path, common, capfd):
+    """A link at a ckpt-<step> folder the run would make (here a dangling one, which shows no
+    earlier run): refused at the start in one line naming it, exit 2, nothing trained. Before, the
+    run trained to that step, then stopped (exit 1) saying that checkpoint.json still named a
+    previous checkpoint that did not exist."""
+    out = tmp_path / "run"
+    out.mkdir()
+    os.symlink(tmp_path / "missing", out / "ckpt-0000004")
+    code = cli.main(["pretrain", *common, "--optimizer", "lamb", "--out", str(out)])
+    err = capfd.readouterr().err
+    assert code == 2, err[-3000:]
+    assert "ckpt-0000004 is a link, where the run makes its checkpoint of step 4" in err
+    assert "held-out loss" not in err and "previous" not in err and "Traceback" not in err
+    assert os.listdir(out) == ["ckpt-0000004"] and not os.path.exists(tmp_path / "missing")
+
+
+def _store(cfg):
+    """A checkpoint store of one rank, and a state to save (a linear model, a stub optimizer)."""
+    model = torch.nn.Linear(2, 2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(model.parameters(), lr=1.0), lambda s: 1.0)
+    return checkpoints.CheckpointStore(cfg, 0, 1, "cpu"), checkpoints.TrainState(model, _Stub(), scheduler,
+                                                                                {"steps": []})
+
+
+def test_a_checkpoint_that_cannot_be_written_says_which_one_is_kept(tmp_path):
+    """A link, or a file of someone else's, at the next checkpoint folder while the run trains: the
+    run stops naming it, and says truly what stays: the checkpoint checkpoint.json names, or that
+    none was written yet. Before, the first checkpoint's message spoke of a previous checkpoint that
+    did not exist."""
+    store, state = _store(_config(tmp_path, workers=1))
+    os.symlink(tmp_path / "elsewhere", tmp_path / "ckpt-0000002")
+    with pytest.raises(RuntimeError, match="ckpt-0000002 is a link") as first:
+        store.save(2, state)
+    assert "no checkpoint of this run was written before it" in str(first.value)
+    assert "previous" not in str(first.value) and not os.path.exists(tmp_path / "checkpoint.json")
+    os.remove(tmp_path / "ckpt-0000002")
+    store.save(2, state)
+    _write(str(tmp_path / "ckpt-0000004" / "model.pt"), "mine")
+    with pytest.raises(RuntimeError, match="ckpt-0000004 holds model.pt, which the run cannot prove its own") as later:
+        store.save(4, state)
+    assert "checkpoint.json still names the checkpoint of step 2, which is kept" in str(later.value)
+    assert (tmp_path / "ckpt-0000004" / "model.pt").read_text() == "mine"
+    assert checkpoints.read_pointer(str(tmp_path))["step"] == 2
+
+
+def test_a_resume_with_other_settings_names_the_way_forward(run_copy, tmp_path, capsys):
+    """--resume with a setting that changes the numbers: the refusal lists the difference, the
+    settings a resume may change, the saved values that continue the run, and a new run (another
+    --out, or --overwrite) for the new ones; compare --resume's refusal of a finished run too.
+    Before, it listed the difference and stopped there."""
+    out, _, cfg = run_copy
+    with pytest.raises(ValueError) as refused:
+        checkpoints.check_resumable(dataclasses.replace(cfg, steps=12))
+    said = str(refused.value)
+    assert "(saved, now): {'steps': (8, 12)}" in said and "give the saved values (--steps 8)" in said
+    may = said.split("only ")[1].split(" may differ")[0]
+    assert all(f in may for f in ("--workers", "--threads", "--timeout", "--stop-after-steps", "--cache-dir"))
+    assert "--steps" not in may and "another --out, or --overwrite" in said
+    code = cli.main(["pretrain", *_flags(cfg), "--resume", "--steps", "12"])
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+    saved = dataclasses.asdict(_config(tmp_path / "cmp" / "lamb", preset="tiny", optimizer="lamb", lr=0.5))
+    _write(str(tmp_path / "cmp" / "lamb" / "metrics.json"), json.dumps({"config": saved, "final_eval_loss": 5.0}))
+    code = cli.main(["compare", "--preset", "tiny", "--optimizers", "lamb", "--out", str(tmp_path / "cmp"),
+                     "--resume", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "'lr': (0.5, 0.02)" in err and "give the saved values (--lr 0.5)" in err, err
+    assert "another --out, or --overwrite" in err
 
 
 class _Payload:
@@ -484,36 +694,33 @@ class _Stub:
 
 
 def test_the_previous_checkpoint_is_removed_only_after_the_switch(tmp_path, monkeypatch):
-    cfg = _config(tmp_path, workers=1)
-    model = torch.nn.Linear(2, 2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(model.parameters(), lr=1.0), lambda s: 1.0)
-    store, state = checkpoints.CheckpointStore(cfg, 0, 1, "cpu"), checkpoints.TrainState(model, _Stub(), scheduler,
-                                                                                        {"steps": []})
+    store, state = _store(_config(tmp_path, workers=1))
     save = lambda step: store.save(step, state)
     save(2)
-    removed = []
-    real_remove = checkpoints._remove_checkpoint_folder
+    removed = set()
+    real_remove = checkpoints._remove_if_there
 
-    def remove(folder):
+    def remove(path):
         with open(tmp_path / "checkpoint.json") as f:
             assert json.load(f)["folder"] == "ckpt-0000004"  # the switch came first
-        removed.append(os.path.basename(folder))
-        return real_remove(folder)
+        removed.add(os.path.basename(os.path.dirname(path)))
+        return real_remove(path)
 
-    monkeypatch.setattr(checkpoints, "_remove_checkpoint_folder", remove)
+    monkeypatch.setattr(checkpoints, "_remove_if_there", remove)
     # a crash while writing the next checkpoint: the previous one is still named and whole
     real_save = checkpoints.atomic_save
     monkeypatch.setattr(checkpoints, "atomic_save",
-                        lambda obj, path: (_ for _ in ()).throw(OSError("disk full")) if "trainer" in path
-                        else real_save(obj, path))
+                        lambda obj, path, **kw: (_ for _ in ()).throw(OSError("disk full")) if "trainer" in path
+                        else real_save(obj, path, **kw))
     with pytest.raises(OSError):
         save(4)
-    assert checkpoints.read_pointer(str(tmp_path))["folder"] == "ckpt-0000002" and removed == []
+    assert checkpoints.read_pointer(str(tmp_path))["folder"] == "ckpt-0000002" and removed == set()
     for name in ("model.pt", "trainer.pt", "rank0.pt"):
         checkpoints._load_checkpoint_file(str(tmp_path), checkpoints.read_pointer(str(tmp_path)), name, "cpu")
     monkeypatch.setattr(checkpoints, "atomic_save", real_save)
-    save(4)
-    assert removed == ["ckpt-0000002"] and not (tmp_path / "ckpt-0000002").exists()
+    save(4)  # into the folder the crash left, which holds the run's own files only
+    assert removed == {"ckpt-0000002"} and not (tmp_path / "ckpt-0000002").exists()
+    assert sorted(os.listdir(tmp_path / "ckpt-0000004")) == ["manifest.json", "model.pt", "rank0.pt", "trainer.pt"]
     assert checkpoints.read_pointer(str(tmp_path))["step"] == 4
 
 

@@ -1,13 +1,18 @@
-"""The checkpoint store and OUT's files: OUT/ckpt-<step>/{model.pt, trainer.pt, rank<r>.pt},
-OUT/checkpoint.json naming the last.
+"""The checkpoint store and OUT's files: OUT/ckpt-<step>/{model.pt, trainer.pt, rank<r>.pt,
+manifest.json}, OUT/checkpoint.json naming the last.
 
-Every file is written to a temporary name, flushed and renamed; checkpoint.json is switched to a
-new folder only after every rank has written its file and rank 0 has checked each file on disk
-against the sha256 its writer computed, and the previous folder is removed only after that switch:
-a crash at any point leaves the previous complete checkpoint in place. checkpoint.json holds those
-sha256 (the manifest), checked again on --resume. Every file is plain data (tensors, numbers,
-strings, lists, dicts), loaded with ``weights_only=True``: a planted pickle runs no code.
-(Multi-node runs need OUT on a shared file system.)
+A checkpoint is written in two steps. Every rank writes its file under the run's temporary name
+(``files.temporary_name``), flushed; rank 0 checks each file on disk against the sha256 its writer
+computed, writes those sha256 into the folder's manifest.json, renames the files to their names,
+switches checkpoint.json to the folder (the same manifest), and only then removes the previous
+folder: a crash at any point leaves the previous complete checkpoint in place, and every file in a
+checkpoint folder is, at every moment, provably the run's own (under its temporary name, or listed
+with its sha256 in a manifest the run wrote). What a run removes from OUT (``--overwrite``, a
+``--resume``'s leftovers) is what it can prove so, nothing else. The manifest is checked again on
+--resume; a folder copied into another OUT without checkpoint.json carries its own, and resumes.
+Every file is plain data (tensors, numbers, strings, lists, dicts), loaded with
+``weights_only=True``: a planted pickle runs no code. (Multi-node runs need OUT on a shared file
+system.)
 """
 from __future__ import annotations
 
@@ -22,27 +27,30 @@ import re
 import sys
 import zipfile
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 import onebitlamb
 from onebitlamb.train import files, runlog
-from onebitlamb.train.config import RunError, SetupError, TrainConfig, changed_settings
+from onebitlamb.train.config import RunError, SetupError, TrainConfig, changed_settings, resume_refusal
 from onebitlamb.train.data import atomic_save
 from onebitlamb.train.ranks import check_ranks_agree, first_problem, gather_digests
 from onebitlamb.train.sharding import load_model, saved_model
 
 POINTER = "checkpoint.json"
-CKPT_FOLDER = re.compile(r"ckpt-[0-9]{7,}")
+MANIFEST = "manifest.json"  # in each checkpoint folder: what checkpoint.json held when it named the folder
+CKPT_FOLDER = re.compile(r"ckpt-([0-9]{7,})")
+_TEMPORARY = f"(?:{re.escape(files.TEMPORARY_MARK)}(?:\\.[0-9]+)?)?"
 # what a run writes into OUT (with the temporary names it writes them under first) and into a
-# checkpoint folder: --overwrite removes these and nothing else
-RUN_FILE = re.compile(r"(checkpoint|metrics|config)\.json(\.tmp)?|(freeze|curves)\.png|log\.csv"
-                      r"|model_final\.pt(\.tmp\.[0-9]+)?")
-CKPT_FILE = re.compile(r"(model|trainer|rank[0-9]+)\.pt(\.tmp\.[0-9]+)?")
+# checkpoint folder: --overwrite removes these, when their content shows them the run's, and nothing else
+RUN_FILE = re.compile(r"(?:(?:checkpoint|metrics|config)\.json|(?:freeze|curves)\.png|log\.csv|model_final\.pt)"
+                      + _TEMPORARY)
+SAVED_FILE = re.compile(r"(?:model|trainer|rank[0-9]+)\.pt")  # what a manifest lists
+CKPT_FILE = re.compile(rf"(?:{SAVED_FILE.pattern}|{re.escape(MANIFEST)}){_TEMPORARY}")
 EVENTS_FILE = re.compile(r"events\.out\.tfevents\..+")  # in OUT/tensorboard (runlog.py)
 RANK_FILE = re.compile(r"rank([0-9]+)\.pt")
-TEMPORARY = re.compile(r"\.tmp(\.[0-9]+)?$")  # a file of the run's being written (files.write_json, atomic_save)
+TEMPORARY = files.TEMPORARY  # a file of the run's being written (files.write_json, atomic_save)
 
 
 def checkpoint_folder(step: int) -> str:
@@ -98,7 +106,7 @@ def _is_torch_file(path: str) -> bool:
 def written_by_a_run(path: str) -> bool:
     """Whether the file at ``path``, at one of the names a run (or a comparison) writes, is what a
     run wrote there, judged by its content: a name alone is no proof (a user's own ``metrics.json``
-    or ``log.csv`` has it too). A temporary name of the run's (``.tmp``, ``.tmp.<pid>``) is its own."""
+    or ``log.csv`` has it too). A file under the run's temporary name (``files.temporary_name``) is its own."""
     name = os.path.basename(path)
     if TEMPORARY.search(name):
         return True
@@ -123,6 +131,8 @@ def written_by_a_run(path: str) -> bool:
                 return re.search(r"^total \d+ s for the \d+ runs including start-up", f.read(), re.M) is not None
         except OSError:
             return False
+    if EVENTS_FILE.fullmatch(name):  # a TFRecord whose first event names its file version
+        return _starts_with(path, b"", b"brain.Event:", within=64)
     return False
 
 
@@ -157,60 +167,182 @@ def refuse_existing_run(cfg: TrainConfig, out: Optional[str] = None) -> List[str
     return found
 
 
-def prepare_out_dir(cfg: TrainConfig, remove: bool = True) -> None:
-    """A new run (no --resume): refuse an earlier run in OUT, or with --overwrite remove its files;
-    refuse a file of someone else's at a name the run writes (check_run_names)."""
+class OutPlan:
+    """What a run does to OUT before it starts, decided (and every refusal made) before anything
+    there changes, so that a refusal leaves OUT as it was: the run's own files and folders it
+    removes, what it leaves in place (named), and, on a --resume without checkpoint.json, the
+    checkpoint it continues from (checkpoint.json is written to name it). ``apply()`` does it (the
+    leader alone: the local launcher, or rank 0 under torchrun)."""
+
+    def __init__(self, cfg: TrainConfig, removing: str) -> None:
+        self.cfg, self.removing = cfg, removing
+        self.files: List[str] = []  # relative to OUT
+        self.folders: List[Tuple[str, List[str]]] = []  # a folder of OUT, and its entries: all removed
+        self.left: List[str] = []  # what stays, each with why
+        self.adopt: Optional[dict] = None  # the pointer to write
+
+    def apply(self) -> None:
+        cfg, out = self.cfg, self.cfg.out
+        os.makedirs(out, exist_ok=True)
+        if self.adopt is not None:
+            files.write_json(os.path.join(out, POINTER), self.adopt)
+            print(f"[{cfg.optimizer}] --resume: {out} has no {POINTER}: continuing from {self.adopt['folder']} "
+                  f"(step {self.adopt['step']}), its newest complete checkpoint (each file checked against the "
+                  f"folder's {MANIFEST}); {POINTER} now names it", file=sys.stderr, flush=True)
+        removed = []
+        for rel in self.files:
+            _remove_if_there(os.path.join(out, rel))
+            removed.append(rel)
+        for rel, names in self.folders:
+            for name in names:
+                _remove_if_there(os.path.join(out, rel, name))
+            try:
+                os.rmdir(os.path.join(out, rel))
+                removed.append(rel + "/")
+            except OSError:  # something else appeared in it meanwhile: it stays
+                self.left.append(f"{rel}/ (what appeared in it)")
+        if removed or self.left:
+            print(f"[{cfg.optimizer}] {self.removing}: {', '.join(removed) or 'nothing'}"
+                  + (f"; left in place (not provably a run's): {', '.join(self.left)}" if self.left else ""),
+                  file=sys.stderr, flush=True)
+
+
+def _remove_if_there(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _listdir(folder: str) -> List[str]:
+    """The entries of ``folder`` (none when it is gone: the leader may be removing it)."""
+    try:
+        return sorted(os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def prepare_out_dir(cfg: TrainConfig, remove: bool = True) -> OutPlan:
+    """A new run (no --resume): refuse an earlier run in OUT, or with --overwrite plan the removal
+    of its files; refuse a file of someone else's at a name the run writes (check_run_names), and
+    anything but the run's own where it will write a checkpoint (``check_future_checkpoints``).
+    With ``remove``, the plan is carried out; returns it."""
     check_run_names(cfg.out)
     refuse_existing_run(cfg)
+    plan = OutPlan(cfg, "--overwrite: removed the earlier run's")
+    if cfg.overwrite and os.path.isdir(cfg.out):
+        _plan_run_files(plan, keep=(cfg.cache_dir,))
+    check_future_checkpoints(plan, 0)
     if remove:
-        os.makedirs(cfg.out, exist_ok=True)
-        if cfg.overwrite:
-            removed, left = remove_run_files(cfg.out, keep=(cfg.cache_dir,))
-            if removed:
-                note = f"; left in place (not written by a run): {', '.join(left)}" if left else ""
-                print(f"[{cfg.optimizer}] --overwrite: removed the earlier run's {', '.join(removed)}{note}",
-                      file=sys.stderr, flush=True)
+        plan.apply()
+    return plan
 
 
-def remove_run_files(out: str, keep=()) -> Tuple[List[str], List[str]]:
-    """Remove the files a run writes into ``out``: its pointer, results, and every checkpoint folder
-    (and its TensorBoard folder) that holds nothing else. Returns (removed, left in place); links
-    are never followed."""
+def _plan_run_files(plan: OutPlan, keep=()) -> None:
+    """--overwrite: the files a run writes into OUT whose content shows them a run's (its pointer,
+    results, logs), and every checkpoint folder (and its TensorBoard folder) that holds nothing but
+    what the run can prove its own (``own_entries``). Everything else stays, named; links are never
+    followed."""
+    out = plan.cfg.out
     keep = {os.path.abspath(k) for k in keep if k}
-    removed, left = [], []
-    for name in sorted(os.listdir(out)):
+    pointer = _pointer_or_none(out)  # its manifest proves the files of a checkpoint saved without manifest.json
+    for name in _listdir(out):
         path = os.path.join(out, name)
         if os.path.abspath(path) in keep or name == files.LOCK_FILE:  # held by this run (files.RunLock)
             continue
         if os.path.islink(path):
-            left.append(name)
+            plan.left.append(name)
         elif os.path.isfile(path) and RUN_FILE.fullmatch(name) and written_by_a_run(path):
-            os.remove(path)
-            removed.append(name)
+            plan.files.append(name)
         elif os.path.isdir(path) and (CKPT_FOLDER.fullmatch(name) or name == runlog.TENSORBOARD_DIR):
-            others = _remove_checkpoint_folder(path, CKPT_FILE if CKPT_FOLDER.fullmatch(name) else EVENTS_FILE)
-            if others:
-                left.append(f"{name}/ (also holds {', '.join(others)})")
+            if CKPT_FOLDER.fullmatch(name):
+                own, others = own_entries(path, [pointer])
             else:
-                removed.append(name + "/")
+                own, others = _own_events(path)
+            if others:
+                plan.left.append(f"{name}/ (holds {', '.join(others)})")
+            else:
+                plan.folders.append((name, own))
         else:
-            left.append(name + ("/" if os.path.isdir(path) else ""))
-    return removed, left
+            plan.left.append(name + ("/" if os.path.isdir(path) else ""))
 
 
-def _remove_checkpoint_folder(folder: str, files: re.Pattern = CKPT_FILE) -> List[str]:
-    """Remove a checkpoint folder (or another folder of a run's ``files``) if it holds only the
-    files a run writes there; otherwise remove nothing and return the other entries."""
-    names = os.listdir(folder)
-    others = sorted(n for n in names
-                    if not files.fullmatch(n) or os.path.islink(os.path.join(folder, n))
-                    or not os.path.isfile(os.path.join(folder, n)))
-    if others:
-        return others
-    for name in names:
-        os.remove(os.path.join(folder, name))
-    os.rmdir(folder)
-    return []
+def _own_events(folder: str) -> Tuple[List[str], List[str]]:
+    """(the run's, the others) among the entries of its TensorBoard folder: event files by content."""
+    own, others = [], []
+    for name in _listdir(folder):
+        path = os.path.join(folder, name)
+        mine = (not os.path.islink(path) and os.path.isfile(path) and EVENTS_FILE.fullmatch(name) is not None
+                and written_by_a_run(path))
+        (own if mine else others).append(name)
+    return own, others
+
+
+def own_entries(folder: str, manifests: Sequence[Optional[dict]] = (),
+                known: Optional[Dict[str, tuple]] = None) -> Tuple[List[str], List[str]]:
+    """(the run's own, the others) among the entries of the checkpoint folder ``folder``. The run's
+    own: a regular file under the run's temporary name (``files.temporary_name``) of a checkpoint's
+    file, the folder's manifest.json when it is one a run wrote, a file listed in it (or in one of
+    ``manifests``: checkpoint.json's, which proves the files of a checkpoint saved before folders
+    held a manifest) with the sha256 listed, or one of ``known`` (name: ``_identity``, the files
+    this process committed). A name alone proves nothing: a link, a folder, or a file of the right
+    name with other bytes is another's."""
+    own_manifest = _folder_manifest(folder)
+    digests: Dict[str, Set[str]] = collections.defaultdict(set)
+    for m in (own_manifest, *manifests):
+        for name, digest in (m or {}).get("sha256", {}).items():
+            digests[name].add(digest)
+    own, others = [], []
+    for name in _listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.islink(path) or not os.path.isfile(path):
+            mine = False
+        elif TEMPORARY.search(name):
+            mine = CKPT_FILE.fullmatch(name) is not None
+        elif name == MANIFEST:
+            mine = own_manifest is not None
+        elif known is not None and name in known and known[name] == _identity(path):
+            mine = True
+        else:
+            mine = name in digests and _sha256(path) in digests[name]
+        if mine or os.path.lexists(path):  # (one removed meanwhile, by the leader under torchrun, is neither)
+            (own if mine else others).append(name)
+    return own, others
+
+
+def _identity(path: str) -> Optional[tuple]:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def check_future_checkpoints(plan: OutPlan, start: int, named: Optional[str] = None) -> None:
+    """Where the run will make a checkpoint folder (``ckpt-<step>`` for every step after ``start``
+    up to --steps: a stop may come at any step) there must be nothing but what ``plan`` removes
+    first: a link, a file, or a folder holding anything the run cannot prove its own is refused
+    now, by name, instead of at that step's checkpoint. ``named``: the folder the run resumes from."""
+    cfg = plan.cfg
+    removed = {rel for rel, _ in plan.folders}
+    for name in _listdir(cfg.out):
+        m = CKPT_FOLDER.fullmatch(name)
+        if m is None or name == named or name in removed or not start < int(m.group(1)) <= cfg.steps:
+            continue
+        path, step = os.path.join(cfg.out, name), int(m.group(1))
+        where = f"where the run makes its checkpoint of step {step}"
+        if not os.path.lexists(path):  # removed meanwhile (by the leader, under torchrun)
+            continue
+        if os.path.islink(path) or not os.path.isdir(path):
+            kind = "a link" if os.path.islink(path) else "a file"
+            raise SetupError(f"{path} is {kind}, {where}: not following or removing it; remove it, or choose "
+                             f"another --out (nothing was changed)")
+        _, others = own_entries(path)
+        if others:
+            raise SetupError(f"{path} holds {', '.join(others)}, {where}, and the run cannot prove them its own "
+                             f"(not listed with their sha256 in a manifest it wrote, nor under its temporary "
+                             f"names): they are neither removed nor written over; move them away, or choose another "
+                             f"--out (nothing was changed)")
 
 
 @dataclass
@@ -231,6 +363,8 @@ class CheckpointStore:
 
     def __init__(self, cfg: TrainConfig, rank: int, world: int, device) -> None:
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.saved: Optional[int] = None  # the step of the checkpoint checkpoint.json names (every rank)
+        self._committed: Optional[Tuple[str, Dict[str, tuple]]] = None  # rank 0: its last folder, its files
 
     def save(self, step: int, state: TrainState) -> None:
         cfg, rank, world, device = self.cfg, self.rank, self.world, self.device
@@ -244,14 +378,20 @@ class CheckpointStore:
         name = checkpoint_folder(step)
         folder = os.path.join(cfg.out, name)
         # A file of the run's that cannot be written safely (a link planted where it goes, at the
-        # next ckpt-<step> folder or at checkpoint.json.tmp) stops the run on every rank with rank
-        # 0's sentence; checkpoint.json still names the previous checkpoint, which is kept.
+        # next ckpt-<step> folder or at a temporary name; a file of someone else's in that folder)
+        # stops the run on every rank with rank 0's sentence, which says what stays: the checkpoint
+        # checkpoint.json names (``self.saved``), or that none was written yet.
         problem = None
         if rank == 0:
             try:
                 files.make_folder(folder)
             except files.OutError as exc:
                 problem = str(exc)
+            else:  # a folder already there: a save of this step cut short holds the run's own files only
+                others = own_entries(folder)[1]
+                if others:
+                    problem = (f"{folder} holds {', '.join(others)}, which the run cannot prove its own: not "
+                               f"writing its checkpoint there (nothing of it was removed)")
         problem = first_problem(problem, world)
         if problem is None:
             own = {"optimizer": state.optimizer.state_dict(), "comm_stats": state.optimizer.comm_stats.state_dict(),
@@ -260,45 +400,72 @@ class CheckpointStore:
                 own["model"] = saved_model(state.model, whole=False)
             _check_plain(own, f"rank{rank}.pt")
             digest = "00" * 32
-            try:
-                digest = atomic_save(own, os.path.join(folder, f"rank{rank}.pt"))
+            try:  # each file under its temporary name until rank 0 commits the checkpoint (_commit)
+                digest = atomic_save(own, os.path.join(folder, f"rank{rank}.pt"), rename=False)
                 if rank == 0:
                     trainer = {"step": step, "scheduler": state.scheduler.state_dict(), "history": state.history,
                                "config": dataclasses.asdict(cfg)}
                     _check_plain(trainer, "trainer.pt")
-                    written = {"model.pt": atomic_save(whole_model, os.path.join(folder, "model.pt")),
-                               "trainer.pt": atomic_save(trainer, os.path.join(folder, "trainer.pt"))}
+                    written = {"model.pt": atomic_save(whole_model, os.path.join(folder, "model.pt"), rename=False),
+                               "trainer.pt": atomic_save(trainer, os.path.join(folder, "trainer.pt"), rename=False)}
             except files.OutError as exc:  # a link planted there; a full disk (files.WriteError)
                 problem = f"rank {rank}: {exc}" if isinstance(exc, files.WriteError) else str(exc)
             digests = gather_digests(digest, rank, world, device)  # every rank has written its file
             if rank == 0 and problem is None:
                 written.update({f"rank{r}.pt": d for r, d in enumerate(digests)})
                 # what is on disk is what each rank wrote: only then does checkpoint.json move to it
-                bad = next((f for f, d in written.items() if _sha256(os.path.join(folder, f)) != d), None)
+                pending = {f: files.temporary_name(os.path.join(folder, f), unique=False) for f in written}
+                bad = next((f for f, d in written.items() if _sha256(pending[f]) != d), None)
                 if bad is not None:
-                    problem = f"{os.path.join(folder, bad)} differs on disk from what was written"
+                    problem = f"{pending[bad]} differs on disk from what was written"
                 else:
-                    problem = self._switch_to(name, step, written)
+                    problem = self._commit(name, step, written)
             problem = first_problem(problem, world)
         if problem is not None:
-            raise RunError(f"checkpoint of step {step}: {problem}. {POINTER} still names the previous checkpoint, "
-                           f"which is kept: continue with --resume once that is fixed")
+            kept = (f"{POINTER} still names the checkpoint of step {self.saved}, which is kept: continue with "
+                    f"--resume once that is fixed" if self.saved is not None else
+                    f"no checkpoint of this run was written before it, so there is none to continue from: once "
+                    f"that is fixed, run it again with --overwrite")
+            raise RunError(f"checkpoint of step {step}: {problem}. {kept}")
+        self.saved = step
 
-    def _switch_to(self, name: str, step: int, written: dict) -> Optional[str]:
-        """Rank 0: point checkpoint.json at the new folder, then remove the previous one. Returns
-        what went wrong (the pointer unchanged), or None."""
-        cfg = self.cfg
-        previous = _previous_folder(cfg.out)
+    def _commit(self, name: str, step: int, written: dict) -> Optional[str]:
+        """Rank 0, every file of the checkpoint written under its temporary name and checked: the
+        folder's manifest.json, the files renamed to their names, checkpoint.json switched to the
+        folder, then the previous folder removed. Returns what went wrong (checkpoint.json
+        unchanged), or None."""
+        out = self.cfg.out
+        folder = os.path.join(out, name)
+        previous = _pointer_or_none(out)
+        manifest = {"folder": name, "step": step, "world_size": self.world, "sha256": written}
         try:
-            files.write_json(os.path.join(cfg.out, POINTER),
-                             {"folder": name, "step": step, "world_size": self.world, "sha256": written})
+            files.write_json(os.path.join(folder, MANIFEST), manifest)
+            for f in written:
+                path = os.path.join(folder, f)
+                try:
+                    os.replace(files.temporary_name(path, unique=False), path)
+                except OSError as exc:
+                    raise files.write_failed(path, exc) from None
+            files.write_json(os.path.join(out, POINTER), manifest)
         except files.OutError as exc:
             return f"rank 0: {exc}" if isinstance(exc, files.WriteError) else str(exc)
-        if previous and previous != name:  # keep only the latest, removed after the switch
-            others = _remove_checkpoint_folder(os.path.join(cfg.out, previous))
+        committed = self._committed
+        self._committed = (name, {f: _identity(os.path.join(folder, f)) for f in written})
+        if previous and previous["folder"] != name:  # keep only the latest, removed after the switch
+            known = committed[1] if committed and committed[0] == previous["folder"] else None
+            path = os.path.join(out, previous["folder"])
+            own, others = own_entries(path, [previous], known)
             if others:
-                print(f"[{cfg.optimizer}] {previous} left in place: it also holds {', '.join(others)}",
+                print(f"[{self.cfg.optimizer}] {previous['folder']} left in place: it also holds {', '.join(others)}",
                       file=sys.stderr, flush=True)
+            else:
+                for f in own:
+                    _remove_if_there(os.path.join(path, f))
+                try:
+                    os.rmdir(path)
+                except OSError:  # something appeared in it meanwhile: it stays
+                    print(f"[{self.cfg.optimizer}] {previous['folder']} left in place: something appeared in it",
+                          file=sys.stderr, flush=True)
         return None
 
     def load(self, state: TrainState) -> int:
@@ -333,67 +500,142 @@ class CheckpointStore:
         state.scheduler.load_state_dict(trainer["scheduler"])
         _set_rng_state(own["rng"])
         state.history = trainer["history"]
+        self.saved = trainer["step"]
         return trainer["step"]
 
 
-def check_resumable(cfg: TrainConfig, remove: bool = True) -> None:
+def check_resumable(cfg: TrainConfig, remove: bool = True) -> OutPlan:
     """Before any worker starts, refuse a checkpoint that cannot be resumed: checkpoint.json naming
-    anything but a ``ckpt-<digits>`` folder inside OUT, without its manifest, a file missing,
-    damaged (its sha256 is not the manifest's) or not plain data, or settings that change the
-    numbers (changed_settings). A checkpoint of another number of ranks resumes, re-sharded
-    (CheckpointStore.load). Then, with ``remove`` (one process: the launcher, or rank 0), what an
-    interrupted run left behind goes (``remove_leftovers``)."""
+    anything but a ``ckpt-<digits>`` folder inside OUT, without its manifest or with a world_size
+    that does not match it, a file missing, damaged (its sha256 is not the manifest's) or not plain
+    data, or settings that change the numbers (changed_settings). A checkpoint of another number of
+    ranks resumes, re-sharded (CheckpointStore.load).
+
+    Without checkpoint.json (a checkpoint folder copied alone into a new OUT; the pointer deleted),
+    the newest complete checkpoint folder (its own manifest.json, every file matching it) is the
+    one resumed, and checkpoint.json is written to name it; a checkpoint folder without a manifest
+    that proves its files, or an earlier run's results with no checkpoint at all, is refused: a
+    run from step 0 would replace them. Then the plan (``OutPlan``) of what an interrupted run left
+    (``_plan_leftovers``), and nothing but the run's own where it writes its next checkpoints
+    (``check_future_checkpoints``); with ``remove`` (one process: the launcher, or rank 0) it is
+    carried out. Returns the plan."""
     check_run_names(cfg.out)
+    plan = OutPlan(cfg, "--resume: removed what an interrupted run left")
     pointer = read_pointer(cfg.out)
     if pointer is None:
-        if remove:
-            remove_leftovers(cfg, None)
-        return
+        pointer = plan.adopt = _newest_complete(cfg.out)
+    if pointer is None:
+        _refuse_nothing_to_continue(cfg)
+        start = 0
+    else:
+        start = _check_checkpoint(cfg, pointer)
+    _plan_leftovers(plan, pointer)
+    check_future_checkpoints(plan, start, None if pointer is None else pointer["folder"])
+    if remove:
+        plan.apply()
+    return plan
+
+
+def _check_checkpoint(cfg: TrainConfig, pointer: dict) -> int:
+    """Every file of the checkpoint ``pointer`` names, checked as the workers will load it; returns its step."""
     folder = os.path.join(cfg.out, pointer["folder"])
     ranks = _rank_files(cfg.out, pointer)
     if not ranks or ranks != list(range(pointer.get("world_size", len(ranks)))):
         raise SetupError(f"the checkpoint {folder} of {pointer.get('world_size', '?')} ranks holds the files of "
                          f"ranks {ranks}: some rank's file is missing")
+    step = 0
     for name in ("trainer.pt", "model.pt", *(f"rank{r}.pt" for r in ranks)):
         loaded = _load_checkpoint_file(cfg.out, pointer, name, "cpu")
         if name == "trainer.pt":
             _check_settings(cfg, loaded["config"])
+            step = loaded["step"]
         elif RANK_FILE.fullmatch(name):
             _check_rank_file(cfg, os.path.join(folder, name), int(RANK_FILE.fullmatch(name).group(1)), loaded)
-    if remove:
-        remove_leftovers(cfg, pointer)
+    return step
 
 
-def remove_leftovers(cfg: TrainConfig, pointer: Optional[dict]) -> None:
+def _checkpoint_folders(out: str) -> List[str]:
+    """The real ``ckpt-<digits>`` folders in ``out`` (no link), newest first."""
+    found = [n for n in _listdir(out) if CKPT_FOLDER.fullmatch(n) and not os.path.islink(os.path.join(out, n))
+             and os.path.isdir(os.path.join(out, n))]
+    return sorted(found, key=lambda n: int(CKPT_FOLDER.fullmatch(n).group(1)), reverse=True)
+
+
+def _complete(out: str, name: str) -> Optional[dict]:
+    """The checkpoint in folder ``name`` as checkpoint.json would name it, when it is complete: its
+    manifest.json a run wrote, every file listed there present with that sha256. Else None."""
+    folder = os.path.join(out, name)
+    manifest = _folder_manifest(folder)
+    if manifest is None:
+        return None
+    for f, digest in manifest["sha256"].items():
+        path = os.path.join(folder, f)
+        if os.path.islink(path) or not os.path.isfile(path) or _sha256(path) != digest:
+            return None
+    return {**manifest, "folder": name}
+
+
+def _newest_complete(out: str) -> Optional[dict]:
+    return next(filter(None, (_complete(out, n) for n in _checkpoint_folders(out))), None)
+
+
+def _refuse_nothing_to_continue(cfg: TrainConfig) -> None:
+    """--resume with no checkpoint to continue from: a start from step 0 is refused where it would
+    replace what a user may want, a checkpoint folder whose files cannot be proved (no
+    manifest.json: an earlier version's; damaged) or an earlier run's results."""
+    out = cfg.out
+    for name in _checkpoint_folders(out):
+        folder = os.path.join(out, name)
+        saved = [n for n in own_entries(folder)[1] if SAVED_FILE.fullmatch(n)]
+        if not saved:
+            continue
+        if _folder_manifest(folder) is not None:
+            raise SetupError(f"--resume: {out} has no {POINTER}, and the checkpoint {folder} is damaged: its "
+                             f"{MANIFEST} does not list {', '.join(saved)} with the sha256 they have. Not resuming "
+                             f"from it, nor starting over on top of it: restore it, or choose another --out "
+                             f"(nothing was changed)")
+        raise SetupError(f"--resume: {out} has no {POINTER}, and {folder} holds {', '.join(saved)} without the "
+                         f"{MANIFEST} a complete checkpoint holds (one saved by an earlier version, or not a "
+                         f"run's), so its files cannot be checked: not resuming from them nor removing them. If "
+                         f"it is a run's checkpoint, put that run's {POINTER} beside it and --resume again; to "
+                         f"start over, move the folder away or choose another --out (nothing was changed)")
+    results = [n for n in ("metrics.json", "model_final.pt")
+               if os.path.isfile(os.path.join(out, n)) and written_by_a_run(os.path.join(out, n))]
+    if results:
+        raise SetupError(f"--resume: {out} holds an earlier run's results ({', '.join(results)}) but no checkpoint "
+                         f"(no {POINTER}, no complete ckpt-* folder): there is nothing to continue, and a run "
+                         f"from step 0 would replace them. Start over with --overwrite (which removes that run's "
+                         f"own files), or choose another --out (nothing was changed)")
+
+
+def _plan_leftovers(plan: OutPlan, pointer: Optional[dict]) -> None:
     """What a run stopped at the wrong moment (killed, a full disk) left in OUT besides the
     checkpoint ``pointer`` names (None: there is none): the checkpoint folders it no longer names
     (the previous one, when the run was killed between the switch of checkpoint.json and that
-    folder's removal; a newer one whose save never completed) and the temporary files of writes
-    that never finished (``*.tmp``, ``*.pt.tmp.<pid>``). Only the run's own: a folder that also
-    holds something else is left in place, and named."""
-    out = cfg.out
+    folder's removal; a newer one whose save never completed) and the files under the run's
+    temporary names (writes that never finished). Only what the run can prove its own
+    (``own_entries``): a folder that also holds something else is left in place, and named. When
+    checkpoint.json was missing (``plan.adopt``), another complete checkpoint stays too: nothing
+    said it was superseded."""
+    out = plan.cfg.out
     named = None if pointer is None else pointer["folder"]
-    removed, left = [], []
-    for folder, names in ((out, RUN_FILE), *(((os.path.join(out, named), CKPT_FILE),) if named else ())):
-        for name in sorted(os.listdir(folder)):
-            path = os.path.join(folder, name)
-            if TEMPORARY.search(name) and names.fullmatch(name) and os.path.isfile(path) and not os.path.islink(path):
-                os.remove(path)
-                removed.append(os.path.relpath(path, out))
-    for name in sorted(os.listdir(out)):
-        path = os.path.join(out, name)
-        if name == named or not CKPT_FOLDER.fullmatch(name) or os.path.islink(path) \
-                or not os.path.isdir(path):
+    plan.files += [n for n in _listdir(out) if TEMPORARY.search(n) and RUN_FILE.fullmatch(n)
+                   and not os.path.islink(os.path.join(out, n)) and os.path.isfile(os.path.join(out, n))]
+    if named:
+        folder = os.path.join(out, named)
+        plan.files += [f"{named}/{n}" for n in _listdir(folder) if TEMPORARY.search(n) and CKPT_FILE.fullmatch(n)
+                       and not os.path.islink(os.path.join(folder, n)) and os.path.isfile(os.path.join(folder, n))]
+    for name in reversed(_checkpoint_folders(out)):
+        if name == named:
             continue
-        others = _remove_checkpoint_folder(path)
+        own, others = own_entries(os.path.join(out, name), [pointer])
         if others:
-            left.append(f"{name}/ (also holds {', '.join(others)})")
+            plan.left.append(f"{name}/ (holds {', '.join(others)})")
+        elif plan.adopt is not None and _complete(out, name) is not None:
+            plan.left.append(f"{name}/ (a complete checkpoint: move it away to keep it, as the run keeps "
+                             f"only its latest)")
         else:
-            removed.append(name + "/")
-    if removed or left:
-        print(f"[{cfg.optimizer}] --resume: removed what an interrupted run left: {', '.join(removed) or 'nothing'}"
-              + (f"; left in place (not only the run's files): {', '.join(left)}" if left else ""),
-              file=sys.stderr, flush=True)
+            plan.folders.append((name, own))
 
 
 OPTIMIZER_CLASSES = {"lamb": "Lamb", "onebitlamb": "OneBitLamb", "onebitadam": "OneBitAdam",
@@ -436,13 +678,48 @@ def _rank_files(out: str, pointer: dict) -> List[int]:
 def _check_settings(cfg: TrainConfig, saved: dict) -> None:
     changed = changed_settings(cfg, saved)
     if changed:
-        raise SetupError(f"--resume with different settings than the checkpoint in {cfg.out} (saved, now): {changed}")
+        raise SetupError(resume_refusal(changed, f"--resume with different settings than the checkpoint in "
+                                                 f"{cfg.out}"))
+
+
+def _manifest_problem(saved: Any) -> Optional[str]:
+    """What makes ``saved`` (checkpoint.json's content, or a folder's manifest.json) no manifest a
+    run wrote, in words naming the value; None when it is one."""
+    if not isinstance(saved, dict):
+        return f"it holds {type(saved).__name__}, not a manifest"
+    digests = saved.get("sha256")
+    if not isinstance(digests, dict) or not all(isinstance(d, str) for d in digests.values()):
+        return "its sha256 manifest is missing or not a mapping of files to sha256"
+    strange = sorted(f for f in digests if not SAVED_FILE.fullmatch(f))
+    if strange:
+        return f"its sha256 manifest lists {', '.join(map(repr, strange))}, which no checkpoint holds"
+    step = saved.get("step")
+    if type(step) is not int or step < 0:
+        return f"its step is {step!r}, not a step"
+    world = saved.get("world_size", len(_rank_files("", saved)) or 1)
+    if type(world) is not int or world < 1:
+        return f"its world_size is {world!r}, not a number of ranks"
+    beyond = [r for r in _rank_files("", saved) if r >= world]
+    if beyond:
+        return (f"its world_size is {world!r}, and its manifest lists the files of ranks "
+                f"{_rank_files('', saved)}")
+    return None
+
+
+def _folder_manifest(folder: str) -> Optional[dict]:
+    """The folder's manifest.json when it is one a run wrote (a regular file), else None."""
+    path = os.path.join(folder, MANIFEST)
+    if os.path.islink(path) or not os.path.isfile(path):
+        return None
+    saved = _json_of(path)
+    return saved if _manifest_problem(saved) is None else None
 
 
 def read_pointer(out: str) -> Optional[dict]:
     """checkpoint.json, or None when there is none. The folder it names must be a plain
-    ``ckpt-<digits>`` folder inside ``out`` (no path, no link): anything else is refused, and
-    nothing is then loaded from it or removed."""
+    ``ckpt-<digits>`` folder inside ``out`` (no path, no link), and its manifest whole (the sha256
+    of each file; a step and a world_size that are numbers, the world_size that of its rank files):
+    anything else is refused, and nothing is then loaded from it or removed."""
     path = os.path.join(out, POINTER)
     try:
         with open(path) as f:
@@ -459,20 +736,20 @@ def read_pointer(out: str) -> Optional[dict]:
     if os.path.islink(full) or not os.path.isdir(full):
         raise SetupError(f"{path} names {folder!r}, which is not a folder inside {out} (missing, or a link); "
                          f"nothing was loaded or removed")
-    if not isinstance(pointer.get("sha256"), dict):
-        raise SetupError(f"{path} is damaged: its sha256 manifest is missing or not a mapping of files to sha256, so "
-                         f"the files of {folder} cannot be checked; not resuming from them (nothing was removed)")
+    problem = _manifest_problem(pointer)
+    if problem is not None:
+        raise SetupError(f"{path} is damaged: {problem}, so the files of {folder} cannot be checked; not resuming "
+                         f"from them (nothing was removed)")
     return pointer
 
 
-def _previous_folder(out: str) -> Optional[str]:
-    """The folder the current checkpoint.json names, or None (also when it names something that
-    must not be touched)."""
+def _pointer_or_none(out: str) -> Optional[dict]:
+    """checkpoint.json when there is one that can be trusted, else None (also when it names
+    something that must not be touched)."""
     try:
-        pointer = read_pointer(out)
+        return read_pointer(out)
     except SetupError:
         return None
-    return None if pointer is None else pointer["folder"]
 
 
 def _load_checkpoint_file(out: str, pointer: dict, name: str, map_location):

@@ -342,20 +342,23 @@ def load_cache(path: str, vocab_size: Optional[int] = None, seq_len: Optional[in
     return saved
 
 
-def atomic_save(obj, path: str) -> str:
-    """``torch.save`` to a temporary file in the same folder, flushed to disk, then rename: a crash
-    leaves either the old file or the new one, never half of one. Returns the sha256 of the bytes
-    written."""
+def atomic_save(obj, path: str, rename: bool = True) -> str:
+    """``torch.save`` to a temporary file in the same folder (``files.temporary_name``), flushed to
+    disk, then rename: a crash leaves either the old file or the new one, never half of one.
+    Returns the sha256 of the bytes written. ``rename=False``: the file stays at
+    ``files.temporary_name(path, unique=False)``, for the caller to rename (a checkpoint's files,
+    once every one of them is written and listed in its manifest)."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     blob = buffer.getbuffer()
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = files.temporary_name(path, unique=rename)
     with files.writing(path, tmp):  # a full disk: the temporary file removed, one sentence
         with files.create(tmp) as f:  # never through a link (files.py); the rename replaces one
             f.write(blob)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if rename:
+            os.replace(tmp, path)
     return hashlib.sha256(blob).hexdigest()
 
 

@@ -6,8 +6,11 @@ link, and OUT is locked for the run's life.
   removed first; a link or a folder there is refused, naming it. So no file outside OUT is written
   through a link planted inside it, and what the run replaces it has written itself.
 - ``write_json`` and ``data.atomic_save``: a temporary name made by ``create``, then a rename, which
-  replaces a link rather than following it. A write that fails (a full disk) removes its temporary
-  file and raises ``WriteError``, one sentence naming the file and what is missing (``writing``).
+  replaces a link rather than following it. The temporary name carries the run's mark
+  (``temporary_name``: ``NAME.onebitlamb-tmp.PID``), which no file of a user's has: a file left
+  under it by a write cut short is the run's own, and removed as such (a ``NAME.tmp`` is not). A
+  write that fails (a full disk) removes its temporary file and raises ``WriteError``, one
+  sentence naming the file and what is missing (``writing``).
 - ``make_folder(path)``: a folder of the run (a checkpoint's): made, or reused when it is a real
   folder; a link or a file there is refused.
 - ``RunLock(out)``: ``fcntl.flock`` on ``OUT/.onebitlamb.lock``, held by the launcher (rank 0 under
@@ -23,10 +26,22 @@ import contextlib
 import errno
 import json
 import os
+import re
 import stat
 from typing import IO, Iterator, Optional
 
 LOCK_FILE = ".onebitlamb.lock"
+# the mark of a file the run is writing (temporary_name): what carries it at the end of its name is
+# the run's own, whoever finds it
+TEMPORARY_MARK = ".onebitlamb-tmp"
+TEMPORARY = re.compile(re.escape(TEMPORARY_MARK) + r"(\.[0-9]+)?$")
+
+
+def temporary_name(path: str, unique: bool = True) -> str:
+    """The name ``path`` is written under before its rename: this process's own (``unique``, the
+    pid in it), or the one a checkpoint's file waits under until rank 0 commits the checkpoint
+    (each rank writes its own file, and one run holds OUT)."""
+    return f"{path}{TEMPORARY_MARK}.{os.getpid()}" if unique else path + TEMPORARY_MARK
 
 
 class OutError(ValueError):
@@ -89,7 +104,7 @@ def create(path: str, binary: bool = True, newline: Optional[str] = None) -> IO:
 
 def write_json(path: str, obj, indent: Optional[int] = None) -> None:
     """``obj`` as JSON at ``path``: a temporary file made by ``create``, flushed, then renamed."""
-    tmp = path + ".tmp"
+    tmp = temporary_name(path)
     with writing(path, tmp):
         with create(tmp, binary=False) as f:
             json.dump(obj, f, indent=indent)

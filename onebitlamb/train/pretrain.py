@@ -123,18 +123,17 @@ def _started(cfg: TrainConfig, world: int, leader: bool):
     """What every launch does before its ranks train, in this order, whichever the launcher:
     the settings checked against the world, OUT usable, OUT held (by the leader: the local
     launcher, or rank 0 under torchrun) for the run's life, the earlier run refused or the
-    checkpoint checked (only the leader removes anything; every rank refuses alike), and the
-    corpus prepared once, by the leader: the slow part of a first run, which must not run once
-    per rank. Refusals raise SetupError or files.OutError before anything starts."""
+    checkpoint checked (every rank refuses alike), the corpus prepared once, by the leader (the
+    slow part of a first run, which must not run once per rank), and only then what the run
+    removes from OUT removed, by the leader (checkpoints.OutPlan). Refusals raise SetupError or
+    files.OutError before anything starts, and before anything in OUT changes."""
     cfg.check(world)
     files.usable_out(cfg.out, cfg.resume)
     with files.RunLock(cfg.out) if leader else contextlib.nullcontext():
-        if cfg.resume:
-            check_resumable(cfg, remove=leader)
-        else:
-            prepare_out_dir(cfg, remove=leader)
+        plan = (check_resumable if cfg.resume else prepare_out_dir)(cfg, remove=False)
         if leader:
-            prepare_corpus(cfg)
+            prepare_corpus(cfg)  # a damaged cache is refused before anything in OUT is removed
+            plan.apply()
         yield
 
 
