@@ -292,6 +292,55 @@ def test_an_update_that_would_not_be_finite_is_refused_before_the_parameters_mov
     _assert_untouched(opt, [p], held)  # the moments and the step count too
 
 
+def _absurd_lr_runs(rank, n, kind, lr, stage):
+    """Two runs of 9 calls on the same gradients. In the first, the first call after call 2 whose
+    stage is ``stage`` is made with ``lr`` set in param group 0 for that call only: it must be
+    refused before anything changes (checked at once), and the run goes on. The second never
+    makes that call. Returns what the refusal said and whether the runs ended alike."""
+    ended, said, refused_at = [], None, None
+    for absurd in (True, False):
+        torch.manual_seed(0)
+        # the second layer's parameters are large against its update: LAMB's trust ratio there is
+        # its maximum, 10, and lr 1e38 times 10 overflows float32 after the first layer has moved
+        params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(100 * torch.randn(4))]
+        opt = (onebitlamb.ZeroOneAdam(params, lr=0.01, var_freeze_step=2, var_update_scaler=1, local_step_scaler=1)
+               if kind == "zerooneadam" else _make(kind, params))
+        for call in range(1, 10):
+            for p, g in zip(params, _grads(rank, call)):
+                p.grad = g
+            if absurd and refused_at is None and call > 2 and opt.stage == stage:
+                snapshot = _snapshot(opt, params)
+                opt.param_groups[0]["lr"] = lr
+                with pytest.raises(FloatingPointError) as refusal:
+                    opt.step()
+                opt.param_groups[0]["lr"] = 0.01
+                _assert_untouched(opt, params, snapshot)
+                said, refused_at = str(refusal.value), call
+                continue
+            if call != refused_at:
+                opt.step()
+        ended.append([p.detach().clone() for p in params])
+    return said, all(torch.equal(a, b) for a, b in zip(*ended))
+
+
+@pytest.mark.parametrize("kind,lr,stage", [("lamb", 1e38, "warmup"), ("onebitlamb", 1e38, "warmup"),
+                                           ("onebitlamb", 1e38, "compression"), ("lamb", 3e37, "warmup"),
+                                           ("onebitadam", 3e38, "compression"), ("zerooneadam", 3e38, "compression"),
+                                           ("zerooneadam", 3e38, "local")])
+def test_an_absurd_learning_rate_is_refused_on_every_rank_before_anything_moves(kind, lr, stage):
+    """Before: lr 1e38 times LAMB's trust ratio overflowed float32 inside the step, a raw
+    RuntimeError after the first layer had moved, with the step count and moments advanced;
+    3e37 (LAMB) or 3e38 (Adam's) moved every parameter to about 1e38, silently, and no later step
+    moved them. Now every rank refuses the step alike (also 0/1 Adam's local steps, whose updates
+    are each rank's own), naming the learning rate, and the run goes on as if the call had not
+    been made."""
+    out = run_ranks(_absurd_lr_runs, 2, (kind, lr, stage), timeout_s=120, collective_timeout_s=60)
+    (said, alike), (said1, alike1) = out
+    assert said == said1 and alike and alike1, out
+    assert f"lr={lr!r} (param group 0)" in said and "refused on every rank, nothing changed" in said, said
+    assert "past 1.84e+19" in said, said
+
+
 def test_a_run_that_keeps_diverging_ends_with_a_clear_error():
     p = torch.nn.Parameter(torch.ones(4))
     opt = onebitlamb.OneBitLamb([p], freeze_step=3)

@@ -21,6 +21,14 @@ import torch
 from onebitlamb.optim import functional as F
 from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch
 
+# The largest step size (``lr`` times a layer's coefficient) a step may take: the square root of
+# float32's largest value, 1.84e19. Adam's direction, which the step size multiplies, has elements
+# of about 1 (at most ``F.adam_direction_bound``: 1 at the first step, 7.27 in the limit), so a
+# larger step takes parameters where their squares overflow: the layer norms of LAMB's trust
+# ratio, of the weight decay and of the agreed gradient check become ``inf``, and no later step of
+# a sane size moves a parameter that large at all (its float32 spacing is larger than the step).
+MAX_STEP_SIZE = math.sqrt(torch.finfo(torch.float32).max)
+
 
 class StepContext:
     """The optimizer as its phases see it.
@@ -196,5 +204,30 @@ class StepContext:
                                      f"although every rank's gradient was (the parameters or their weight decay "
                                      f"are at float32's limit); the parameters were left as they were. Resume "
                                      f"from an earlier checkpoint with a lower learning rate")
+        step_sizes = self.checked_step_sizes(coeff)
         self.last_coeff = coeff.clone()
-        self.layout.apply_(update, coeff, self.param_groups)
+        self.layout.apply_(update, step_sizes)
+
+    def checked_step_sizes(self, coeff: torch.Tensor, step: Optional[int] = None) -> List[float]:
+        """Each layer's step size ``lr * coeff`` at step ``step`` (the steps taken so far by
+        default), refused with ``FloatingPointError`` past ``MAX_STEP_SIZE`` before any parameter
+        moves (the optimizer then puts its state back: the step changes nothing). Decided from the learning rates and the coefficients, which every
+        rank holds alike in every stage (0/1 Adam's local steps too, whose updates are each rank's
+        own, and whose coefficient is 1), so every rank refuses alike without a collective. Why: a
+        learning rate wrong by orders of magnitude (a schedule's peak, a unit's factor) would
+        otherwise overflow float32 in the middle of the step (a raw ``RuntimeError`` after the
+        first layers had moved), or move every parameter to about 1e38, silently, after which
+        the run could no longer move them."""
+        sizes = self.layout.step_sizes(coeff, self.param_groups)
+        worst = max(range(len(sizes)), key=lambda i: abs(sizes[i]), default=None)
+        if worst is not None and not abs(sizes[worst]) <= MAX_STEP_SIZE:
+            group = self.layout.groups[worst]
+            lr, c = self.param_groups[group]["lr"], float(coeff[worst])
+            raise FloatingPointError(
+                f"{self.owner}: step {self.state['step'] if step is None else step} refused on every rank, nothing "
+                f"changed: the learning rate lr={lr!r} (param group {group}) times the layer's coefficient {c:.4g} "
+                f"is a step size of {sizes[worst]:.4g} for parameter {worst} (in the optimizer's order, shape "
+                f"{tuple(self.layout.params[worst].shape)}), past {MAX_STEP_SIZE:.3g} (the square root of float32's "
+                f"largest value): it would move the parameters where their squares, and every norm of them, "
+                f"overflow, and no later step could move them back. Lower the learning rate")
+        return sizes

@@ -135,10 +135,14 @@ class FlatLayout:
         norms[decayed] = F.norms([update[self.slices[i]] for i in decayed]).to(norms.device)
         return norms
 
-    def apply_(self, update: torch.Tensor, coeff: torch.Tensor, param_groups: Sequence[Dict[str, Any]]) -> None:
-        """``x -= lr * coeff * u`` per layer, with each group's learning rate."""
-        for p, s, gi, c in zip(self.tensors, self.slices, self.groups, coeff.tolist()):
-            step_size = param_groups[gi]["lr"] * c
+    def step_sizes(self, coeff: torch.Tensor, param_groups: Sequence[Dict[str, Any]]) -> List[float]:
+        """Each layer's ``lr * coeff``, with its group's learning rate (in double precision)."""
+        return [param_groups[gi]["lr"] * c for gi, c in zip(self.groups, coeff.tolist())]
+
+    def apply_(self, update: torch.Tensor, step_sizes: Sequence[float]) -> None:
+        """``x -= step_size * u`` per layer, each layer's step size ``lr * coeff`` (``step_sizes``,
+        checked by ``StepContext.checked_step_sizes``)."""
+        for p, s, step_size in zip(self.tensors, self.slices, step_sizes):
             u = update[s].view(p.shape)
             if p.dtype == torch.float32:
                 p.add_(u, alpha=-step_size)

@@ -130,6 +130,8 @@ class LocalSteps(Phase):
         update = scratch.update
         if scratch.derived.get("local_update_of") == step:
             return update
+        # before the sums take it: at a sync its payload goes through the 1-bit all-reduce
+        ctx.checked_step_sizes(lay.ones(), step)
         beta1, _ = ctx.betas()
         m = flat["exp_avg"]
         m.mul_(beta1).add_(scratch.grad, alpha=1 - beta1).mul_(flat["momentum_mask"])

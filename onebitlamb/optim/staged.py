@@ -545,7 +545,7 @@ class StagedOptimizer(Optimizer):
                 phase.step(self._context, stage, grads, received)
                 if phase.ends(self._context):
                     self._phases[-1].begin(self._context)  # the freeze, at the end of the phase's last step
-        except FloatingPointError:
+        except Exception:  # a refused step (FloatingPointError, ValueError) or any other: it changed nothing
             self._restore_state(held)
             raise
         self.last_step_skipped = not finite
@@ -568,7 +568,8 @@ class StagedOptimizer(Optimizer):
         """What ``_restore_state`` needs to put the state back as it was before this step: the
         entries (a refused step may have replaced some), and a copy of each tensor the step may
         change in place before its last check (``_apply_``, a sync's). Why: a step is refused
-        with ``FloatingPointError`` when its update is not finite, on every rank alike; by then
+        with ``FloatingPointError`` when its update is not finite or its step size is past
+        float32's range (``context.MAX_STEP_SIZE``), on every rank alike; by then
         the moments, the update sum and the compression errors have taken that step's values, and
         one non-finite error would make every later exchange non-finite. Not copied: what never
         changes in place before that check (the frozen variance, the last sync's parameters)."""
