@@ -173,6 +173,43 @@ def test_a_constructor_error_on_one_rank_is_named_by_the_rank_left_waiting():
     assert "constructor refused an argument given on that rank only" in said1 and waited < 30
 
 
+def _one_rank_refuses_its_state(rank, n):
+    """1-bit LAMB past its freeze on both ranks; then rank 0 loads its own state and rank 1 rank 0's
+    (whose compression errors are rank 0's: refused), and both step."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(4))]
+    opt = _make("onebitlamb", params, freeze_step=2)
+    for call in range(1, 4):
+        for p, g in zip(params, _grads(rank, call)):
+            p.grad = g
+        opt.step()
+    states = [copy.deepcopy(opt.state_dict())]
+    dist.broadcast_object_list(states, src=0)
+    resumed = _make("onebitlamb", params, freeze_step=2)
+    try:
+        resumed.load_state_dict(opt.state_dict() if rank == 0 else states[0])
+        for p, g in zip(params, _grads(rank, 4)):
+            p.grad = g
+        resumed.step()
+    except (ValueError, RuntimeError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_a_state_refused_on_one_rank_is_named_on_every_rank():
+    """Rank 1's load_state_dict refuses the state it is given (rank 0's): before, rank 0 loaded its
+    own, waited in its next step's agreement and then blamed a constructor that had refused an
+    argument on another rank; now load_state_dict's verdict is agreed, and rank 0 raises too,
+    naming rank 1 and its reason, with nothing loaded."""
+    (kind0, said0), (kind1, said1) = run_ranks(_one_rank_refuses_its_state, 2, (), timeout_s=60,
+                                               collective_timeout_s=4)
+    reason = "the optimizer state holds rank 0's compression errors and is loaded on rank 1"
+    assert kind1 == "ValueError" and reason in said1, said1
+    assert kind0 == "ValueError" and "refused the optimizer state on rank(s) 1" in said0 and reason in said0, said0
+    assert "constructor" not in said0
+
+
 def _drifting_run(rank, n, kind, what):
     """Rank 1 alone changes its lr or its model after step 1; the ranks compare every 3 steps."""
     torch.manual_seed(0)

@@ -194,6 +194,24 @@ def agree_on_setup(setup: Dict[str, Any], group: Optional[dist.ProcessGroup], de
                      f"freeze_step{hint}")
 
 
+def refusals_of_every_rank(refusal: Optional[str], group: Optional[dist.ProcessGroup],
+                           device: torch.device) -> Dict[int, str]:
+    """Which ranks of ``group`` refused, with their reasons (``refusal``: this rank's, None if it did
+    not refuse), the same on every rank: one all-gather of a flag per rank and, only where some
+    rank refused, one of the reasons. Every rank must call it (``load_state_dict``'s verdict)."""
+    n = world_size_of(group)
+    if n == 1:
+        return {} if refusal is None else {rank_of(group): refusal}
+    mine = torch.tensor([int(refusal is not None)], dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(rows, mine, group=group)
+    if not any(int(row[0]) for row in rows):
+        return {}
+    reasons: List[Optional[str]] = [None] * n
+    dist.all_gather_object(reasons, refusal, group=group)
+    return {r: why for r, why in enumerate(reasons) if why is not None}
+
+
 def refuse_averaged_gradients(owner: str, grads: torch.Tensor, params: Sequence[torch.Tensor],
                               group: Optional[dist.ProcessGroup]) -> None:
     """At the first step: gradients that are already the same on every rank, of parameters that a

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from onebitlamb.comm import CommStats, rank_of, spanning_group, world_size_of
 from onebitlamb.optim import functional as F
 from onebitlamb.optim.checks import (agree_on_setup, check_finite_nonneg, check_layout_unchanged, check_param_groups,
-                                     check_resumed_parameters, parameter_checksum, trainable)
+                                     check_resumed_parameters, parameter_checksum, refusals_of_every_rank, trainable)
 from onebitlamb.optim.exchange import Exchange, ProcessGroupLike
 from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, check_loaded_state, check_saved_by, new_flat_state
 from onebitlamb.optim.phases import COMPRESSION, LOCAL, WARMUP, OneBitMomentum, Phase  # noqa: F401 (re-exported)
@@ -291,13 +291,12 @@ class StagedOptimizer(Optimizer):
         sharded parameters over every rank of the mesh, so that all of them raise alike: what each
         rank of a node holds of its own (its shards' sizes and values) is first gathered over the
         node, and the node's whole list is compared across the replicas."""
-        setup, group = self._setup(layout), spanning_group(self.process_group)
+        setup, group = self._setup(layout), self._agreement_group()
         if layout.spans_shards:
             shards = layout.shards
             own: List[Any] = [None] * shards.size
             dist.all_gather_object(own, {k: setup.pop(k) for k in SHARD_OWN_SETUP if k in setup}, group=shards.group)
             setup["each shard's own (parameter sizes, values, buckets)"] = own
-            group = None  # the world: the mesh spans it (``Shards.check_replicas``, at construction)
         agree_on_setup(setup, group, layout.device, after_step=after_step)
 
     def _setup(self, layout: FlatLayout) -> Dict[str, Any]:
@@ -372,7 +371,44 @@ class StagedOptimizer(Optimizer):
         optimizer class, the parameters' sizes, the exchange's settings that change the numbers
         (``warmup_dtype``, ``bucket_cap_mb``) and, where it holds compression errors (a 1-bit
         optimizer after its freeze), this rank and world size (``reshard_state_dicts`` changes
-        the latter). Load-state-dict pre-hooks run before the check, post-hooks after the load."""
+        the latter). Load-state-dict pre-hooks run before the check, post-hooks after the load.
+
+        On several ranks the verdict is collective (one all-gather of a flag; call it on every
+        rank, as every framework does): where some rank refuses its state, that rank raises its
+        own error and every other rank a ``ValueError`` naming that rank and its reason, nothing
+        loaded anywhere. Why: a rank whose load was refused stops, and the others, which loaded
+        theirs, would wait for it in their next step's collectives and end with an error that
+        names the wrong cause."""
+        refusal: Optional[Exception] = None
+        try:
+            state_dict, flat, others, resumed = self._checked_for_load(state_dict)
+        except Exception as exc:  # (the pre-hooks' too: a rank file not found)
+            refusal = exc
+        refused = refusals_of_every_rank(None if refusal is None else f"{type(refusal).__name__}: {refusal}",
+                                         self._agreement_group(), self._device())
+        if refusal is not None:
+            raise refusal
+        if refused:
+            ranks = ", ".join(map(str, refused))
+            raise ValueError(f"{type(self).__name__}.load_state_dict refused the optimizer state on rank(s) {ranks}, "
+                             f"so nothing was loaded on any rank: " + "; ".join(f"rank {r}: {why}"
+                                                                               for r, why in refused.items()))
+        self.exchange.unbind()  # what a backward started used the state being replaced
+        # handed to torch.optim under "flat", which it keeps as it is: under a parameter's index it
+        # would be cast to that parameter's dtype
+        with _torch_hooks_paused(self, "_optimizer_load_state_dict_pre_hooks",
+                                 "_optimizer_load_state_dict_post_hooks"):
+            super().load_state_dict({**state_dict, "state": others if flat is None else {**others, "flat": flat}})
+        if flat is None:
+            self._new_state(FlatLayout.of(self.param_groups, self._shards))
+        self._layout, self._resumed_parameters = None, resumed
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _checked_for_load(self, state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]],
+                                                                      Dict[Any, Any], Optional[int]]:
+        """``load_state_dict``'s pre-hooks and checks, on this rank alone: the state dict, its flat
+        state (None: a template without one), the other entries and the parameters' checksum."""
         state_dict = state_dict.copy()  # shallow, as torch.optim: a pre-hook may edit it
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -390,17 +426,18 @@ class StagedOptimizer(Optimizer):
         if flat is not None:
             check_loaded_state(flat, FlatLayout.of(self.param_groups, self._shards), owner, world_size_of(self.process_group),
                                rank_of(self.process_group), self.exchange.local_size, self.exchange.warmup_codec)
-        self.exchange.unbind()  # what a backward started used the state being replaced
-        # handed to torch.optim under "flat", which it keeps as it is: under a parameter's index it
-        # would be cast to that parameter's dtype
-        with _torch_hooks_paused(self, "_optimizer_load_state_dict_pre_hooks",
-                                 "_optimizer_load_state_dict_post_hooks"):
-            super().load_state_dict({**state_dict, "state": others if flat is None else {**others, "flat": flat}})
-        if flat is None:
-            self._new_state(FlatLayout.of(self.param_groups, self._shards))
-        self._layout, self._resumed_parameters = None, resumed
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        return state_dict, flat, others, resumed
+
+    def _agreement_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks that agree on the setup and on a load: the process group's (every rank of node
+        groups); with sharded parameters the world, whose every rank the mesh spans."""
+        if self._shards is not None and self._shards.size > 1:
+            return None
+        return spanning_group(self.process_group)
+
+    def _device(self) -> torch.device:
+        """The parameters' device (where the agreements' tensors go: NCCL's are CUDA tensors)."""
+        return next((local(p).device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
 
     def _check_loaded_shard(self, saved: Optional[Tuple[int, int]]) -> None:
         """A sharded state holds one shard's moments: it loads on the rank that holds that shard of
