@@ -170,3 +170,35 @@ def test_prepare_follows_the_plain_run_under_gradient_accumulation(tmp_path, war
         assert [c for s, m, c in calls if m == 1 and s == "compression"] == [0] * (STEPS - FREEZE)
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
 
+
+
+def _zero_one_adam_saved_after_a_local_step(rank, n, folder):
+    """0/1 Adam under prepare, its state saved right after a local step (every rank's parameters its
+    own until then). Returns this rank's parameters after the save and whether they were apart."""
+    from onebitlamb.integrations.accelerate import prepare
+
+    accelerator = _accelerator(rank, n)
+    model = _model()
+    opt = onebitlamb.ZeroOneAdam(model.parameters(), lr=0.02, var_freeze_step=2, var_update_scaler=1,
+                                 local_step_scaler=1)
+    net, optimizer = prepare(accelerator, model, opt)
+    for step in range(STEPS):
+        accelerator.backward(_loss(net, rank, step))
+        optimizer.step()
+        optimizer.zero_grad()
+        if not opt.parameters_synchronized:
+            break
+    apart = not opt.parameters_synchronized
+    accelerator.save_state(folder)
+    return [p.detach().clone() for p in model.parameters()], apart, opt.parameters_synchronized
+
+
+def test_save_state_synchronizes_zero_one_adams_ranks_first(tmp_path):
+    """Between 0/1 Adam's syncs every rank holds other parameters, and accelerate saves rank 0's
+    model: ``save_state`` synchronizes the ranks first (``optimizer.synchronize()``), so the saved
+    model is every rank's."""
+    out = run_ranks(_zero_one_adam_saved_after_a_local_step, 2, (str(tmp_path / "ckpt"),), timeout_s=120,
+                    collective_timeout_s=60)
+    for _, apart, synchronized in out:
+        assert apart and synchronized
+    assert all(torch.equal(a, b) for a, b in zip(out[0][0], out[1][0]))

@@ -388,15 +388,18 @@ def test_ctrl_c_leaves_a_usable_checkpoint(compared, tmp_path, corpus_dir):
 
 
 def test_zero_one_adam_resumes_between_syncs_and_counts_its_rounds(compared, tmp_path, corpus_dir):
-    """``--optimizer zerooneadam`` on tiny (8 steps): the variance frozen after step 2 (0.25), the
-    local interval doubling after every step (0.1 of 8 rounds to 1): syncs at 3 and 4, then local
-    steps (intervals 8 and 16). Stopped after step 6, between syncs (each rank's parameters go into its own file),
-    and resumed: the same final model, bit for bit, as the uninterrupted run. Its metrics count the
-    rounds beside the bytes. The resume is the command's; the uninterrupted run and the run it
-    resumes ran on the persistent ranks (tests/pretrain_pool.py)."""
+    """``--optimizer zerooneadam`` on tiny (8 steps, a checkpoint every 4): the variance frozen
+    after step 2 (0.25), the local interval doubling after every step (0.1 of 8 rounds to 1): syncs
+    at 3 and 4, then local steps (intervals 8 and 16). Stopped after step 6, between syncs (each
+    rank's parameters go into its own file), and resumed: the same final model, bit for bit, as
+    the uninterrupted run. The run ends on a local step, and the main job synchronizes the ranks
+    there (``optimizer.synchronize()``): the final checkpoint holds one model, the same on every
+    rank (before, each rank's own, and the final model was rank 0's). Its metrics count the rounds
+    beside the bytes. The resume is the command's; the uninterrupted run and the run it resumes
+    ran on the persistent ranks (tests/pretrain_pool.py)."""
     _, cache, _ = compared
     common = ["--preset", "tiny", "--optimizer", "zerooneadam", "--corpus", corpus_dir,
-              "--cache-dir", str(cache), "--no-progress"]
+              "--cache-dir", str(cache), "--no-progress", "--ckpt-every", "4"]
     whole, part = tmp_path / "whole", tmp_path / "part"
     assert pretrain_on_ranks(*common, "--out", str(whole)).summary["completed"]
     assert pretrain_on_ranks(*common, "--out", str(part), "--stop-after-steps", "6").summary["step"] == 6
@@ -404,8 +407,14 @@ def test_zero_one_adam_resumes_between_syncs_and_counts_its_rounds(compared, tmp
     _cli("pretrain", *common, "--out", str(part), "--resume")
     a, b = torch.load(whole / "model_final.pt"), torch.load(part / "model_final.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the ranks' parameters were checked alike before the last checkpoint, which keeps one model
+    for rank in (0, 1):
+        assert "model" not in torch.load(whole / "ckpt-0000008" / f"rank{rank}.pt", weights_only=True)
+    saved = torch.load(whole / "ckpt-0000008" / "model.pt")
+    assert all(torch.equal(saved[k], a[k]) for k in a)
     with open(whole / "metrics.json") as f:
         m = json.load(f)
     assert m["stage"] == ["warmup"] * 2 + ["compression"] * 2 + ["local"] * 4
-    # a variance step and a local step one round each, a sync three (the finite flag, all-to-all, all-gather)
-    assert m["rounds_per_rank"] == m["rounds_curve"][-1][1] == 2 * 1 + 2 * 3 + 4 * 1
+    # a variance step and a local step one round each, a sync three (the finite flag, all-to-all,
+    # all-gather), the final synchronize() two (all-to-all, all-gather)
+    assert m["rounds_per_rank"] == m["rounds_curve"][-1][1] == 2 * 1 + 2 * 3 + 4 * 1 + 2

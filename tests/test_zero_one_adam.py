@@ -526,6 +526,72 @@ def test_a_resume_with_rank_0s_model_between_syncs_is_refused_on_every_rank():
         assert message is None and same is False  # another run (rank 1's updates reach rank 0 at the syncs)
 
 
+def _ended_on_a_local_step(rank, n):
+    """0/1 Adam through step 31 (a local step; the next sync is at 32), then ``synchronize()``; the
+    same run whose step 32, a sync, moves nothing of its own (lr 0); rank 0's model and each rank's
+    state after ``synchronize()`` resumed; and 1-bit LAMB's ``synchronize()``."""
+    import torch.distributed as dist
+
+    def run(lr_last=None):
+        params = [torch.nn.Parameter(t.clone()) for t in initial_params()]
+        opt = make(params)
+        for t in range(1, 32 + (lr_last is not None)):
+            if t == 32:
+                for group in opt.param_groups:
+                    group["lr"] = lr_last
+            for p, g in zip(params, grads_for(params, rank, t)):
+                p.grad = g
+            opt.step()
+        return params, opt
+
+    params, opt = run()
+    out = {"apart before": not opt.parameters_synchronized, "stage next": opt.stage}
+    sent = opt.stats()["bytes_sent"]
+    opt.synchronize()
+    out["synchronized"] = opt.parameters_synchronized
+    out["bytes"] = opt.stats()["bytes_sent"] - sent
+    out["params"] = [p.detach().clone() for p in params]
+    sent = opt.stats()["bytes_sent"]
+    opt.synchronize()  # nothing left to average: no communication
+    out["bytes again"] = opt.stats()["bytes_sent"] - sent
+    out["as a sync step"] = all(torch.equal(a, b.detach()) for a, b in zip(out["params"], run(lr_last=0.0)[0]))
+    # the usual checkpoint, rank 0's model loaded on every rank, continues
+    state, model = _copied(opt.state_dict()), [p.detach().clone() for p in params]
+    for t in model:
+        dist.broadcast(t, 0)
+    resumed = [torch.nn.Parameter(t) for t in model]
+    opt = make(resumed)
+    opt.load_state_dict(state)
+    for p, g in zip(resumed, grads_for(resumed, rank, 32)):
+        p.grad = g
+    opt.step()
+    other = [torch.nn.Parameter(t.clone()) for t in initial_params()]
+    lamb = onebitlamb.OneBitLamb(other, freeze_step=2)
+    for t in range(1, 5):
+        for p, g in zip(other, grads_for(other, rank, t)):
+            p.grad = g
+        lamb.step()
+    held, sent = [p.detach().clone() for p in other], lamb.stats()["bytes_sent"]
+    lamb.synchronize()
+    out["other optimizers"] = (lamb.stats()["bytes_sent"] - sent,
+                               all(torch.equal(a, p.detach()) for a, p in zip(held, other)))
+    return out
+
+
+def test_synchronize_ends_a_run_on_the_same_parameters_on_every_rank():
+    """0/1 Adam's last step is most often a local one, after which every rank holds other
+    parameters, and nothing said so. ``synchronize()`` averages the ranks' moves as a sync does
+    (the parameters bit for bit those of a sync step that adds no move of its own), after which
+    the ranks' parameters are bit-identical and a model saved from rank 0 resumes on every rank;
+    called again, or on the other optimizers, it sends nothing and changes nothing."""
+    out = run_ranks(_ended_on_a_local_step, 2, (), timeout_s=120, collective_timeout_s=60)
+    for r in out:
+        assert r["apart before"] and r["stage next"] == "compression" and r["synchronized"], r
+        assert r["bytes"] > 0 and r["bytes again"] == 0 and r["as a sync step"]
+        assert r["other optimizers"] == (0, True)
+    assert all(torch.equal(a, b) for a, b in zip(out[0]["params"], out[1]["params"]))
+
+
 def test_another_model_after_the_freeze_is_refused_and_the_1bit_optimizers_accept_it():
     """On one process too: after the freeze 0/1 Adam's state holds its last sync's parameters (the
     next sync would put them back), so a model other than the one saved with the state is refused;

@@ -8,7 +8,10 @@ errors are per rank, so rank 1 would resume with rank 0's. :func:`prepare` is
 
 - ``register_ddp`` on the DDP model: DDP averages the warm-up and sends nothing after the freeze;
 - a save pre-hook: ``accelerator.save_state(dir)`` also writes every rank's own optimizer state
-  into ``dir`` (``save_rank_state``);
+  into ``dir`` (``save_rank_state``), after synchronizing the ranks' parameters
+  (``optimizer.synchronize()``: 0/1 Adam between its syncs; nothing for the others), so that the
+  model it saves is every rank's (at the end of a run, call ``optimizer.synchronize()`` on every
+  rank before ``accelerator.save_model``);
 - ``accelerator.load_state(dir)`` checks (a load pre-hook) that ``dir`` holds every rank's file
   before it loads anything, and once accelerate has loaded rank 0's optimizer state into every
   rank, each loads its own over it (``load_rank_state``): ``prepare`` wraps this accelerator's
@@ -58,6 +61,15 @@ def prepare(accelerator: Accelerator, *objects: Any) -> Any:
     if accelerator.num_processes > 1:
         register_ddp(_ddp_holding(optimizer, results, accelerator), optimizer)
     accelerator.register_save_state_pre_hook(lambda models, weights, folder: save_rank_state(optimizer, folder))
+    accelerate_save = accelerator.save_state
+
+    @functools.wraps(accelerate_save)
+    def save_state(*args: Any, **kwargs: Any) -> Any:
+        # before accelerate takes the model's weights (from rank 0): 0/1 Adam's ranks between syncs
+        # hold other parameters, synchronized first (a no-op for the other optimizers)
+        optimizer.synchronize()
+        return accelerate_save(*args, **kwargs)
+
     folder: List[Optional[str]] = [None]  # the folder load_state resolved (automatic naming included)
 
     def check_folder(models: list, input_dir: str) -> None:
@@ -83,6 +95,7 @@ def prepare(accelerator: Accelerator, *objects: Any) -> Any:
 
     accelerator.register_load_state_pre_hook(check_folder)
     accelerator.load_state = load_state  # this instance only: every later load_state call goes through it
+    accelerator.save_state = save_state
     accelerator._onebitlamb_optimizer = optimizer  # one per accelerator: the rank files have one name
     return prepared
 

@@ -12,6 +12,10 @@ Lightning's ``DDPStrategy`` gets two things wrong for a 1-bit optimizer:
   compression errors are per rank. Here rank 0 gathers every rank's state into the checkpoint
   entry and each rank loads its own on resume (re-sharded if the number of ranks changed).
 
+Before each checkpoint and at the end of a fit the ranks' parameters are synchronized
+(``optimizer.synchronize()``: 0/1 Adam between its syncs; nothing for the others), so that the
+model in the checkpoint is every rank's.
+
 The checkpoint stays one file, so everything Lightning does with it (``ModelCheckpoint``'s top-k
 rotation, ``last.ckpt``, remote ``CheckpointIO``) keeps working. The price is that rank 0 holds
 all ``n`` ranks' optimizer states while it writes, on the CPU; for runs where that does not fit,
@@ -85,6 +89,24 @@ class OneBitDDPStrategy(DDPStrategy):
             raise ValueError("the optimizer's process_group must be the default one: Lightning's DDP and its "
                              "checkpoints span every rank")
         register_ddp(self.model, opt)
+
+    def _synchronize(self) -> None:
+        for optimizer in self.optimizers:
+            opt = _unwrap(optimizer)
+            if isinstance(opt, StagedOptimizer):
+                opt.synchronize()
+
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        """Called on every rank for each checkpoint (before the optimizer states): 0/1 Adam's ranks
+        between syncs hold other parameters, synchronized first, so that the model rank 0 writes is
+        every rank's (``optimizer.synchronize()``; a no-op for the other optimizers)."""
+        self._synchronize()
+        return super().lightning_module_state_dict()
+
+    def on_train_end(self) -> None:
+        """The model a fit ends with is the same on every rank (``optimizer.synchronize()``)."""
+        self._synchronize()
+        super().on_train_end()
 
     def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
         """Called on every rank while Lightning builds the checkpoint; rank 0's, which it writes,

@@ -11,7 +11,10 @@ On several ranks the plain ``Trainer`` gets two things wrong for a 1-bit optimiz
 :func:`onebitlamb.register_ddp` on the DDP model the Trainer built (DDP averages the warm-up and
 sends nothing after the freeze), every rank writes its own optimizer state into each
 ``checkpoint-N`` folder, and ``train(resume_from_checkpoint=...)`` has every rank load its own
-state after the Trainer's load (re-sharded if the number of ranks changed).
+state after the Trainer's load (re-sharded if the number of ranks changed). Before each checkpoint
+and at the end of training the ranks' parameters are synchronized (``optimizer.synchronize()``:
+0/1 Adam between its syncs; nothing for the others), so that the model the Trainer saves from rank
+0 is every rank's.
 
 A callback cannot do this: callbacks see neither the DDP-wrapped model nor the folder a run
 resumes from. The class only extends the Trainer's methods, so it mixes into other Trainers
@@ -80,6 +83,18 @@ class OneBitTrainer(Trainer):
                                  f"Trainer did not wrap the model in DistributedDataParallel (got "
                                  f"{type(model).__name__}): only DDP data parallelism is supported")
         return super().training_step(model, *args, **kwargs)
+
+    def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        # every rank passes here before the model is saved (from rank 0): 0/1 Adam between its syncs
+        # holds other parameters on every rank, so they are synchronized first (a no-op otherwise)
+        self.onebit_optimizer().synchronize()
+        super()._save_checkpoint(*args, **kwargs)
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        # the end of the training loop, before the Trainer loads the best checkpoint (if asked to):
+        # the model the run ends with, and that save_model() writes, is the same on every rank
+        self.onebit_optimizer().synchronize()
+        return super()._finalize_training(*args, **kwargs)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # every rank passes here (the Trainer writes its files on rank 0 only): each adds its own

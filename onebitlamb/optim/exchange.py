@@ -369,13 +369,25 @@ class Exchange:
         if self._negate:
             grads[start:end].neg_()
 
-    def _payload(self, bucket: Bucket) -> torch.Tensor:
+    def _payload(self, bucket: Bucket, payload: Optional[Callable[[Bucket, torch.Tensor], None]] = None) -> torch.Tensor:
         """The bucket's padded region of the send buffer, its padding zeroed (the previous exchange
-        left values there) and its first ``numel`` elements filled by the optimizer's payload."""
+        left values there) and its first ``numel`` elements filled by ``payload`` (by default the
+        optimizer's)."""
         region = self._sent[bucket.comm]
         region[bucket.numel:].zero_()
-        self._payload_ref()(bucket, region[:bucket.numel])
+        (payload or self._payload_ref())(bucket, region[:bucket.numel])
         return region
+
+    def compress(self, payload: Callable[[Bucket, torch.Tensor], None]) -> List[torch.Tensor]:
+        """Outside a step, the 1-bit all-reduce of what ``payload(bucket, out)`` puts in each bucket,
+        with the buckets' errors, as a step's compression stage runs it; returns the buckets'
+        averages (empty with one process). Collective: every rank calls it (0/1 Adam's
+        ``synchronize``)."""
+        if self.world_size == 1:
+            return []
+        for b in self.buckets:
+            self._exchange_bucket(b, self._payload(b, payload), self.process_group)
+        return [self._sent[b.comm][:b.numel] for b in self.buckets]
 
     def _serial(self, grads: torch.Tensor, compressing: bool, first: bool, exchange: bool = True) -> bool:
         self._gather(grads)

@@ -113,13 +113,31 @@ class LocalSteps(Phase):
             ctx.defaults["local_step_clipper"])
 
     def payload(self, ctx: StepContext, b: Bucket, out: torch.Tensor) -> None:
-        """What bucket ``b`` sends at a sync: this rank's update sum times the frozen denominator,
-        each layer scaled (over the denominator again in the update space)."""
+        """What bucket ``b`` sends at a sync: this rank's update sum, with this step's local update,
+        times the frozen denominator, each layer scaled (over the denominator again in the update
+        space)."""
         self._local_update_once(ctx, ctx.state["step"] + 1)
+        self._sent_sum(ctx, b, out)
+
+    @staticmethod
+    def _sent_sum(ctx: StepContext, b: Bucket, out: torch.Tensor) -> None:
+        """Bucket ``b``'s update sum as a sync sends it (``payload``), into ``out``."""
         scale, _ = ctx.compression_scales()
         den, _ = ctx.frozen_denominators()
         torch.mul(ctx.state["update_sum"][b.start:b.end], den[b.start:b.end], out=out)
         out.mul_(scale[b.start:b.end])
+
+    def synchronized(self, ctx: StepContext) -> bool:
+        """Alike right after a sync (nothing moved since), apart after a local step."""
+        return not bool(ctx.state["lr_sums"].any())
+
+    def synchronize(self, ctx: StepContext) -> None:
+        """A sync without a step: the update sums so far averaged as a sync averages them (the same
+        1-bit all-reduce, with the same error feedback), no local update added, the step count
+        and the interval's schedule left as they are; the next scheduled sync averages only what
+        the ranks moved since."""
+        received = ctx.exchange.compress(lambda b, out: self._sent_sum(ctx, b, out))
+        self._average_sums(ctx, received)
 
     @staticmethod
     def _local_update_once(ctx: StepContext, step: int) -> torch.Tensor:
@@ -147,11 +165,18 @@ class LocalSteps(Phase):
         return update
 
     def _sync(self, ctx: StepContext, received: List[torch.Tensor]) -> None:
-        """The ranks' update sums averaged: every rank's parameters become the last sync's minus the
-        average (over the frozen denominator), bit for bit alike, and its momentum the average
-        per unit of step size."""
+        """A sync step: this step's local update into the sums, then the sums averaged
+        (``_average_sums``)."""
+        self._local_update_once(ctx, ctx.state["step"])  # one process: no payload asked for it
+        self._average_sums(ctx, received)
+        ctx.last_coeff = ctx.layout.ones()
+
+    @staticmethod
+    def _average_sums(ctx: StepContext, received: List[torch.Tensor]) -> None:
+        """The ranks' update sums averaged (``received``: the buckets' 1-bit averages): every rank's
+        parameters become the last sync's minus the average (over the frozen denominator), bit for
+        bit alike, and its momentum the average per unit of step size."""
         flat, lay = ctx.state, ctx.layout
-        self._local_update_once(ctx, flat["step"])  # one process: no payload asked for it
         den, _ = ctx.frozen_denominators()
         if world_size_of(ctx.process_group) > 1:
             averaged = ctx.unscaled(received, flat["update_sum"])
@@ -171,4 +196,3 @@ class LocalSteps(Phase):
         F.synced_momentum_(flat["exp_avg"], averaged, flat["lr_sums"], lay.slices, bc1)
         flat["update_sum"].zero_()
         flat["lr_sums"].zero_()
-        ctx.last_coeff = lay.ones()

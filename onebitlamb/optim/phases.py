@@ -93,6 +93,16 @@ class Phase:
         steps need and mark the state (``frozen_at``)."""
         raise NotImplementedError
 
+    def synchronized(self, ctx: StepContext) -> bool:
+        """Whether every rank's parameters are alike now: after every step of a phase whose update
+        is the same on every rank (all but 0/1 Adam's local steps)."""
+        return True
+
+    def synchronize(self, ctx: StepContext) -> None:
+        """Make every rank's parameters alike, as the phase's own sync would (collective; called on
+        every rank, only where ``synchronized`` is False)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps every rank's parameters alike")
+
     def inverse_denominator(self, ctx: StepContext) -> torch.Tensor:
         """``1 / (sqrt(v_hat) + eps)`` as the update space divides what it sends: the frozen one."""
         return ctx.frozen_denominators()[1]

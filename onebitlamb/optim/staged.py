@@ -227,6 +227,35 @@ class StagedOptimizer(Optimizer):
         with ``overlap_with_backward=True`` they start no exchange; otherwise it does nothing."""
         return self.exchange.no_sync()
 
+    @property
+    def parameters_synchronized(self) -> bool:
+        """Whether every rank's parameters are alike now: always for ``Lamb``, ``OneBitLamb`` and
+        ``OneBitAdam``; for ``ZeroOneAdam`` before its freeze and right after a sync or
+        ``synchronize()``, not after a local step (a checkpoint then needs every rank's parameters)."""
+        return "flat" not in self.state or self._phase().synchronized(self._context)
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Bring every rank's parameters to the same values, as a sync step would: for
+        ``ZeroOneAdam`` between its syncs, the ranks' moves since the last sync averaged with the
+        1-bit all-reduce (one round trip, no step taken, the schedule unchanged); a no-op, with no
+        communication, wherever ``parameters_synchronized`` is True (always for the other
+        optimizers). Call it on every rank before saving the model from one rank, and at the end
+        of a run: 0/1 Adam's last step is most often a local one, after which every rank holds
+        other parameters. It changes the run as an extra sync would: a run resumed from a
+        checkpoint taken after it continues bit for bit the run that called it there."""
+        if self.parameters_synchronized:
+            return
+        if self._layout is None:  # the first call after a load: laid out and checked as a step would
+            self._prepare()
+        held = self._held_state()
+        try:
+            self._phase().synchronize(self._context)
+        except Exception:
+            self._restore_state(held)
+            raise
+        self._bytes_after_last_step = self.comm_stats.bytes_sent  # (last_step_bytes stays a step's)
+
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if getattr(self, "_layout", None) is not None:
             raise ValueError(f"add_param_group after {type(self).__name__}'s first step: its flat state follows "

@@ -260,13 +260,6 @@ class ZeroOneAdam(StagedOptimizer):
         super().__init__(params, defaults, [VarianceThinning(), LocalSteps()], process_group=process_group,
                          overlap_with_backward=overlap_with_backward, agree_every=agree_every, fused=fused)
 
-    @property
-    def parameters_synchronized(self) -> bool:
-        """Whether every rank's parameters are alike now: before the freeze and after a sync; not
-        after a local step (a checkpoint then needs each rank's parameters)."""
-        flat = self.state.get("flat")
-        return flat is None or flat["frozen_at"] is None or not bool(flat["lr_sums"].any())
-
     def freeze_stats(self) -> Dict[str, Any]:
         """Where the schedules stand: ``stage`` (the next step's), ``frozen_at`` (the step at whose
         end the variance froze, None before), ``floor_step`` and ``cap_step`` (both

@@ -192,6 +192,12 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, phase: _Phase) -> dict:
             error = f"step {step + 1}: {exc}"
             break
         scheduler.step()
+        if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
+            # 0/1 Adam between its syncs: every rank's parameters are its own; a scheduled
+            # checkpoint and the final model hold the ranks' average, one model (a sync without a
+            # step; nothing for the other optimizers). A checkpoint on a stop keeps each rank's own
+            # instead, so that the resumed run is the uninterrupted one
+            optimizer.synchronize()
         history["train_time_s"] += time.perf_counter() - t0
 
         stats = optimizer.stats()
