@@ -120,3 +120,32 @@ def test_stats_count_the_waiting_and_the_born_elements():
     for t in range(FREEZE, STEPS + 1):
         born = sum(DIM for born, _ in BIRTHS.values() if born <= t)
         assert seen[t - 1] == (DIM * (len(BIRTHS) + 1) - born, born), f"after step {t}"
+
+
+def _embedding_run(rank, n, overlap):
+    """An embedding whose ids 5-7 first appear after the freeze, trained through backward() so that
+    ``overlap_with_backward`` starts the buckets (one per parameter) in the backward."""
+    torch.manual_seed(0)
+    embed, head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 2)
+    params = [*embed.parameters(), *head.parameters()]
+    opt = onebitlamb.OneBitLamb(params, lr=0.02, freeze_step=4, bucket_cap_mb=1e-5, overlap_with_backward=overlap)
+    started = 0
+    for step in range(12):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        ids = torch.randint(0, 5 if step < 7 else 8, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(head(embed(ids)), torch.randint(0, 2, (16,), generator=g)).backward()
+        started += opt.exchange.started_in_backward
+        opt.step()
+    return [p.detach().clone() for p in params], opt.stats()["elements_born_after_freeze"], started
+
+
+def test_births_behind_the_backward_redo_their_buckets_as_the_serial_step_sends_them():
+    """With ``overlap_with_backward`` a bucket left before the step agreed on its births, masked:
+    it is sent again, so the run is the serial one bit for bit."""
+    serial = run_ranks(_embedding_run, 2, (False,), timeout_s=120)
+    overlapped = run_ranks(_embedding_run, 2, (True,), timeout_s=120)
+    assert serial[0][1] == overlapped[0][1] > 0  # rows 5-7 born after the freeze
+    assert overlapped[0][2] > 0 and serial[0][2] == 0
+    for rank in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(serial[rank][0], overlapped[rank][0])), f"rank {rank}"

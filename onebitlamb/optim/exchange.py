@@ -506,9 +506,11 @@ class Exchange:
         agreed = any_rank([bad_here, *stale_here], spanning, self.comm_stats, grads.device)
         bad, stale = agreed[0], [k for k, s in enumerate(agreed[1:]) if s]
         newborn: List[int] = []
-        if compressing and not bad:  # elements met for the first time went out masked: redone
-            born = self._agreed_finite_and_births(grads, spanning)
-            if born is not None and born.numel():
+        born_mask = None if not compressing or bad or self._waiting_ref is None else self._waiting_ref()()
+        if born_mask is not None:  # elements met for the first time went out masked: their buckets redone
+            _, born = agreed_finite_and_born(grads, born_mask, spanning, self.comm_stats)
+            if born.numel():
+                self._born_ref()(born)
                 newborn = [k for k, b in enumerate(self.buckets) if k not in stale and
                            bool(((born >= b.start) & (born < b.end)).any())]
         if stale and not self._overlap.given_up:  # every rank alike: the stale list is agreed
