@@ -146,9 +146,9 @@ def check_resumed_parameters(owner: str, saved: int, params: Sequence[torch.Tens
                      f"saved (after step {step}), and the state holds what each rank moved its own parameters by "
                      f"since the last sync; {cause}. Going on would silently continue another run (the next sync "
                      f"would also put back the state's parameters). Save each rank's own model beside its "
-                     f"optimizer state and load each rank's own, or checkpoint where "
-                     f"opt.parameters_synchronized is True (right after a sync), where one copy of the model "
-                     f"serves every rank ({pointer('optimizers', 'State and checkpoints')})")
+                     f"optimizer state and load each rank's own, or call opt.synchronize() on every rank before "
+                     f"saving (or save where opt.parameters_synchronized is True, right after a sync), so that "
+                     f"one copy of the model serves every rank ({pointer('optimizers', 'State and checkpoints')})")
 
 
 def agree_on_setup(setup: Dict[str, Any], group: Optional[dist.ProcessGroup], device: torch.device,
