@@ -111,10 +111,11 @@ class StepContext:
         ``inverse_denominator``); and what the decompressed result is multiplied by: its inverse
         times the momentum mask, so one pass both undoes the scaling and masks.
 
-        The mask applies to what is sent as well: an element that had no gradient before the freeze
-        has ``v = 0``, so in the update space its scale is ``k_l / eps``; a gradient it meets after
-        the freeze would enter the buffer ``1e8`` times too large and set the 1-bit magnitude of its
-        whole chunk (every element of the chunk then moves by that magnitude)."""
+        The mask applies to what is sent as well: an element no rank's gradient has reached since
+        before the freeze sends nothing, since a 1-bit code has no zero. Once born (``scales_born_``)
+        it is sent over the phase's wire denominator for it (``OneBitMomentum.inverse_denominator``:
+        its layer's typical one, not ``eps``, which would put it into the buffer ``1e8`` times too
+        large and set the 1-bit magnitude of its whole chunk)."""
         derived, flat = self.buffers.derived, self.state
         source = (flat["momentum_scale"], flat["exp_avg_sq"], flat["momentum_mask"])
         held = derived.get("scale_source")  # the tensors themselves: they stay alive, so `is` cannot mistake them

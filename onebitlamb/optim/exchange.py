@@ -412,7 +412,11 @@ class Exchange:
             raise failure
         # in the warm-up the average shows any rank's NaN; in stage 2 one flag is agreed on first
         if compressing and exchange:
-            finite = self._agreed_finite_and_births(grads, spanning) is not None
+            born_mask = self._born_mask()
+            if born_mask is None:  # nothing waits: the one flag, as before elements could be born
+                finite = agreed_finite(grads, spanning, self.comm_stats, averaged=False)
+            else:
+                finite, _ = self._agree_births(grads, born_mask, spanning)
         else:
             finite = agreed_finite(grads, spanning, self.comm_stats, averaged=not compressing)
         if finite and compressing and exchange and self.world_size > 1:
@@ -420,18 +424,20 @@ class Exchange:
                 self._exchange_bucket(b, self._payload(b), self.process_group)
         return finite
 
-    def _agreed_finite_and_births(self, grads: torch.Tensor, spanning: Any) -> Optional[torch.Tensor]:
-        """Stage 2's agreed check (``checks.agreed_finite``) and, where elements wait for their
-        first gradient, their births, applied before anything is sent. Returns None when some
-        rank's gradient is not finite, else the indices born at this step (maybe none)."""
-        born_mask = None if self._waiting_ref is None else self._waiting_ref()()
-        if born_mask is None:  # nothing waits: the one flag, as before elements could be born
-            finite = agreed_finite(grads, spanning, self.comm_stats, averaged=False)
-            return torch.empty(0, dtype=torch.int64) if finite else None
+    def _born_mask(self) -> Optional[torch.Tensor]:
+        """While some elements wait for their first gradient, the mask of those that do not (the
+        optimizer's ``waiting``); None when none waits."""
+        return None if self._waiting_ref is None else self._waiting_ref()()
+
+    def _agree_births(self, grads: torch.Tensor, born_mask: torch.Tensor,
+                      spanning: Any) -> Tuple[bool, Optional[torch.Tensor]]:
+        """Stage 2's agreed check with the births of waiting elements
+        (``checks.agreed_finite_and_born``), the births applied before anything (more) is sent:
+        whether every rank's gradient is finite, and the indices born at this step."""
         finite, born = agreed_finite_and_born(grads, born_mask, spanning, self.comm_stats)
         if finite and born.numel():
             self._born_ref()(born)
-        return born if finite else None
+        return finite, born
 
     def _quantized_average(self, grads: torch.Tensor) -> None:
         """The warm-up's quantised average of each bucket's gradients, in place, with the bucket's
@@ -506,13 +512,11 @@ class Exchange:
         agreed = any_rank([bad_here, *stale_here], spanning, self.comm_stats, grads.device)
         bad, stale = agreed[0], [k for k, s in enumerate(agreed[1:]) if s]
         newborn: List[int] = []
-        born_mask = None if not compressing or bad or self._waiting_ref is None else self._waiting_ref()()
+        born_mask = self._born_mask() if compressing and not bad else None
         if born_mask is not None:  # elements met for the first time went out masked: their buckets redone
-            _, born = agreed_finite_and_born(grads, born_mask, spanning, self.comm_stats)
-            if born.numel():
-                self._born_ref()(born)
-                newborn = [k for k, b in enumerate(self.buckets) if k not in stale and
-                           bool(((born >= b.start) & (born < b.end)).any())]
+            _, born = self._agree_births(grads, born_mask, spanning)
+            newborn = [k for k, b in enumerate(self.buckets) if k not in stale and
+                       bool(((born >= b.start) & (born < b.end)).any())]
         if stale and not self._overlap.given_up:  # every rank alike: the stale list is agreed
             self._overlap.give_up()
             warnings.warn(f"{self.owner}: the gradients of {len(stale)} of {len(self.buckets)} bucket(s) changed "
