@@ -1,5 +1,5 @@
-"""What the experiments on the demo share: runs of 1-bit LAMB variants beside LAMB and the default
-over a few seeds, and the table that compares them (``warmup_quantised.py``, ``freeze_rounding.py``).
+"""Runs of 1-bit LAMB variants beside LAMB and the default over a few seeds, and the table that
+compares them (``warmup_quantised.py``; ``network.py`` takes its rows' folders from here).
 
 A variant is a row of the convergence benchmark: `onebitlamb pretrain` with the row's flags, in a
 folder of its own. Finished runs are reused from their folders, so the rows LAMB and the default
