@@ -13,9 +13,9 @@ from onebitlamb.train.model import ModelConfig
 PRETRAIN_FLAGS = {"--preset", "--optimizer", "--out", "--resume", "--overwrite", "--seed", "--steps", "--global-batch",
                   "--micro-batch", "--workers", "--lr", "--warmup-frac", "--weight-decay", "--clip", "--freeze",
                   "--var-freeze", "--var-update-scaler", "--local-step-scaler", "--warmup-dtype", "--compression-space",
-                  "--stage2-bound", "--trust-ratio-after-freeze", "--bucket-cap-mb", "--local-size", "--shard", "--agree-every",
+                  "--bound-direction", "--no-bound-direction", "--trust-ratio-after-freeze", "--bucket-cap-mb", "--local-size", "--shard", "--agree-every",
                   "--eval-every", "--eval-samples", "--ckpt-every", "--corpus", "--stdlib-tests", "--cache-dir",
-                  "--threads", "--no-progress", "--stop-after-steps", "--timeout",
+                  "--threads", "--progress", "--no-progress", "--stop-after-steps", "--timeout",
                   "--vocab-size", "--seq-len", "--hidden", "--layers", "--heads", "--intermediate"}
 
 
@@ -53,7 +53,8 @@ def test_the_exchange_flags_reach_the_optimizer():
     space = loop.make_optimizer(cfg("--compression-space", "update", "--trust-ratio-after-freeze", "live"), groups())
     assert space.defaults["compression_space"] == "update" and space.defaults["trust_ratio_after_freeze"] == "live"
     assert space.defaults["bound_direction"] is True
-    assert loop.make_optimizer(cfg("--stage2-bound", "none"), groups()).defaults["bound_direction"] is False
+    assert loop.make_optimizer(cfg("--no-bound-direction"), groups()).defaults["bound_direction"] is False
+    assert loop.make_optimizer(cfg("--bound-direction"), groups()).defaults["bound_direction"] is True
     for bad in (["--warmup-dtype", "float16"], ["--bucket-cap-mb", "x"], ["--compression-space", "signs"]):
         with pytest.raises(SystemExit):
             cfg(*bad)
@@ -222,15 +223,15 @@ def test_resume_refuses_every_changed_setting_but_the_output_and_display():
     # LAMB's average is float32; 1-bit LAMB's, by default, int8
     assert set(config.changed_settings(cfg(), dataclasses.asdict(cfg(optimizer="lamb")))) == {"optimizer",
                                                                                               "warmup_dtype"}
-    assert changed(["--stage2-bound", "none"], []) == {"stage2_bound"}
-    assert changed(["--stage2-bound", "none"], [], optimizer="zerooneadam") == {"stage2_bound"}
-    assert changed(["--stage2-bound", "none"], [], optimizer="lamb") == set()  # LAMB has no stage 2
+    assert changed(["--no-bound-direction"], []) == {"bound_direction"}
+    assert changed(["--no-bound-direction"], [], optimizer="zerooneadam") == {"bound_direction"}
+    assert changed(["--no-bound-direction"], [], optimizer="lamb") == set()  # LAMB has no stage 2
 
 
 # each optimizer-specific flag with a value other than its default
 OPTIMIZER_FLAGS = {"warmup_dtype": "bfloat16", "compression_space": "momentum", "trust_ratio_after_freeze": "live",
                    "freeze": 0.35, "var_freeze": 0.5, "var_update_scaler": 8, "local_step_scaler": 0.5,
-                   "stage2_bound": "none"}
+                   "bound_direction": False}
 
 
 @pytest.mark.parametrize("optimizer", config.OPTIMIZERS)
@@ -267,13 +268,21 @@ def test_agree_every_reaches_the_optimizer_and_a_resume_may_change_it():
     assert config.changed_settings(cfg("--agree-every", "5"), dataclasses.asdict(cfg())) == {}
 
 
-def test_a_run_saved_before_the_bound_resumes_with_its_rule_only():
-    """A config saved before ``--stage2-bound`` existed ran the unbounded rule: it resumes with
-    ``--stage2-bound none`` and is refused with the default, which would change its numbers."""
+@pytest.mark.parametrize("old,bound", [("adam", True), ("none", False), (None, False)])
+def test_a_run_saved_under_the_old_name_or_before_the_bound_resumes_with_its_rule_only(old, bound):
+    """A config saved with ``stage2_bound`` ("adam": bounded, "none": not), or before the bound
+    existed (unbounded), resumes with its rule as ``bound_direction`` and is refused with the
+    other, which would change its numbers; the refusal gives the flag that continues it."""
     saved = dataclasses.asdict(cfg())
-    del saved["stage2_bound"]
-    assert set(config.changed_settings(cfg("--stage2-bound", "none"), saved)) == set()
-    assert config.changed_settings(cfg(), saved) == {"stage2_bound": ("none", "adam")}
+    del saved["bound_direction"]
+    if old is not None:
+        saved["stage2_bound"] = old
+    assert config.saved_settings(saved)["bound_direction"] is bound and "stage2_bound" not in config.saved_settings(saved)
+    same, other = ("--bound-direction", "--no-bound-direction")[::1 if bound else -1]
+    assert config.changed_settings(cfg(same), saved) == {}
+    changed = config.changed_settings(cfg(other), saved)
+    assert changed == {"bound_direction": (bound, not bound)}
+    assert f"give the saved values ({same})" in config.resume_refusal(changed, "--resume")
 
 
 BAD_VALUES = [

@@ -234,7 +234,7 @@ with open(os.path.join(ROOT, "tests", "data", "pinned_runs.json")) as _f:
 NEW_FLAGS = {"--freeze-frac 0.35": ["--freeze", "0.35"], "--auto-freeze --freeze-frac 0.75": ["--freeze", "auto"]}
 # they ran the paper's stage 2, the default before compression_space was an option, unbounded, and
 # averaged the warm-up in float32, the default before int8
-PINNED_DEFAULTS = ["--compression-space", "momentum", "--stage2-bound", "none", "--warmup-dtype", "float32"]
+PINNED_DEFAULTS = ["--compression-space", "momentum", "--no-bound-direction", "--warmup-dtype", "float32"]
 # Rounding alone (ONEBITLAMB_NATIVE=0 here, another machine of the same kind) left the held-out
 # losses of the warm-up unchanged and moved the final one by at most 1.2e-4 of its value (5.82622 against
 # 5.82666 and 5.82691); ten times that still tells apart a freeze moved by 24 steps (0.8%).

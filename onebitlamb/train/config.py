@@ -37,11 +37,13 @@ QUANTISED_CANNOT_RUN = ("bucket_cap_mb", "local_size")
 # the flags only one optimizer reads: a resume of another ignores them, as LAMB ignores --freeze
 READ_ONLY_BY = {"freeze": ("onebitlamb", "onebitadam"), "var_freeze": ("zerooneadam",),
                 "var_update_scaler": ("zerooneadam",), "local_step_scaler": ("zerooneadam",),
-                "stage2_bound": ("onebitlamb", "onebitadam", "zerooneadam"),
+                "bound_direction": ("onebitlamb", "onebitadam", "zerooneadam"),
                 "warmup_dtype": ("onebitlamb", "onebitadam", "zerooneadam"),  # LAMB's average stays float32
                 "compression_space": ("onebitlamb", "zerooneadam"), "trust_ratio_after_freeze": ("onebitlamb",)}
 # settings added after runs were saved without them, at the value those runs had
-SAVED_BEFORE = {"stage2_bound": "none", "warmup_dtype": "float32", "shard": 1}
+SAVED_BEFORE = {"bound_direction": False, "warmup_dtype": "float32", "shard": 1}
+# settings runs were saved under another name and values: old name: (today's name, {old value: today's})
+RENAMED = {"stage2_bound": ("bound_direction", {"adam": True, "none": False})}
 
 PRESETS = {
     # for the tests: about a minute on 2 workers (most of it starting them and the corpus)
@@ -148,10 +150,10 @@ class TrainConfig:
         "help": "1-bit LAMB and 0/1 Adam: what the 1-bit all-reduce compresses: the update (Adam's direction, the "
                 "momentum over the variance's root) or the momentum (the papers' and DeepSpeed's)",
         "choices": ["update", "momentum"]})
-    stage2_bound: str = field(default="adam", metadata={
-        "help": "1-bit optimizers: after the freeze each element's direction is clipped to the largest Adam's "
-                "own can take at that step (adam), or not (none: the papers' and DeepSpeed's rule)",
-        "choices": ["adam", "none"]})
+    bound_direction: bool = field(default=True, metadata={
+        "help": "1-bit optimizers' bound_direction: after the freeze, clip each element's direction to the largest "
+                "Adam's own can take at that step (true, the default: --bound-direction) or not (false, "
+                "--no-bound-direction: the papers' and DeepSpeed's rule)"})
     trust_ratio_after_freeze: str = field(default="frozen", metadata={
         "help": "1-bit LAMB: the layer-wise coefficient after the freeze: frozen (the paper's: the trust ratio of "
                 "the freeze times a per-layer factor) or live (LAMB's ratio, every step)", "choices": ["frozen", "live"]})
@@ -179,7 +181,8 @@ class TrainConfig:
         "help": "where the tokenized corpus is cached (default: OUT/cache)", "metavar": "DIR"})
     threads: int = field(default=1, metadata={"help": "torch threads per local worker"})
     progress: bool = field(default=True, metadata={
-        "help": "one plain line per report instead of a progress bar (as when the output is not a terminal)"})
+        "help": "a progress bar on a terminal (the default), or with --no-progress one plain line per report (as "
+                "when the output is not a terminal)"})
     stop_after_steps: int = field(default=0, metadata={
         "help": "checkpoint and stop once N steps are done (0: run to the end)", "metavar": "N"})
     timeout: float = field(default=600.0, metadata={
@@ -335,11 +338,11 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple = ()) -> None:
         if "help" not in meta or f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        if hints[f.name] is bool:  # a switch that turns the default around
-            if f.default:
-                flag = "--no-" + flag[2:]
-            parser.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true",
-                                default=None, help=meta["help"])
+        if hints[f.name] is bool:
+            # a setting on by default takes both forms (--progress, --no-progress), each value
+            # by its name; one off by default is a switch that turns it on (--resume)
+            parser.add_argument(flag, dest=f.name, default=None, help=meta["help"],
+                                action=argparse.BooleanOptionalAction if f.default else "store_true")
             continue
         typ, nargs = _flag_type(hints[f.name])
         if typ is int:
@@ -382,7 +385,7 @@ def config_from_flags(flags: Sequence[str]) -> TrainConfig:
 
 
 def _switch(name: str) -> str:
-    """The flag of setting ``name``; a switch turns the default around (``--no-progress``)."""
+    """The flag that turns setting ``name`` from its default (``--no-progress``, ``--resume``)."""
     default = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
     return ("--no-" if default is True else "--") + name.replace("_", "-")
 
@@ -393,9 +396,11 @@ def _as_flags(name: str, value) -> str:
     fld = next((f for f in dataclasses.fields(TrainConfig) if f.name == name), None)
     if fld is None or "help" not in fld.metadata:
         return f"{name} {value!r} (set by --preset)"
-    flag = _switch(name)
+    flag = "--" + name.replace("_", "-")
     if isinstance(value, bool):
-        return flag if value != fld.default else f"no {flag}"
+        if value:
+            return flag
+        return _switch(name) if fld.default else f"no {flag}"  # --no-progress; no --resume
     if value is None:
         return f"no {flag}"
     if isinstance(value, (list, tuple)):
@@ -420,6 +425,19 @@ def changed_settings(cfg: TrainConfig, saved: dict) -> dict:
     than those that cannot change its numbers (RESUMABLE_CHANGES; the flags this optimizer does not
     read: READ_ONLY_BY)."""
     ignored = RESUMABLE_CHANGES | {k for k, readers in READ_ONLY_BY.items() if cfg.optimizer not in readers}
-    saved = {**SAVED_BEFORE, **saved}
+    saved = saved_settings(saved)
     return {k: (saved.get(k), v) for k, v in dataclasses.asdict(cfg).items()
             if k not in ignored and saved.get(k) != v}
+
+
+def saved_settings(saved: dict) -> dict:
+    """A saved run's settings (its config.json, the config in its checkpoint or its metrics.json, a
+    measured entry's) in today's names and values: a setting saved under an earlier name renamed
+    (RENAMED: ``stage2_bound`` "adam" is ``bound_direction`` True, "none" False), one added since
+    at the value the run had (SAVED_BEFORE). What reads a saved config reads it through here."""
+    today = dict(saved)
+    for old, (name, values) in RENAMED.items():
+        if old in today:
+            value = today.pop(old)  # a value of no mapping stays as it was: a resume names it and refuses
+            today.setdefault(name, values.get(value, value) if isinstance(value, str) else value)
+    return {**SAVED_BEFORE, **today}

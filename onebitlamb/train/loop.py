@@ -366,7 +366,7 @@ def make_optimizer(cfg: TrainConfig, groups, replicate_group=None) -> torch.opti
                   agree_every=cfg.agree_every or None)
     if cfg.optimizer == "lamb":  # the exact baseline: its average stays float32
         return onebitlamb.Lamb(groups, **common)
-    common["bound_direction"] = cfg.stage2_bound == "adam"
+    common["bound_direction"] = cfg.bound_direction
     if cfg.optimizer == "onebitlamb":
         common.update(compression_space=cfg.compression_space, trust_ratio_after_freeze=cfg.trust_ratio_after_freeze)
     if cfg.optimizer == "zerooneadam":  # it exchanges in step() (its syncs need the step's update first)
