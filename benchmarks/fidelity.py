@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from benchmarks import convergence
 from benchmarks.report import command_line, heading, mean_interval, table_row, write_section
-from onebitlamb.train.config import PRESETS, RESUMABLE_CHANGES
+from onebitlamb.train.config import PRESETS, RESUMABLE_CHANGES, saved_settings
 from onebitlamb.train.metrics import WINDOW_STEPS
 
 # the candidates measured beside the paper's stage 2, each with the automatic freeze
@@ -188,7 +188,8 @@ def write_measured(preset: str, seeds: Sequence[int], runs: Dict[Tuple[str, int]
     ignored = RESUMABLE_CHANGES | {"seed", "optimizer", "ckpt_every"}
     measured[preset] = {"onebitlamb": {
         "command": command, "seeds": list(seeds), "gaps_pct": gaps, "mean_pct": mean, "half_width_pct": half,
-        "settings": {k: v for k, v in runs[DEFAULT.name, seeds[0]]["config"].items() if k not in ignored}}}
+        "settings": {k: v for k, v in saved_settings(runs[DEFAULT.name, seeds[0]]["config"]).items()
+                     if k not in ignored}}}
     with open(path, "w") as f:
         json.dump(measured, f, indent=1, sort_keys=True)
         f.write("\n")

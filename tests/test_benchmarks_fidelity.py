@@ -53,7 +53,7 @@ def test_compare_says_where_a_seed_falls_only_for_the_measured_settings(tmp_path
     from onebitlamb.train import compare
 
     config = {"preset": "demo", "seed": 1234, "out": "x", "optimizer": "onebitlamb", "compression_space": "update",
-              "stage2_bound": "adam"}
+              "bound_direction": True}
     lamb = {"final_eval_loss": 5.0, "config": {**config, "optimizer": "lamb"}}
     runs = {(fidelity.LAMB.name, s): {"final_eval_loss": 5.0} for s in (1234, 1235)}
     runs.update({(fidelity.DEFAULT.name, 1234): {"final_eval_loss": 4.9, "config": config},
@@ -69,14 +69,28 @@ def test_compare_says_where_a_seed_falls_only_for_the_measured_settings(tmp_path
     assert "-1.00% against LAMB at this seed" in line and "-0.50% ± " in line and "from -2.00% to +1.00%" in line
     other = {"lamb": lamb, "onebitlamb": {"final_eval_loss": 4.95, "config": {**config, "compression_space": "momentum"}}}
     assert compare.where_the_seed_falls(other, measured) == []
+
+    def falls(**settings):  # a run of ``mine``'s saved with these settings of the bound (none: before it)
+        saved = {k: v for k, v in mine["onebitlamb"]["config"].items() if k != "bound_direction"}
+        run = {**mine["onebitlamb"], "config": {**saved, **settings}}
+        return compare.where_the_seed_falls({"lamb": lamb, "onebitlamb": run}, measured) != []
+
+    assert falls(bound_direction=True) and not falls(bound_direction=False)
+    # a run's metrics saved when the bound was stage2_bound ("adam": bounded), or before it (unbounded)
+    assert falls(stage2_bound="adam") and not falls(stage2_bound="none") and not falls()
     # measured before the stage-2 bound existed, hence without it: those runs had none, so a run with it
     # (the default) is not theirs
     for entry in measured["demo"].values():
-        entry["settings"].pop("stage2_bound")
-    assert compare.where_the_seed_falls(mine, measured) == []
-    assert compare.where_the_seed_falls({"lamb": lamb, "onebitlamb": {**mine["onebitlamb"], "config": {
-        **config, "stage2_bound": "none"}}}, measured) != []
+        entry["settings"].pop("bound_direction")
+    assert not falls(bound_direction=True) and not falls(stage2_bound="adam")
+    assert falls(bound_direction=False) and falls(stage2_bound="none") and falls()
     assert compare.read_measured(str(tmp_path / "missing.json")) == {}
+    # runs saved under the bound's old name are measured under its new one
+    old = {key: {**run, "config": {**{k: v for k, v in run["config"].items() if k != "bound_direction"},
+                                   "stage2_bound": "adam"}} if "config" in run else run for key, run in runs.items()}
+    fidelity.write_measured("demo", [1234, 1235], old, "python -m benchmarks.fidelity", str(path))
+    settings = compare.read_measured(str(path))["demo"]["onebitlamb"]["settings"]
+    assert settings["bound_direction"] is True and "stage2_bound" not in settings
 
 
 def test_candidates_left_out_have_no_row_and_no_panel(tmp_path):

@@ -186,9 +186,9 @@ def where_the_seed_falls(runs: Dict[str, dict], measured: dict) -> List[str]:
     lines = []
     for name, m in runs.items():
         entry = measured.get(m["config"].get("preset"), {}).get(name)
-        # an entry measured before a setting existed was measured at that setting's old value
-        if entry is None or any(m["config"].get(k, v) != v
-                                for k, v in {**config.SAVED_BEFORE, **entry["settings"]}.items()):
+        # an entry measured (or a run saved) before a setting existed or was renamed, in today's terms
+        ran = config.saved_settings(m["config"])
+        if entry is None or any(ran.get(k, v) != v for k, v in config.saved_settings(entry["settings"]).items()):
             continue
         gap = 100 * (m["final_eval_loss"] / lamb["final_eval_loss"] - 1)
         spread = f" ± {entry['half_width_pct']:.2f} (95% interval)" if entry["half_width_pct"] is not None else ""
