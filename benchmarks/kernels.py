@@ -97,8 +97,7 @@ def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 2.0,
     The whole compute follows ``compressed_allreduce`` step by step, message layout included
     (sign rows with a trailing scale), with the packed signs this rank sent standing in for the
     messages it would receive."""
-    from onebitlamb.comm.collectives import _read_scales, _scale_bytes
-    from onebitlamb.compression.onebit import add_signs_, compress_
+    from onebitlamb.compression.onebit import add_signs_, compress_, read_scales, scale_bytes
     from onebitlamb.compression.packing import fused_codec, unpack_signs
 
     if numel % (8 * n):
@@ -126,11 +125,11 @@ def kernel_times(numel: int, n: int, repeats: int, min_total_s: float = 2.0,
     def whole() -> None:
         s = compress_(worker_error, buffer, packed, ws, fused=fused)
         messages[:, :row].copy_(packed.view(n, row))
-        messages[:, row:].copy_(_scale_bytes(s, dev))
-        sum_sq = server_accumulate(_read_scales(messages, row))
+        messages[:, row:].copy_(scale_bytes(s, dev))
+        sum_sq = server_accumulate(read_scales(messages, row))
         s_server = compress_(server_error, None, server[:row], ws, sum_sq, fused)
-        server[row:].copy_(_scale_bytes(s_server, dev))
-        scales = _read_scales(messages, row)
+        server[row:].copy_(scale_bytes(s_server, dev))
+        scales = read_scales(messages, row)
         if codec is not None:
             codec.expand_(messages, scales, buffer, chunk)
             return

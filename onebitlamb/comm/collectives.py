@@ -26,9 +26,7 @@ import torch.distributed as dist
 
 from onebitlamb.comm.stats import (GLOBAL_STATS, CommStats, all_gather_bytes, all_to_all_bytes,
                                    allreduce_bytes)
-# (the scale helpers keep their private names here: benchmarks/kernels.py imports them from this module)
-from onebitlamb.compression.onebit import (ONEBIT, add_signs_, compress_, read_scales as _read_scales,
-                                           scale_bytes as _scale_bytes)
+from onebitlamb.compression.onebit import ONEBIT, add_signs_, compress_, read_scales, scale_bytes
 from onebitlamb.compression.packing import FLOAT_DTYPES, fused_codec, unpack_signs
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -220,10 +218,10 @@ def compressed_allreduce(
     fused = codec is not None
     scale = compress_(worker_error, buffer, ws["signs"], ws, fused=fused)
     send[:, :row_signs].copy_(ws["signs"].view(n, row_signs))
-    send[:, row_signs:].copy_(_scale_bytes(scale, buffer.device))
+    send[:, row_signs:].copy_(scale_bytes(scale, buffer.device))
     dist.all_to_all_single(recv, send, group=group)
     stats.record("all_to_all", all_to_all_bytes(send.numel(), n))
-    worker_scales = _read_scales(recv, row_signs)
+    worker_scales = read_scales(recv, row_signs)
     if not bool(torch.isfinite(worker_scales).all()):
         bad = torch.nonzero(~torch.isfinite(worker_scales)).flatten().tolist()
         raise FloatingPointError(f"compressed_allreduce: the buffer of rank(s) {bad} gave a non-finite "
@@ -233,11 +231,11 @@ def compressed_allreduce(
     # Server: average this rank's chunk of everyone's signs, add the server error, compress again.
     server_sum_sq = add_signs_(server_error, recv[:, :row_signs], worker_scales / n, fused)
     server_scale = compress_(server_error, None, server[:row_signs], ws, server_sum_sq, fused)
-    server[row_signs:].copy_(_scale_bytes(server_scale, buffer.device))
+    server[row_signs:].copy_(scale_bytes(server_scale, buffer.device))
     _all_gather_single(result.view(-1), server, group=group)
     stats.record("all_gather", all_gather_bytes(server.numel(), n))
 
-    server_scales = _read_scales(result, row_signs)
+    server_scales = read_scales(result, row_signs)
     if codec is not None:  # every chunk in one launch
         codec.expand_(result, server_scales, buffer, chunk)
         return buffer
