@@ -29,8 +29,7 @@ import sys
 from typing import Dict, Optional, Sequence
 
 from benchmarks import convergence
-from benchmarks.fidelity import mean_interval
-from benchmarks.report import command_line, heading, table_row, write_section
+from benchmarks.report import command_line, heading, mean_interval, table_row, write_section
 from onebitlamb.comm.launch import spawn_local
 
 LAMB, DEFAULT = convergence.ROWS[0], convergence.ROWS[1]
