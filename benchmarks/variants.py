@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from benchmarks import convergence
 from benchmarks.report import command_line, heading, table_row, write_section
@@ -63,7 +63,7 @@ def run_variants(out: str, seeds: Sequence[int], variants: Sequence[Variant],
 
 
 def section(title: str, command: str, seeds: Sequence[int], variants: Sequence[Variant],
-            results: Dict[tuple, dict], note: str = "", preset: str = "demo") -> str:
+            results: Dict[tuple, dict], preset: str = "demo") -> str:
     """The section: per variant, the held-out loss over the seeds, its gap to the first variant (the
     reference: LAMB, or where LAMB was not run, the first row) at the same seed, the freeze steps and
     the whole run's bytes against the reference's."""
@@ -73,7 +73,7 @@ def section(title: str, command: str, seeds: Sequence[int], variants: Sequence[V
              f"Seeds {', '.join(map(str, seeds))}: held-out loss (mean ± standard deviation over the seeds), its gap "
              f"to {ref} at the same seed, the freeze step per seed, the whole run's bytes per worker against "
              f"{ref}'s, and its rounds (collective calls) per worker, mean over the seeds. Each row is "
-             f"`onebitlamb pretrain --preset {preset}` with its flags." + note, "",
+             f"`onebitlamb pretrain --preset {preset}` with its flags.", "",
              table_row(["row", "held-out loss", f"gap to {ref}", "freeze steps", f"{ref}'s bytes / row's",
                         "rounds per worker"]),
              "|---|---:|---:|---:|---:|---:|"]
@@ -92,11 +92,11 @@ def section(title: str, command: str, seeds: Sequence[int], variants: Sequence[V
     return "\n".join(lines)
 
 
-def main_for(prog: str, doc: str, title: str, name: str, variants: Union[Sequence[Variant], Dict[str, Sequence[Variant]]],
-             argv: Optional[Sequence[str]], note: str = "", presets: Sequence[str] = ("demo",),
+def main_for(prog: str, doc: str, title: str, name: str, variants: Sequence[Variant],
+             argv: Optional[Sequence[str]], presets: Sequence[str] = ("demo",),
              more: Optional[Callable[[Sequence[int], Sequence[Variant], Dict[tuple, dict]], str]] = None,
              command: Optional[str] = None) -> int:
-    """An experiment's command line: run (or read back) its variants (or each preset's) and write its
+    """An experiment's command line: run (or read back) its variants on one of ``presets`` and write its
     section ``name``; ``more(seeds, variants, results)``: what the section adds below its table;
     ``command``: the command the section names, where the caller took arguments of its own."""
     parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc,
@@ -112,8 +112,6 @@ def main_for(prog: str, doc: str, title: str, name: str, variants: Union[Sequenc
                             help="leave LAMB's runs out; the gaps are then to the first row at the same seed")
     args = parser.parse_args(argv)
     preset = getattr(args, "preset", presets[0])
-    if isinstance(variants, dict):
-        variants = variants[preset]
     if getattr(args, "without_lamb", False):
         variants = [v for v in variants if v is not LAMB]
     seeds = seeds_from(args.seeds)
@@ -123,7 +121,7 @@ def main_for(prog: str, doc: str, title: str, name: str, variants: Union[Sequenc
         title = f"{title}: {args.section}"
     elif preset != "demo":
         title = f"{title}: {preset}"
-    body = section(title, command or command_line(argv), seeds, variants, results, note, preset)
+    body = section(title, command or command_line(argv), seeds, variants, results, preset)
     if more is not None:
         body += "\n\n" + more(seeds, variants, results)
     print("\n" + body)

@@ -71,8 +71,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     variants = rows(own.optimizer, own.codecs)
     title = "The warm-up's average quantised" + (": 1-bit Adam" if adam else "")
     name = "warmup-quantised" + ("-onebitadam" if adam else "")
-    return main_for("benchmarks.warmup_quantised", __doc__, title, name, {"demo": variants, "b1024": variants},
-                    argv, presets=("demo", "b1024"), more=paired_to_float32, command=command)
+    return main_for("benchmarks.warmup_quantised", __doc__, title, name, variants, argv, presets=("demo", "b1024"),
+                    more=paired_to_float32, command=command)
 
 
 if __name__ == "__main__":

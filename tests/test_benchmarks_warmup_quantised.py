@@ -41,7 +41,7 @@ def test_its_own_options_are_taken_before_the_common_ones(monkeypatch):
     seen = {}
 
     def fake_main_for(prog, doc, title, name, variants, argv, **kw):
-        seen.update(name=name, variants=variants["demo"], argv=argv, command=kw["command"])
+        seen.update(name=name, variants=variants, argv=argv, command=kw["command"])
         return 0
     monkeypatch.setattr(w, "main_for", fake_main_for)
     assert w.main(["--optimizer", "onebitadam", "--codecs", "int8", "--seeds", "2", "--no-write"]) == 0
