@@ -197,9 +197,11 @@ def write_measured(preset: str, seeds: Sequence[int], runs: Dict[Tuple[str, int]
 
 def plot(preset: str, seed: int, figures: Dict[Tuple[str, int], dict], path: str) -> None:
     """Per row (a panel each), every layer's window ratio over the steps at one seed, and their median."""
-    from onebitlamb.train.plots import _plt
+    import matplotlib
 
-    plt = _plt()
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     rows = [row for row in ROWS[1:] if (row.name, seed) in figures]
     fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.2), sharey=True, squeeze=False)
     for ax, row in zip(axes[0], rows):
