@@ -279,7 +279,9 @@ class ZeroOneReference:
     ``k`` of the last variance step, taken from its mean gradient) into ``m``. Then Adam's update.
     After the freeze each worker steps alone and sums ``lr * u``; every ``local interval`` steps
     the sums (times the denominator) go through the 1-bit average, the parameters become the last sync's minus the
-    average over the denominator, and the momentum the average over the summed learning rates.
+    average over the denominator, and the momentum the average over the summed learning rates. An
+    element without a variance at the freeze waits (masked) until some worker's gradient reaches
+    it; its frozen variance is then the workers' mean square of that step's gradients.
 
     That is DeepSpeed's rule, ``compression_space="momentum"``. With ``"update"`` (the default) a
     1-bit step averages each worker's momentum ``b1 m + (1-b1) g_i`` instead (``k`` from ``m``),
@@ -391,6 +393,13 @@ class ZeroOneReference:
                 self.lrs = [0.0] * L
                 self.local_interval, self.local_counter = 1, 0
             return
+        for l in range(L):  # elements first reached now: the variance of Adam's first step, the workers' mean square
+            reached = sum((w[l] != 0).float() for w in grads_per_worker) > 0
+            born = reached & (self.mask[l] == 0)
+            if bool(born.any()):
+                mean_square = (sum(w[l].double() ** 2 for w in grads_per_worker) / n).float()
+                self.den[l] = torch.where(born, torch.sqrt(mean_square) + self.eps, self.den[l])
+                self.mask[l] = torch.where(born, torch.ones_like(self.mask[l]), self.mask[l])
         for i in range(n):
             for l in range(L):
                 self.m[i][l] = (b1 * self.m[i][l] + (1 - b1) * grads_per_worker[i][l]) * self.mask[l]
@@ -410,3 +419,32 @@ class ZeroOneReference:
         self.local_counter += 1
         if self.local_counter == self.scaler:
             self.local_counter, self.local_interval = 0, min(self.clipper, self.local_interval * 2)
+
+
+class ZeroOneRescaledReference(ZeroOneReference):
+    """``reference.ZeroOneReference`` with the compression errors kept in their unit across a
+    variance step (docs/algorithm.md, "Where ZeroOneAdam departs from DeepSpeed's"): a variance step
+    changes the scale each element is sent with (``k_l``; over Adam's denominator in the update
+    space), and the errors the 1-bit steps left are in the old one. After it each error is
+    multiplied by its element's new scale over its old (an element whose scale is 0 or not finite
+    keeps its error, as does a masked one: it sends nothing), the padding by the mean of those ratios."""
+
+    def _sent_scale(self) -> torch.Tensor:
+        den = self._den()
+        return torch.cat([((self.k[l] / den[l] if self.update_space else torch.full_like(den[l], self.k[l]))
+                           * self.mask[l]).reshape(-1) for l in range(len(self.k))])
+
+    def step(self, grads_per_worker):
+        variance_step = self.n > 1 and not self.frozen and (self.t + 1) % self.var_interval == 0
+        before = self._sent_scale() if variance_step else None
+        super().step(grads_per_worker)
+        if before is None:
+            return
+        after = self._sent_scale()
+        kept = torch.isfinite(before) & torch.isfinite(after) & (before != 0) & (after != 0)
+        ratio = torch.where(kept, after / torch.where(kept, before, torch.ones_like(before)), torch.ones_like(after))
+        pad = float(ratio[kept].mean()) if bool(kept.any()) else 1.0
+        full = torch.cat([ratio, torch.full((self.D - self.d,), pad)])
+        chunk = self.D // self.n
+        self.sim.worker_errors = [e * full for e in self.sim.worker_errors]
+        self.sim.server_errors = [e * full[j * chunk:(j + 1) * chunk] for j, e in enumerate(self.sim.server_errors)]

@@ -9,7 +9,7 @@ import torch
 
 import onebitlamb
 from rank_pool import run_ranks
-from reference import Reference
+from reference import Reference, ZeroOneRescaledReference
 from toy import initial_params, grads_for, through_a_checkpoint
 
 ROWS, DIM = 12, 4
@@ -99,6 +99,69 @@ def test_rows_born_after_the_freeze_learn_as_the_reference_says(kind, ref_kind, 
     assert torch.equal(final[PADDING], init_table[PADDING])
 
 
+ZERO_ONE = dict(var_freeze_step=FREEZE, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4)
+
+
+def _zero_one_run(rank, n, space, resume_at):
+    def fresh(init):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        groups = [{"params": [p], "lr": lr, "weight_decay": wd} for p, lr, wd in zip(params, LRS, WDS)]
+        return params, onebitlamb.ZeroOneAdam(groups, lr=LRS[0], compression_space=space, bound_direction=False,
+                                              **ZERO_ONE)
+
+    def run(params, opt, start, stop):
+        history = []
+        for t in range(start, stop + 1):
+            for p, g in zip(params, _grads(params, rank, t)):
+                p.grad = g
+            opt.step()
+            history.append(([p.detach().clone() for p in params], opt.parameters_synchronized))
+        return history
+
+    params, opt = fresh(_init())
+    history = run(params, opt, 1, STEPS)
+    stats = opt.stats()
+    resumed = {}
+    for stop in resume_at:
+        params, opt = fresh(_init())
+        run(params, opt, 1, stop)
+        params, opt = through_a_checkpoint(params, opt, fresh)
+        resumed[stop] = run(params, opt, stop + 1, STEPS)[-1][0]
+    return {"history": history, "resumed": resumed,
+            "counts": (stats["elements_waiting"], stats["elements_born_after_freeze"])}
+
+
+@pytest.mark.parametrize("space", ["update", "momentum"])
+def test_zero_one_adams_rows_born_after_its_freeze_learn_as_the_reference_says(space):
+    """0/1 Adam: a row first met after the variance froze, at a local step or a sync, takes the
+    ranks' mean squared gradient of that step as its variance and learns from then on, as the
+    reference says; the ranks agree at every sync, resumed runs are the run bit for bit."""
+    n = 2
+    out = run_ranks(_zero_one_run, n, (space, (12, 15)), timeout_s=180)
+    syncs = 0
+    for t in range(STEPS):
+        if out[0]["history"][t][1]:
+            syncs += t + 1 > FREEZE
+            for a, b in zip(out[0]["history"][t][0], out[1]["history"][t][0]):
+                assert torch.equal(a, b), f"rank 1 differs from rank 0 after the sync of step {t + 1}"
+    assert syncs >= 3
+    for rank in range(n):
+        for stop, final in out[rank]["resumed"].items():
+            for a, b in zip(final, out[rank]["history"][-1][0]):
+                assert torch.equal(a, b), f"rank {rank} resumed after step {stop}"
+    ref = ZeroOneRescaledReference(_init(), LRS, WDS, n=n, compression_space=space, **ZERO_ONE)
+    for t in range(1, STEPS + 1):
+        ref.step([_grads(ref.x[r], r, t) for r in range(n)])
+        for rank in range(n):
+            for layer, (a, x) in enumerate(zip(out[rank]["history"][t - 1][0], ref.x[rank])):
+                assert float((a - x).norm() / x.norm()) < 1e-5, f"rank {rank}, layer {layer}, step {t}"
+    init_table, final = _init()[2], out[0]["history"][-1][0][2]
+    for row in BIRTHS:
+        assert float((final[row] - init_table[row]).norm()) > 1e-3, f"row {row} never moved"
+    assert torch.equal(final[PADDING], init_table[PADDING])
+    assert out[0]["counts"] == out[1]["counts"] == (DIM, DIM * len(BIRTHS))  # the padding row waits
+
+
 def _counts(rank, n):
     params = [torch.nn.Parameter(t.clone()) for t in _init()]
     opt = onebitlamb.OneBitLamb(params, lr=0.01, freeze_step=FREEZE)
@@ -149,3 +212,39 @@ def test_births_behind_the_backward_redo_their_buckets_as_the_serial_step_sends_
     assert overlapped[0][2] > 0 and serial[0][2] == 0
     for rank in range(2):
         assert all(torch.equal(a, b) for a, b in zip(serial[rank][0], overlapped[rank][0])), f"rank {rank}"
+
+
+def test_a_refused_step_takes_back_zero_one_adams_births():
+    """A step refused after its births were agreed (here: a learning rate past float32's range, as
+    a bad schedule gives) leaves no variance behind: the state is the one before it, and the run
+    that goes on is, bit for bit, the run that never took it."""
+    def fresh():
+        params = [torch.nn.Parameter(t.clone()) for t in _init()]
+        groups = [{"params": [p], "lr": lr, "weight_decay": wd} for p, lr, wd in zip(params, LRS, WDS)]
+        return params, onebitlamb.ZeroOneAdam(groups, lr=LRS[0], **ZERO_ONE)
+
+    def step(params, opt, t):
+        for p, g in zip(params, _grads(params, 0, t)):
+            p.grad = g
+        opt.step()
+
+    first_birth = min(born for born, _ in BIRTHS.values())
+    runs = []
+    for refuse in (False, True):
+        params, opt = fresh()
+        for t in range(1, first_birth):
+            step(params, opt, t)
+        if refuse:
+            before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state["flat"].items()}
+            opt.param_groups[2]["lr"] = 1e30
+            with pytest.raises(FloatingPointError):
+                step(params, opt, first_birth)
+            opt.param_groups[2]["lr"] = LRS[2]
+            for key, value in opt.state["flat"].items():
+                same = torch.equal(value, before[key]) if isinstance(value, torch.Tensor) else value == before[key]
+                assert same, f"{key} changed by the refused step"
+        for t in range(first_birth, STEPS + 1):
+            step(params, opt, t)
+        assert opt.stats()["elements_born_after_freeze"] == DIM * len(BIRTHS)
+        runs.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

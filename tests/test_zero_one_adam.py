@@ -16,7 +16,7 @@ import torch
 import onebitlamb
 from onebitlamb.optim.zero_one import VarianceThinning
 from rank_pool import run_ranks
-from reference import ZeroOneReference
+from reference import ZeroOneReference, ZeroOneRescaledReference
 
 from toy import SHAPES, SCALES, grads_for, initial_params, through_a_checkpoint  # noqa: E402,F401
 LRS = [0.02, 0.01, 0.02, 0.05]
@@ -88,33 +88,7 @@ def _spawned(n):
     return run_ranks(_run, n, (RESUME_AT, {}), timeout_s=180)
 
 
-class Reference(ZeroOneReference):
-    """``reference.ZeroOneReference`` with the compression errors kept in their unit across a
-    variance step (docs/algorithm.md, "Where ZeroOneAdam departs from DeepSpeed's"): a variance step
-    changes the scale each element is sent with (``k_l``; over Adam's denominator in the update
-    space), and the errors the 1-bit steps left are in the old one. After it each error is
-    multiplied by its element's new scale over its old (an element whose scale is 0 or not finite
-    keeps its error), the padding by the mean of those ratios."""
-
-    def _sent_scale(self) -> torch.Tensor:
-        den = self._den()
-        return torch.cat([(self.k[l] / den[l] if self.update_space else torch.full_like(den[l], self.k[l])).reshape(-1)
-                          for l in range(len(self.k))])
-
-    def step(self, grads_per_worker):
-        variance_step = self.n > 1 and not self.frozen and (self.t + 1) % self.var_interval == 0
-        before = self._sent_scale() if variance_step else None
-        super().step(grads_per_worker)
-        if before is None:
-            return
-        after = self._sent_scale()
-        kept = torch.isfinite(before) & torch.isfinite(after) & (before != 0) & (after != 0)
-        ratio = torch.where(kept, after / torch.where(kept, before, torch.ones_like(before)), torch.ones_like(after))
-        pad = float(ratio[kept].mean()) if bool(kept.any()) else 1.0
-        full = torch.cat([ratio, torch.full((self.D - self.d,), pad)])
-        chunk = self.D // self.n
-        self.sim.worker_errors = [e * full for e in self.sim.worker_errors]
-        self.sim.server_errors = [e * full[j * chunk:(j + 1) * chunk] for j, e in enumerate(self.sim.server_errors)]
+Reference = ZeroOneRescaledReference
 
 
 def _reference_run(n, steps=STEPS, **kw):

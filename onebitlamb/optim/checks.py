@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import math
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -291,38 +291,64 @@ def any_rank(flags: Sequence[bool], group: Optional[dist.ProcessGroup], stats: C
     return [bool(v) for v in values.tolist()]
 
 
+class Waiting(NamedTuple):
+    """While some elements wait for their first gradient after the freeze: ``born``, the mask of
+    those that do not (alike on every rank), and whether their births carry the ranks' mean
+    squared gradient there (``agreed_finite_and_born``), for a phase that sets a born element's
+    variance from it."""
+    born: torch.Tensor
+    mean_squares: bool = False
+
+
 def agreed_finite_and_born(values: torch.Tensor, born: torch.Tensor, group: Optional[dist.ProcessGroup],
-                           stats: CommStats) -> Tuple[bool, Optional[torch.Tensor]]:
+                           stats: CommStats, mean_squares: bool = False
+                           ) -> Tuple[bool, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``agreed_finite`` for stage 2, and which elements not yet ``born`` (a mask alike on every
     rank: False where no rank's gradient has reached the element since before the freeze) some
     rank's gradient ``values`` reaches now. Returns whether every rank's gradient is finite and, if
-    so, the flat indices of those elements in ascending order, the same on every rank.
+    so, the flat indices of those elements in ascending order, the same on every rank; with
+    ``mean_squares``, also the mean over the ranks of their gradient's square there (float32, the
+    same bits on every rank: summed in rank order, in float64), else None.
 
     Why every rank alike: a born element's momentum is exchanged and applied from this step on,
     which must happen on every rank or none. The verdict and the largest count travel in the one
     small all-reduce the finiteness check makes anyway (two float64: counts stay exact); only a step
-    where some rank meets a new element adds an all-gather of the indices, padded to that count,
-    so over a run each element's index travels once per rank that meets it. Found here by one
-    comparison over the gradient and the mask (``(g != 0) > born``): a gather at a list of the
+    where some rank meets a new element adds an all-gather of the indices (with their gradients
+    where ``mean_squares``: one float64 pair each, exact for indices below 2^53), padded to that
+    count, so over a run each element's index travels once per rank that meets it. Found here by
+    one comparison over the gradient and the mask (``(g != 0) > born``): a gather at a list of the
     waiting indices reads 8 bytes of index and one scattered value per element, and is slower."""
     finite = locally_finite(values)
     here = torch.nonzero(torch.gt(values != 0, born)).flatten() if finite else None
     world = world_size_of(group)
     if world == 1:
-        return finite, here
+        squares = values[here].double().square().float() if finite and mean_squares else None
+        return finite, here, squares
     flags = torch.tensor([0.0 if finite else 1.0, float(here.numel()) if finite else 0.0], dtype=torch.float64,
                          device=values.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     stats.record("all_reduce", allreduce_bytes(flags.numel() * flags.element_size(), world))
     if flags[0] > 0:
-        return False, None
+        return False, None, None
     most = int(flags[1])
     if most == 0:
-        return True, here
-    padded = torch.full((most,), -1, dtype=torch.int64, device=values.device)
-    padded[:here.numel()] = here
+        return True, here, (values.new_zeros(0) if mean_squares else None)
+    if not mean_squares:
+        padded = torch.full((most,), -1, dtype=torch.int64, device=values.device)
+        padded[:here.numel()] = here
+    else:  # each index beside this rank's gradient there
+        padded = torch.full((most, 2), -1.0, dtype=torch.float64, device=values.device)
+        padded[:here.numel(), 0] = here.double()
+        padded[:here.numel(), 1] = values[here].double()
     rows = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(rows, padded, group=group)
     stats.record("all_gather", all_gather_bytes(padded.numel() * padded.element_size(), world))
-    union = torch.cat(rows)
-    return True, torch.unique(union[union >= 0])
+    if not mean_squares:
+        union = torch.cat(rows)
+        return True, torch.unique(union[union >= 0]), None
+    indices = [row[row[:, 0] >= 0, 0].long() for row in rows]
+    union = torch.unique(torch.cat(indices))
+    total = torch.zeros(union.numel(), dtype=torch.float64, device=values.device)
+    for row, idx in zip(rows, indices):  # rank order: the same sum on every rank
+        total[torch.searchsorted(union, idx)] += row[:idx.numel(), 1].square()
+    return True, union, (total / world).float()

@@ -104,6 +104,17 @@ class StepContext:
             derived["denominator_source"] = v_frozen
         return derived["denominator"], derived["inverse_denominator"]
 
+    def denominators_born_(self, indices: torch.Tensor) -> None:
+        """The frozen denominators of elements just given a variance (``LocalSteps.born``), written
+        where ``frozen_denominators`` already derived them, by the same arithmetic, so that a state
+        loaded later derives the same bits."""
+        derived = self.buffers.derived
+        if derived.get("denominator_source") is not self.state["exp_avg_sq"]:  # derived later, from the state
+            return
+        den = torch.sqrt(self.state["exp_avg_sq"][indices]).add_(self.defaults["eps"])
+        derived["denominator"][indices] = den
+        derived["inverse_denominator"][indices] = torch.reciprocal(den)
+
     def compression_scales(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Per element, what the local momentum is multiplied by before compression: ``k_l`` (each
         layer's momentum brought to one common RMS, since the compressor has one scale per chunk),

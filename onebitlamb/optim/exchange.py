@@ -31,7 +31,7 @@ from onebitlamb.comm.groups import check_spans_world
 from onebitlamb.compression.codec import Codec
 from onebitlamb.compression.packing import fused_codec
 from onebitlamb.compression.wire import warmup_format
-from onebitlamb.optim.checks import (agreed_finite, agreed_finite_and_born, any_rank, locally_finite,
+from onebitlamb.optim.checks import (Waiting, agreed_finite, agreed_finite_and_born, any_rank, locally_finite,
                                     refuse_averaged_gradients)
 from onebitlamb.optim.layout import (Bucket, FlatLayout, Scratch, bucket_ranges, buffer_sizes, plan_buckets,
                                      plan_warmup_errors)
@@ -232,15 +232,16 @@ class Exchange:
     # ------------------------------------------------------------------ binding
     def bind(self, layout: FlatLayout, flat: Dict[str, Any], scratch: Scratch,
              payload: Callable[[Bucket, torch.Tensor], None], *, negate: bool = False,
-             waiting: Optional[Callable[[], Optional[torch.Tensor]]] = None,
-             born: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+             waiting: Optional[Callable[[], Optional[Waiting]]] = None,
+             born: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], None]] = None) -> None:
         """At the optimizer's first step (and the first after a load): the buckets of the state, what
         they send (``payload``, a bound method, held weakly), whether the gradients are gathered
         negated (``maximize``), and the hooks that start the buckets behind the backward.
         ``waiting`` and ``born`` (bound methods, held weakly): while some elements send nothing yet,
-        because no rank has met them since before the freeze, the mask of those that do (else
-        None); and what makes the ones some rank's gradient now reaches send from this step on
-        (``checks.agreed_finite_and_born``)."""
+        because no rank has met them since before the freeze, the mask of those that do (a
+        ``checks.Waiting``, else None); and what makes the ones some rank's gradient now reaches
+        send from this step on, given their indices and, where the phase asks, the ranks' mean
+        squared gradient there (``checks.agreed_finite_and_born``)."""
         self._layout, self._flat, self._scratch = layout, flat, scratch
         self._payload_ref, self._negate = weakref.WeakMethod(payload), negate
         self._waiting_ref = None if waiting is None else weakref.WeakMethod(waiting)
@@ -411,12 +412,13 @@ class Exchange:
             failure, self._hook_failure = self._hook_failure, None
             raise failure
         # in the warm-up the average shows any rank's NaN; in stage 2 one flag is agreed on first
-        if compressing and exchange:
-            born_mask = self._born_mask()
-            if born_mask is None:  # nothing waits: the one flag, as before elements could be born
+        # (with the births of waiting elements: a local step's too, where its phase has them)
+        if compressing:
+            waiting = self._waiting()
+            if waiting is None:  # nothing waits: the one flag, as before elements could be born
                 finite = agreed_finite(grads, spanning, self.comm_stats, averaged=False)
             else:
-                finite, _ = self._agree_births(grads, born_mask, spanning)
+                finite, _ = self._agree_births(grads, waiting, spanning)
         else:
             finite = agreed_finite(grads, spanning, self.comm_stats, averaged=not compressing)
         if finite and compressing and exchange and self.world_size > 1:
@@ -424,19 +426,20 @@ class Exchange:
                 self._exchange_bucket(b, self._payload(b), self.process_group)
         return finite
 
-    def _born_mask(self) -> Optional[torch.Tensor]:
+    def _waiting(self) -> Optional[Waiting]:
         """While some elements wait for their first gradient, the mask of those that do not (the
         optimizer's ``waiting``); None when none waits."""
         return None if self._waiting_ref is None else self._waiting_ref()()
 
-    def _agree_births(self, grads: torch.Tensor, born_mask: torch.Tensor,
+    def _agree_births(self, grads: torch.Tensor, waiting: Waiting,
                       spanning: Any) -> Tuple[bool, Optional[torch.Tensor]]:
         """Stage 2's agreed check with the births of waiting elements
         (``checks.agreed_finite_and_born``), the births applied before anything (more) is sent:
         whether every rank's gradient is finite, and the indices born at this step."""
-        finite, born = agreed_finite_and_born(grads, born_mask, spanning, self.comm_stats)
+        finite, born, squares = agreed_finite_and_born(grads, waiting.born, spanning, self.comm_stats,
+                                                       waiting.mean_squares)
         if finite and born.numel():
-            self._born_ref()(born)
+            self._born_ref()(born, squares)
         return finite, born
 
     def _quantized_average(self, grads: torch.Tensor) -> None:
@@ -512,9 +515,9 @@ class Exchange:
         agreed = any_rank([bad_here, *stale_here], spanning, self.comm_stats, grads.device)
         bad, stale = agreed[0], [k for k, s in enumerate(agreed[1:]) if s]
         newborn: List[int] = []
-        born_mask = self._born_mask() if compressing and not bad else None
-        if born_mask is not None:  # elements met for the first time went out masked: their buckets redone
-            _, born = self._agree_births(grads, born_mask, spanning)
+        waiting = self._waiting() if compressing and not bad else None
+        if waiting is not None:  # elements met for the first time went out masked: their buckets redone
+            _, born = self._agree_births(grads, waiting, spanning)
             newborn = [k for k, b in enumerate(self.buckets) if k not in stale and
                        bool(((born >= b.start) & (born < b.end)).any())]
         if stale and not self._overlap.given_up:  # every rank alike: the stale list is agreed

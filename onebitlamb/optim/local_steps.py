@@ -10,13 +10,13 @@ Each layer's step is ``lr * u``: Adam's, with the frozen variance (``ZeroOneAdam
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from onebitlamb.comm import world_size_of
 from onebitlamb.optim import functional as F
-from onebitlamb.optim.checks import parameter_checksum, parameters_checksum
+from onebitlamb.optim.checks import Waiting, parameter_checksum, parameters_checksum
 from onebitlamb.optim.layout import Bucket, FlatLayout
 from onebitlamb.optim.context import StepContext
 from onebitlamb.optim.phases import COMPRESSION, LOCAL, Phase
@@ -45,7 +45,12 @@ class LocalSteps(Phase):
             "update_sum": torch.zeros(d, **f32),  # sum of lr * c * u since the last sync
             "lr_sums": torch.zeros(layers, dtype=torch.float64, device=layout.device),  # sum of lr * c
             "sync_params": torch.zeros(d, **f32),  # the parameters at the last sync, alike on every rank
+            "born_after_freeze": 0,  # elements first reached after the freeze (``born``)
         })
+
+    def check_state(self, ctx: StepContext) -> None:
+        # saved before elements could be born after the freeze: none was
+        ctx.state.setdefault("born_after_freeze", 0)
 
     def setup(self, ctx: StepContext, layout: FlatLayout, setup: Dict[str, Any]) -> None:
         """What the ranks agree on after the freeze: not their parameters, which differ between
@@ -100,6 +105,42 @@ class LocalSteps(Phase):
         flat["update_sum"].zero_()
         flat["lr_sums"].zero_()
         flat["local_interval"], flat["local_counter"] = 1, 0
+
+    # ------------------------------------------------------------------ elements born after the freeze
+    # An element without a gradient at any variance step has no variance at the freeze: it moves
+    # with neither the local steps nor the syncs (its mask is off) until some rank's gradient
+    # reaches it, which every rank agrees on in the step's finiteness check, a local step's too
+    # (``Exchange``). It then takes the variance Adam's first step would give it, bias-corrected,
+    # from the ranks' gradients of that step, the same on every rank: their mean square, frozen
+    # from then on as the others' are, since each rank's own momentum is all a local step has
+    # (docs/algorithm.md, "Elements born after the freeze"). A larger variance than the square of
+    # the mean gradient where the ranks disagree, so never zero: a smaller first step, not ``1/eps``.
+    def waiting(self, ctx: StepContext) -> Optional[Waiting]:
+        derived, mask = ctx.buffers.derived, ctx.state["momentum_mask"]
+        if derived.get("waiting_source") is not mask:  # after the freeze or a load: one pass, then kept by born
+            derived["waiting"], derived["waiting_source"] = int((~mask).sum()), mask
+        return Waiting(mask, mean_squares=True) if derived["waiting"] else None
+
+    def born(self, ctx: StepContext, indices: torch.Tensor, mean_squares: Optional[torch.Tensor]) -> None:
+        flat = ctx.state
+        flat["exp_avg_sq"][indices] = mean_squares
+        flat["momentum_mask"][indices] = True
+        flat["born_after_freeze"] += indices.numel()
+        ctx.buffers.derived["waiting"] -= indices.numel()
+        ctx.denominators_born_(indices)
+        layer = torch.searchsorted(ctx.layout.offsets.to(indices.device), indices, right=True) - 1
+        inverse = ctx.frozen_denominators()[1][indices] if ctx.compresses_update() else None
+        ctx.scales_born_(indices, layer, inverse)
+
+    @staticmethod
+    def born_after_freeze(flat: Dict[str, Any]) -> int:
+        return flat["born_after_freeze"]
+
+    def restored(self, ctx: StepContext) -> None:
+        """The variance of elements born at a refused step back to none (the frozen variance is not
+        held: it changes in place only here, and 0 where the restored mask is off)."""
+        if ctx.state["frozen_at"] is not None:
+            ctx.state["exp_avg_sq"].mul_(ctx.state["momentum_mask"])
 
     def step(self, ctx: StepContext, stage: str, grads: torch.Tensor, received: List[torch.Tensor]) -> None:
         """A local step or a sync, then the interval's schedule."""

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from onebitlamb.optim import functional as F
+from onebitlamb.optim.checks import Waiting
 from onebitlamb.optim.exchange import COMPRESSION, LOCAL, WARMUP  # noqa: F401 (the stages, named by the exchange)
 from onebitlamb.optim.context import StepContext
 from onebitlamb.optim.layout import Bucket, FlatLayout
@@ -107,14 +108,25 @@ class Phase:
         """``1 / (sqrt(v_hat) + eps)`` as the update space divides what it sends: the frozen one."""
         return ctx.frozen_denominators()[1]
 
-    def waiting(self, ctx: StepContext) -> Optional[torch.Tensor]:
+    def waiting(self, ctx: StepContext) -> Optional[Waiting]:
         """While some elements send nothing until a rank's gradient reaches them, the mask of the
         others (None: none waits, or the phase has no such elements); the exchange agrees on those
         reached before the payloads."""
         return None
 
-    def born(self, ctx: StepContext, indices: torch.Tensor) -> None:
-        """Waiting elements (flat indices) some rank's gradient reached at this step, alike on every rank."""
+    @staticmethod
+    def born_after_freeze(flat: Dict[str, Any]) -> int:
+        """How many elements of a frozen state were first reached after the freeze (``stats()``)."""
+        return 0
+
+    def restored(self, ctx: StepContext) -> None:
+        """After a refused step put the state's entries and its held copies back: undo what the
+        step changed in place beyond them (``StagedOptimizer._held_state``)."""
+
+    def born(self, ctx: StepContext, indices: torch.Tensor, mean_squares: Optional[torch.Tensor]) -> None:
+        """Waiting elements (flat indices) some rank's gradient reached at this step, alike on every
+        rank; ``mean_squares``: the ranks' mean squared gradient at each, where ``waiting`` asked
+        for it (else None)."""
         raise NotImplementedError
 
     def bias_corrections(self, ctx: StepContext) -> tuple[float, float]:
@@ -268,9 +280,9 @@ class OneBitMomentum(Phase):
             derived["provisional_source"] = v
         return derived["provisional_inverse"]
 
-    def waiting(self, ctx: StepContext) -> Optional[torch.Tensor]:
+    def waiting(self, ctx: StepContext) -> Optional[Waiting]:
         self._count_waiting(ctx)
-        return ctx.state["momentum_mask"] if ctx.buffers.derived["waiting"] else None
+        return Waiting(ctx.state["momentum_mask"]) if ctx.buffers.derived["waiting"] else None
 
     @staticmethod
     def _count_waiting(ctx: StepContext) -> None:
@@ -282,7 +294,13 @@ class OneBitMomentum(Phase):
             derived["born_late"] = torch.nonzero(mask & (ctx.state["exp_avg_sq"] == 0)).flatten()
             derived["waiting_source"] = mask
 
-    def born(self, ctx: StepContext, indices: torch.Tensor) -> None:
+    @staticmethod
+    def born_after_freeze(flat: Dict[str, Any]) -> int:
+        """How many elements were first reached after the freeze (one pass over the state): those
+        that send (their mask set) without a frozen variance."""
+        return int((flat["momentum_mask"] & (flat["exp_avg_sq"] == 0)).sum())
+
+    def born(self, ctx: StepContext, indices: torch.Tensor, mean_squares: Optional[torch.Tensor]) -> None:
         derived = ctx.buffers.derived
         ctx.state["momentum_mask"][indices] = True
         derived["waiting"] -= indices.numel()

@@ -23,8 +23,9 @@ from torch.optim import Optimizer
 
 from onebitlamb.comm import CommStats, rank_of, spanning_group, world_size_of
 from onebitlamb.optim import functional as F
-from onebitlamb.optim.checks import (agree_on_setup, check_finite_nonneg, check_layout_unchanged, check_param_groups,
-                                     check_resumed_parameters, parameter_checksum, refusals_of_every_rank, trainable)
+from onebitlamb.optim.checks import (Waiting, agree_on_setup, check_finite_nonneg, check_layout_unchanged,
+                                     check_param_groups, check_resumed_parameters, parameter_checksum,
+                                     refusals_of_every_rank, trainable)
 from onebitlamb.optim.exchange import Exchange, ProcessGroupLike
 from onebitlamb.optim.layout import Bucket, FlatLayout, Scratch, check_loaded_state, check_saved_by, new_flat_state
 from onebitlamb.optim.phases import COMPRESSION, LOCAL, WARMUP, OneBitMomentum, Phase  # noqa: F401 (re-exported)
@@ -170,7 +171,7 @@ class StagedOptimizer(Optimizer):
                 "last_step_skipped": self.last_step_skipped, "stage": self.stage,
                 "freeze_step": flat.get("frozen_at"), "freeze": freeze() if freeze is not None else None,
                 "elements_waiting": None if mask is None else int((~mask).sum()),
-                "elements_born_after_freeze": None if mask is None else int((mask & (flat["exp_avg_sq"] == 0)).sum())}
+                "elements_born_after_freeze": None if mask is None else self._phases[-1].born_after_freeze(flat)}
 
     @property
     def shard_comm_stats(self) -> Optional[CommStats]:
@@ -559,14 +560,14 @@ class StagedOptimizer(Optimizer):
         backward, and holds this method weakly."""
         self._phase().payload(self._context, b, out)
 
-    def _waiting(self) -> Optional[torch.Tensor]:
+    def _waiting(self) -> Optional[Waiting]:
         """While some elements wait for their first gradient, the mask of those that do not (the
         current phase's ``waiting``)."""
         return self._phase().waiting(self._context)
 
-    def _born(self, indices: torch.Tensor) -> None:
+    def _born(self, indices: torch.Tensor, mean_squares: Optional[torch.Tensor]) -> None:
         """Waiting elements some rank's gradient reached at this step (the current phase's ``born``)."""
-        self._phase().born(self._context, indices)
+        self._phase().born(self._context, indices, mean_squares)
 
     # ------------------------------------------------------------------ step
     # torch.compile(opt.step), or a compiled function that calls it, runs the step as it is: a step
@@ -655,6 +656,7 @@ class StagedOptimizer(Optimizer):
         for key, copy in copies.items():
             flat[key].copy_(copy)
         self.exchange.undo_backward_exchanges()
+        self._phase().restored(self._context)
         self._scratch.derived.clear()  # caches of the state (the denominators, a sync's local update)
 
     def _unscaled_by(self, scaler: Optional[GradScaler]) -> Dict[torch.device, torch.Tensor]:
