@@ -221,8 +221,8 @@ def table(measured: dict, network: Dict[int, Dict[float, Dict[str, Dict[str, flo
     """The markdown table for the target LAMB's final loss times ``1 + slack``."""
     seeds, runs = measured["seeds"], measured["runs"]
     columns = [(h, rate) for h in sorted(network) for rate in RATES]
-    lines = [table_row(["row"] + [f"{h} hosts, {_rate(rate)}" for h, rate in columns]),
-             "|---|" + "---:|" * len(columns)]
+    lines = [table_row(["row"] + [f"{h} hosts, {_rate(rate)}" for h, rate in columns] + ["bytes a worker sent"]),
+             "|---|" + "---:|" * (len(columns) + 1)]
     lamb = ROWS[0].label
     for row in ROWS:
         cells = []
@@ -245,8 +245,19 @@ def table(measured: dict, network: Dict[int, Dict[float, Dict[str, Dict[str, flo
         if row.label in measured["chosen"]:
             s = measured["chosen"][row.label]
             label += f" (H {s.H}, outer lr {s.outer_lr:g}{f', {s.fragments} fragments' if s.fragments > 1 else ''})"
-        lines.append(table_row([label] + cells))
+        lines.append(table_row([label] + cells + [bytes_cell(runs[row.label], runs[lamb])]))
     return lines
+
+
+def bytes_cell(runs: Dict[int, dict], lamb: Dict[int, dict]) -> str:
+    """The bytes a worker sent over the whole run, the mean over seeds, and LAMB's over them (the
+    ratio of the means)."""
+    sent = [m["bytes_sent_per_rank"] for m in runs.values() if "bytes_sent_per_rank" in m]
+    lamb_sent = [m["bytes_sent_per_rank"] for m in lamb.values() if "bytes_sent_per_rank" in m]
+    if not sent or not lamb_sent:  # runs that stopped before they wrote their metrics
+        return "not measured"
+    mine, theirs = statistics.mean(sent), statistics.mean(lamb_sent)
+    return f"{mine / 1e6:,.0f} MB ({theirs / mine:.1f}x fewer than LAMB)" if mine else "0 MB"
 
 
 def _rate(bps: float) -> str:

@@ -47,9 +47,9 @@ def test_a_row_that_never_reaches_the_target_says_not_reached_and_its_final_gap(
     assert ttl.cell([hit, missed]) == "not reached (1 of 2 seeds), final gap +5.00%"
 
 
-def _metrics(stages, curve, loss_scale=1.0, freeze=None):
+def _metrics(stages, curve, loss_scale=1.0, freeze=None, sent=400e6):
     return {"steps": len(stages), "samples": 16 * len(stages), "world_size": 4, "stage": stages,
-            "freeze_step": freeze, "final_eval_loss": curve[-1][1] * loss_scale,
+            "freeze_step": freeze, "final_eval_loss": curve[-1][1] * loss_scale, "bytes_sent_per_rank": sent,
             "eval_curve": [[16 * step, loss * loss_scale] for step, loss in curve]}
 
 
@@ -73,8 +73,8 @@ def test_the_table_prices_every_row_against_lamb_at_its_own_seed(tmp_path):
     runs = {
         ttl.ROWS[0].label: {1: _metrics(["warmup"] * 4, lamb), 2: _metrics(["warmup"] * 4, lamb, 2.0)},
         ttl.ROWS[1].label: {s: _metrics(["warmup", "warmup", "compression", "compression"], [(0, 9.0), (2, 4.9),
-                                                                                          (4, 4.95)], k)
-                            for s, k in ((1, 1.0), (2, 2.0))},
+                                                                                          (4, 4.95)], k, sent=sent)
+                            for s, k, sent in ((1, 1.0, 30e6), (2, 2.0, 50e6))},
         ttl.ROWS[2].label: {s: _metrics(["warmup", "compression", "compression", "compression"],
                                         [(0, 9.0), (2, 5.6), (4, 5.3)], k) for s, k in ((1, 1.0), (2, 2.0))},
         ttl.ROWS[3].label: {s: _metrics(["warmup", "compression", "local", "compression"], [(0, 9.0), (4, 5.0)],
@@ -86,11 +86,15 @@ def test_the_table_prices_every_row_against_lamb_at_its_own_seed(tmp_path):
     measured = {"seeds": [1, 2], "runs": runs, "chosen": {}, "grids": {}}
     lines = ttl.table(measured, network, 0.0)
     assert lines[0] == ("| row | 2 hosts, 10 Mbit/s | 2 hosts, 100 Mbit/s | 2 hosts, 1 Gbit/s | 4 hosts, 10 Mbit/s "
-                        "| 4 hosts, 100 Mbit/s | 4 hosts, 1 Gbit/s |")
+                        "| 4 hosts, 100 Mbit/s | 4 hosts, 1 Gbit/s | bytes a worker sent |")
     cells = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in lines[2:]}
     # LAMB: 4 warm-up steps to its own final loss, 10 s each at 10 Mbit/s, 1 s at 1 Gbit/s
     assert cells["LAMB"][0] == "0.67 ± 0.00 min" and cells["LAMB"][1] == "not measured"
-    assert cells["LAMB"][2] == "0.07 ± 0.00 min" and cells["LAMB"][5] == "not measured |"
+    assert cells["LAMB"][2] == "0.07 ± 0.00 min" and cells["LAMB"][5] == "not measured"
+    # the whole run's bytes beside the times: the mean over seeds, LAMB's over it (a stopped run has none)
+    assert cells["LAMB"][6] == "400 MB (1.0x fewer than LAMB) |"
+    assert cells[ttl.ROWS[1].label][6] == "40 MB (10.0x fewer than LAMB) |"
+    assert cells[ttl.ROWS[5].label][6] == "not measured |"
     # 1-bit LAMB: there at its evaluation after step 2 (two int8 warm-up steps, 5 s each)
     assert cells[ttl.ROWS[1].label][0] == "0.17 ± 0.00 min"
     # 1-bit Adam: 5.3 against 5.0 at each seed
