@@ -148,40 +148,47 @@ def test_a_link_at_the_next_checkpoint_is_refused_and_the_run_stays_resumable(st
     assert not (out / files.LOCK_FILE).exists()  # released and removed at the end
 
 
-def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tmp_path, common, capsys):
-    out = str(tmp_path / "run")
-    first = _start(sys.executable, "-m", "onebitlamb", "pretrain", *common, *LONG, "--out", out)
+@pytest.fixture(scope="module")
+def running(tmp_path_factory, common):
+    """A long run of the command, past its first evaluation, shared by the two tests that need one
+    in progress (a launch is most of each one's time): the first asks for its OUT while it runs,
+    the second stops it with SIGTERM."""
+    out = tmp_path_factory.mktemp("running") / "run"
+    first = _start(sys.executable, "-m", "onebitlamb", "pretrain", *common, *LONG, "--ckpt-every", "100000",
+                   "--out", str(out))
     try:
         _until(first, "step 0: held-out loss")
-        for extra in (["--resume"], ["--overwrite"]):  # here, in this process: a lock is per open file
-            code = cli.main(["pretrain", *common, "--out", out, *extra])
-            err = capsys.readouterr().err
-            assert code == 2 and f"is in use by another run (pid {first.pid}" in err, err[-3000:]
-            assert "Traceback" not in err and os.path.exists(os.path.join(out, files.LOCK_FILE))
-        first.send_signal(signal.SIGINT)
-        assert first.wait(timeout=120) == 130
+        yield first, out
     finally:
         first.kill()
-    assert not os.path.exists(os.path.join(out, files.LOCK_FILE))
+
+
+def test_a_second_run_on_the_same_out_is_refused_naming_the_first(running, common, capsys):
+    """The lock is removed at the run's end: test_sigterm_to_the_local_launcher_checkpoints_the_current_step,
+    which stops this run."""
+    first, out = running
+    assert first.poll() is None, "the shared run ended before this test"
+    for extra in (["--resume"], ["--overwrite"]):  # here, in this process: a lock is per open file
+        code = cli.main(["pretrain", *common, "--out", str(out), *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and f"is in use by another run (pid {first.pid}" in err, err[-3000:]
+        assert "Traceback" not in err and os.path.exists(os.path.join(out, files.LOCK_FILE))
 
 
 # ---- point 6: the launcher's signals
 
 
-def test_sigterm_to_the_local_launcher_checkpoints_the_current_step(tmp_path, common):
-    first = _start(sys.executable, "-m", "onebitlamb", "pretrain", *common, *LONG, "--ckpt-every", "100000",
-                   "--out", str(tmp_path))
-    try:
-        _until(first, "step 0: held-out loss")
-        time.sleep(1)  # a few steps
-        first.send_signal(signal.SIGTERM)
-        rest = first.stderr.read()
-        assert first.wait(timeout=120) == 130, rest[-3000:]
-    finally:
-        first.kill()
+def test_sigterm_to_the_local_launcher_checkpoints_the_current_step(running):
+    first, out = running
+    assert first.poll() is None, "the shared run ended before this test"
+    time.sleep(1)  # a few steps
+    first.send_signal(signal.SIGTERM)
+    rest = first.stderr.read()
+    assert first.wait(timeout=120) == 130, rest[-3000:]
     assert "SIGTERM: checkpointing at the end of this step" in rest and "stopped (interrupt)" in rest
-    step = checkpoints.read_pointer(str(tmp_path))["step"]
+    step = checkpoints.read_pointer(str(out))["step"]
     assert step >= 1 and f"after step {step}; continue with --resume" in rest
+    assert not os.path.exists(os.path.join(out, files.LOCK_FILE))  # the run's end frees its OUT
 
 
 def test_a_second_sigterm_kills_the_workers_with_one_line(tmp_path, common):
