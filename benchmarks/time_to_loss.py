@@ -111,15 +111,19 @@ def reach(eval_curve: Sequence[Tuple[int, float]], prices: Sequence[float], targ
 
 
 def cell(reaches: Sequence[Reach]) -> str:
-    """Minutes to the target, the mean over seeds (± their standard deviation); "not reached" with
-    the mean final gap of the seeds that did not get there, and how many they were."""
+    """Minutes to the target, the mean over the seeds that got there (± their standard deviation);
+    where some did not, how many did, and the mean final gap of the others: a row that misses the
+    target at one seed by a hair still shows how soon it got there at the others."""
     missed = [r for r in reaches if r.seconds is None]
-    if missed:
-        gap = statistics.mean(r.final_gap for r in missed)
-        return (f"not reached ({len(missed)} of {len(reaches)} seeds), final gap {100 * gap:+.2f}%")
-    minutes = [r.seconds / 60 for r in reaches]
+    minutes = [r.seconds / 60 for r in reaches if r.seconds is not None]
+    gap = f"final gap {100 * statistics.mean(r.final_gap for r in missed):+.2f}%" if missed else ""
+    if not minutes:
+        return f"not reached ({len(missed)} of {len(reaches)} seeds), {gap}"
     spread = f" ± {statistics.stdev(minutes):.2f}" if len(minutes) > 1 else ""
-    return f"{statistics.mean(minutes):.2f}{spread} min"
+    reached = f"{statistics.mean(minutes):.2f}{spread} min"
+    if not missed:
+        return reached
+    return f"{reached} ({len(minutes)} of {len(reaches)} seeds; the other{'s' if len(missed) > 1 else ''}: {gap})"
 
 
 # ----------------------------------------------------------------------------------------------

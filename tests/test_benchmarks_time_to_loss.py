@@ -44,7 +44,11 @@ def test_a_row_that_never_reaches_the_target_says_not_reached_and_its_final_gap(
     hit = ttl.reach(curve, [60.0] * 8, 5.25)
     assert (hit.step, hit.seconds) == (8, 480.0)
     assert ttl.cell([hit, hit]) == "8.00 ± 0.00 min"
-    assert ttl.cell([hit, missed]) == "not reached (1 of 2 seeds), final gap +5.00%"
+    assert ttl.cell([missed, missed]) == "not reached (2 of 2 seeds), final gap +5.00%"
+    # a row that gets there at some seeds: their time, and the gap of the others
+    assert ttl.cell([hit, missed]) == "8.00 min (1 of 2 seeds; the other: final gap +5.00%)"
+    early = ttl.reach(curve, [30.0] * 8, 5.5)  # there at step 4: 2 minutes; with 8: 5 ± 4.24
+    assert ttl.cell([hit, early, missed, missed]) == "5.00 ± 4.24 min (2 of 4 seeds; the others: final gap +5.00%)"
 
 
 def _metrics(stages, curve, loss_scale=1.0, freeze=None, sent=400e6):
