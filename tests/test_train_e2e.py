@@ -246,8 +246,8 @@ FINAL_EVAL_RTOL = 1.2e-3
 def main_job_runs(tmp_path_factory, corpus_dir, compared):
     """The two pinned main-job runs (60 tiny steps), a fixed 35% freeze and the automatic one, with
     the pinned flags, on the persistent ranks (tests/pretrain_pool.py): the numbers are the command's
-    (test_resume_of_the_automatic_freeze_is_bit_identical resumes with the command and ends on the
-    automatic one's, bit for bit), without two launches."""
+    (test_resume_is_bit_identical resumes a pool run with the command and ends on the command's
+    uninterrupted run, bit for bit), without two launches."""
     _, cache, _ = compared
     common = PINS["main_job_common_flags"].split(" --corpus ")[0].split()
     assert common[0] == "pretrain"
@@ -318,7 +318,8 @@ def test_the_automatic_freeze_records_every_step_and_plots_its_decision(main_job
 def test_resume_of_the_automatic_freeze_is_bit_identical(main_job_runs, tmp_path, corpus_dir, compared):
     """The automatic freeze's history lives in the optimizer's state: a run stopped in the middle
     of the warm-up's window ends as the uninterrupted run of the same machine, bit for bit. The
-    resume is the command's; the run it resumes ran on the persistent ranks (tests/pretrain_pool.py)."""
+    stop and the resume run on the persistent ranks (tests/pretrain_pool.py), without a launch:
+    what a resume with the command adds (its launcher and workers) is test_resume_is_bit_identical's."""
     _, cache, _ = compared
     common = PINS["main_job_common_flags"].split(" --corpus ")[0].split()
     flags = [*common, *PINNED_DEFAULTS, "--freeze", "auto", "--corpus", corpus_dir, "--out", str(tmp_path),
@@ -326,7 +327,7 @@ def test_resume_of_the_automatic_freeze_is_bit_identical(main_job_runs, tmp_path
     assert flags[0] == "pretrain"
     stopped = pretrain_on_ranks(*flags[1:], "--stop-after-steps", "25").summary
     assert stopped["step"] == 25 and not stopped["completed"]
-    _cli(*flags, "--resume")
+    assert pretrain_on_ranks(*flags[1:], "--resume").summary["completed"]
     assert _model_sha256(tmp_path / "model_final.pt") == _model_sha256(main_job_runs["auto"] / "model_final.pt")
     with open(tmp_path / "metrics.json") as f:
         resumed = json.load(f)
