@@ -396,8 +396,9 @@ def test_zero_one_adam_resumes_between_syncs_and_counts_its_rounds(compared, tmp
     the uninterrupted run. The run ends on a local step, and the main job synchronizes the ranks
     there (``optimizer.synchronize()``): the final checkpoint holds one model, the same on every
     rank (before, each rank's own, and the final model was rank 0's). Its metrics count the rounds
-    beside the bytes. The resume is the command's; the uninterrupted run and the run it resumes
-    ran on the persistent ranks (tests/pretrain_pool.py)."""
+    beside the bytes. The three runs are on the persistent ranks (tests/pretrain_pool.py), without
+    a launch: each rank's files are written and read by the workers' own code there; the command's
+    resume (its launcher and workers) is test_resume_is_bit_identical's."""
     _, cache, _ = compared
     common = ["--preset", "tiny", "--optimizer", "zerooneadam", "--corpus", corpus_dir,
               "--cache-dir", str(cache), "--no-progress", "--ckpt-every", "4"]
@@ -405,7 +406,7 @@ def test_zero_one_adam_resumes_between_syncs_and_counts_its_rounds(compared, tmp
     assert pretrain_on_ranks(*common, "--out", str(whole)).summary["completed"]
     assert pretrain_on_ranks(*common, "--out", str(part), "--stop-after-steps", "6").summary["step"] == 6
     assert "model" in torch.load(part / "ckpt-0000006" / "rank1.pt", weights_only=True)
-    _cli("pretrain", *common, "--out", str(part), "--resume")
+    assert pretrain_on_ranks(*common, "--out", str(part), "--resume").summary["completed"]
     a, b = torch.load(whole / "model_final.pt"), torch.load(part / "model_final.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # the ranks' parameters were checked alike before the last checkpoint, which keeps one model
