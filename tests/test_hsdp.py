@@ -5,6 +5,8 @@ shard size of 1 against the unsharded optimizer bit for bit, a real ``fully_shar
 
 Fresh processes (``spawn_local``), not the rank pool: FSDP2 builds DeviceMeshes, which torch keeps
 in a process-wide registry that would outlive the process group the pool destroys after each call.
+Every part on 4 ranks runs in one start of them (``four_ranks``): starting 4 interpreters that
+import torch took longer than most parts' own work.
 """
 from __future__ import annotations
 
@@ -91,15 +93,47 @@ def _cases(rank, n, replicas, shards, cases, steps, freeze, nan_at):
             for case in cases}
 
 
+def _parts(rank, n, parts):
+    """Each part's function on this rank, in turn; a part that raised comes back as its traceback,
+    so that the other parts' tests still run and report."""
+    import traceback
+
+    done = {}
+    for name, fn, args in parts:
+        try:
+            done[name] = ("ok", fn(rank, n, *args))
+        except Exception:  # noqa: BLE001 (reported by the part's test)
+            done[name] = ("raised", traceback.format_exc())
+    return done
+
+
 @pytest.fixture(scope="module")
-def two_by_two():
-    return spawn_local(_cases, 4, (2, 2, CASES, STEPS, FREEZE, NAN_AT), timeout_s=400, collective_timeout_s=120)
+def four_ranks(tmp_path_factory):
+    """Every part of this module on 4 ranks, in one ``spawn_local``; ``_part`` reads one back."""
+    folder = tmp_path_factory.mktemp("hsdp")
+    parts = [("reference", _cases, (2, 2, CASES, STEPS, FREEZE, NAN_AT)),
+             ("shard size one", _shard_size_one, (SIZE_ONE_STEPS, SIZE_ONE_FREEZE)),
+             *[(("dcp", kind, mixed), _dcp_run, (kind, str(folder / f"dcp-{kind}"), mixed)) for kind, mixed in DCP_CASES],
+             ("refusals", _refusals, ()),
+             ("saved states", _save_states, (str(folder / "states"),))]
+    (folder / "states").mkdir()
+    return spawn_local(_parts, 4, (parts,), timeout_s=600, collective_timeout_s=120), folder
+
+
+def _part(four_ranks, name):
+    """That part's result on each rank; an exception on any rank fails the test with its traceback."""
+    ranks, _ = four_ranks
+    for rank, done in enumerate(ranks):
+        status, value = done[name]
+        if status != "ok":
+            raise AssertionError(f"{name!r} raised on rank {rank}:\n{value}")
+    return [done[name][1] for done in ranks]
 
 
 @pytest.mark.parametrize("kind,space", CASES)
-def test_two_replicas_of_two_shards_follow_the_sharded_reference(two_by_two, kind, space):
+def test_two_replicas_of_two_shards_follow_the_sharded_reference(four_ranks, kind, space):
     steps, freeze, nan_at = STEPS, FREEZE, NAN_AT
-    out = [rank[(kind, space)] for rank in two_by_two]
+    out = [rank[(kind, space)] for rank in _part(four_ranks, "reference")]
     assert [o["skipped"] for o in out] == [1, 1, 1, 1]  # the NaN skipped the step on every rank
     # the exchange runs over the replicas of this rank's shard: ranks 0 and 2 hold shard 0
     assert [o["exchange ranks"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
@@ -129,9 +163,12 @@ def _shard_size_one(rank, n, steps, freeze):
             for dtype in ("float32", "int8")}
 
 
-def test_a_shard_size_of_one_is_the_unsharded_optimizer_bit_for_bit():
-    steps, freeze = 16, 6
-    runs = spawn_local(_shard_size_one, 4, (steps, freeze), timeout_s=400, collective_timeout_s=120)
+SIZE_ONE_STEPS, SIZE_ONE_FREEZE = 16, 6
+
+
+def test_a_shard_size_of_one_is_the_unsharded_optimizer_bit_for_bit(four_ranks):
+    steps = SIZE_ONE_STEPS
+    runs = _part(four_ranks, "shard size one")
     for o in (rank[dtype] for rank in runs for dtype in ("float32", "int8")):
         assert o["exchange ranks"] == [0, 1, 2, 3]
         for t in range(steps):
@@ -203,9 +240,12 @@ def _dcp_run(rank, n, kind, folder, mixed):
             "errors": saved.get("worker_error")}
 
 
-@pytest.mark.parametrize("kind,mixed", [("onebitlamb", False), ("onebitadam", True)])
-def test_fully_shard_model_resumes_bit_identically_through_dcp(kind, mixed, tmp_path):
-    out = spawn_local(_dcp_run, 4, (kind, str(tmp_path / "ckpt"), mixed), timeout_s=240, collective_timeout_s=120)
+DCP_CASES = [("onebitlamb", False), ("onebitadam", True)]
+
+
+@pytest.mark.parametrize("kind,mixed", DCP_CASES)
+def test_fully_shard_model_resumes_bit_identically_through_dcp(four_ranks, kind, mixed):
+    out = _part(four_ranks, ("dcp", kind, mixed))
     assert all(o["stage"] == "compression" and o["same state"] for o in out)  # each rank got its own shard's state
     assert not torch.equal(out[0]["errors"], out[2]["errors"])  # the replicas' errors differ, and both came back
     for o in out:
@@ -255,8 +295,8 @@ def _refusals(rank, n):
     return said
 
 
-def test_sharded_setups_without_replicas_or_with_fsdps_own_allreduce_are_refused_by_name():
-    for said in spawn_local(_refusals, 4, (), timeout_s=240, collective_timeout_s=120):
+def test_sharded_setups_without_replicas_or_with_fsdps_own_allreduce_are_refused_by_name(four_ranks):
+    for said in _part(four_ranks, "refusals"):
         assert set(said) == {"1-D FSDP over every rank", "native HSDP", "no replicate group", "0/1 Adam",
                              "shard into whole", "whole into shard", "lr on one rank"}
         assert "the ranks built different optimizers: param groups (lr, weight_decay)" in said["lr on one rank"]
@@ -299,9 +339,10 @@ def _resume_on_one_replica(rank, n, folder):
     return loaded, opt.stats()["step"], [p.full_tensor() for p in model.parameters()]
 
 
-def test_a_sharded_state_resumes_on_another_number_of_replicas(tmp_path):
-    saved = spawn_local(_save_states, 4, (str(tmp_path),), timeout_s=240, collective_timeout_s=120)
-    out = spawn_local(_resume_on_one_replica, 2, (str(tmp_path),), timeout_s=240, collective_timeout_s=120)
+def test_a_sharded_state_resumes_on_another_number_of_replicas(four_ranks):
+    saved = _part(four_ranks, "saved states")
+    folder = str(four_ranks[1] / "states")
+    out = spawn_local(_resume_on_one_replica, 2, (folder,), timeout_s=240, collective_timeout_s=120)
     for rank, (loaded, step, params) in enumerate(out):
         assert torch.equal(loaded, saved[rank]) and step == 7  # its shard's moments, then two more steps
         assert all(torch.isfinite(p).all() for p in params)
