@@ -160,8 +160,22 @@ def test_the_readme_results_link_each_figure_and_leave_the_seeds_to_the_lab_note
     that measured it (a link whose heading exists); seed-by-seed tables and machine-to-machine
     notes belong to docs/lab/."""
     section = _read("README.md").split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("|") and not line.startswith("|---")][1:]
-    assert rows, "the README has no results table"
+    tables: list = []
+    for line, before in zip(section.splitlines(), [""] + section.splitlines()):
+        if line.startswith("|") and not line.startswith("|---"):
+            if not before.startswith("|"):
+                tables.append([])
+            tables[-1].append(line)
+    assert tables, "the README has no results table"
+    for table in tables:  # one number a cell, not a paragraph of seed statistics
+        for row in table:
+            for cell in row.strip("|").split("|"):
+                words = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", cell).split()
+                assert len(words) <= 25, f"a results cell of {len(words)} words: {cell.strip()}"
+    # the first table (time to LAMB's loss) is one section's: the paragraph above links it
+    assert "](BENCHMARKS.md#time-to-reach-lambs-loss-on-emulated-links)" in section.split("\n|", 1)[0]
+    rows = [row for table in tables[1:] for row in table[1:]]
+    assert rows, "the README has no table of the other measurements"
     for row in rows:
         links = re.findall(r"\]\(([^)#]+)#([^)]+)\)", row.rsplit("|", 2)[1])
         assert links, f"no link to the numbers: {row}"
