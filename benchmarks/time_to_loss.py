@@ -276,7 +276,8 @@ def render(measured: dict, network: Dict[int, dict], network_files: Dict[int, st
              f"{first['world_size']} workers, seeds {', '.join(map(str, measured['seeds']))} (paired: every row the "
              f"same data, model, batch and held-out evaluation at a seed). Target: LAMB's final held-out loss at each "
              f"seed. A cell: the minutes of training until the first evaluation at or below the target (mean ± "
-             f"standard deviation over the seeds that got there, and how many did where some did not), every step priced at the time measured for its kind of step on "
+             f"standard deviation over the seeds that got there, and how many did where some did not), every "
+             f"step priced at the time measured for its kind of step on "
              f"the emulated hosts at that rate ({', '.join(f'{h} hosts: `{p}`' for h, p in sorted(network_files.items()))}"
              f"); \"not reached\" with the final held-out loss over the target, minus 1. A streaming DiLoCo sync is "
              f"priced as a local step plus the fragment's share of a full sync's extra time.", ""]
