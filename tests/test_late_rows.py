@@ -4,6 +4,8 @@ reference (tests/reference.py), bit for bit on every rank, through a checkpoint;
 meets (a padding row) stays where it was."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -41,30 +43,43 @@ def _grads(params, rank: int, step: int):
     return dense + [table * met]
 
 
+def _made(kind, options, init):
+    """The parameters ``init`` and an optimizer ``onebitlamb.<kind>`` over them, one group a layer."""
+    params = [torch.nn.Parameter(t.clone()) for t in init]
+    groups = [{"params": [p], "lr": lr, "weight_decay": wd} for p, lr, wd in zip(params, LRS, WDS)]
+    return params, getattr(onebitlamb, kind)(groups, lr=LRS[0], **options)
+
+
+def _step(params, opt, rank, t):
+    for p, g in zip(params, _grads(params, rank, t)):
+        p.grad = g
+    opt.step()
+
+
 def _run(rank, n, kind, options, resume_at):
-    def fresh(init):
-        params = [torch.nn.Parameter(t.clone()) for t in init]
-        groups = [{"params": [p], "lr": lr, "weight_decay": wd} for p, lr, wd in zip(params, LRS, WDS)]
-        return params, getattr(onebitlamb, kind)(groups, lr=LRS[0], freeze_step=FREEZE, **options)
+    """Each rank: the run's parameters after every step (with whether the ranks agree then), the
+    runs stopped after each ``resume_at`` step and finished through a checkpoint, and the final
+    counts of waiting and born elements."""
+    fresh = functools.partial(_made, kind, options)
 
     def run(params, opt, start, stop):
         history = []
         for t in range(start, stop + 1):
-            for p, g in zip(params, _grads(params, rank, t)):
-                p.grad = g
-            opt.step()
-            history.append([p.detach().clone() for p in params])
+            _step(params, opt, rank, t)
+            history.append(([p.detach().clone() for p in params], opt.parameters_synchronized))
         return history
 
     params, opt = fresh(_init())
     history = run(params, opt, 1, STEPS)
+    stats = opt.stats()
     resumed = {}
     for stop in resume_at:
         params, opt = fresh(_init())
         run(params, opt, 1, stop)
         params, opt = through_a_checkpoint(params, opt, fresh)
-        resumed[stop] = run(params, opt, stop + 1, STEPS)[-1]
-    return {"history": history, "resumed": resumed}
+        resumed[stop] = run(params, opt, stop + 1, STEPS)[-1][0]
+    return {"history": [h for h, _ in history], "synchronized": [s for _, s in history], "resumed": resumed,
+            "counts": (stats["elements_waiting"], stats["elements_born_after_freeze"])}
 
 
 CASES = [("OneBitLamb", "onebitlamb", dict(compression_space="update", trust_ratio_after_freeze="frozen")),
@@ -77,7 +92,7 @@ CASES = [("OneBitLamb", "onebitlamb", dict(compression_space="update", trust_rat
 @pytest.mark.parametrize("kind,ref_kind,options", CASES, ids=["update-frozen", "momentum-unbounded", "live", "adam"])
 def test_rows_born_after_the_freeze_learn_as_the_reference_says(kind, ref_kind, options):
     n = 2
-    out = run_ranks(_run, n, (kind, options, (12, 15)), timeout_s=180)
+    out = run_ranks(_run, n, (kind, {"freeze_step": FREEZE, **options}, (12, 15)), timeout_s=180)
     for t in range(STEPS):
         for a, b in zip(out[0]["history"][t], out[1]["history"][t]):
             assert torch.equal(a, b), f"rank 1 differs from rank 0 at step {t + 1}"
@@ -102,60 +117,32 @@ def test_rows_born_after_the_freeze_learn_as_the_reference_says(kind, ref_kind, 
 ZERO_ONE = dict(var_freeze_step=FREEZE, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4)
 
 
-def _zero_one_run(rank, n, space, resume_at):
-    def fresh(init):
-        params = [torch.nn.Parameter(t.clone()) for t in init]
-        groups = [{"params": [p], "lr": lr, "weight_decay": wd} for p, lr, wd in zip(params, LRS, WDS)]
-        return params, onebitlamb.ZeroOneAdam(groups, lr=LRS[0], compression_space=space, bound_direction=False,
-                                              **ZERO_ONE)
-
-    def run(params, opt, start, stop):
-        history = []
-        for t in range(start, stop + 1):
-            for p, g in zip(params, _grads(params, rank, t)):
-                p.grad = g
-            opt.step()
-            history.append(([p.detach().clone() for p in params], opt.parameters_synchronized))
-        return history
-
-    params, opt = fresh(_init())
-    history = run(params, opt, 1, STEPS)
-    stats = opt.stats()
-    resumed = {}
-    for stop in resume_at:
-        params, opt = fresh(_init())
-        run(params, opt, 1, stop)
-        params, opt = through_a_checkpoint(params, opt, fresh)
-        resumed[stop] = run(params, opt, stop + 1, STEPS)[-1][0]
-    return {"history": history, "resumed": resumed,
-            "counts": (stats["elements_waiting"], stats["elements_born_after_freeze"])}
-
-
 @pytest.mark.parametrize("space", ["update", "momentum"])
 def test_zero_one_adams_rows_born_after_its_freeze_learn_as_the_reference_says(space):
     """0/1 Adam: a row first met after the variance froze, at a local step or a sync, takes the
     ranks' mean squared gradient of that step as its variance and learns from then on, as the
     reference says; the ranks agree at every sync, resumed runs are the run bit for bit."""
     n = 2
-    out = run_ranks(_zero_one_run, n, (space, (12, 15)), timeout_s=180)
+    options = dict(compression_space=space, bound_direction=False, **ZERO_ONE)  # the reference is unbounded
+    out = run_ranks(_run, n, ("ZeroOneAdam", options, (12, 15)), timeout_s=180)
     syncs = 0
     for t in range(STEPS):
-        if out[0]["history"][t][1]:
+        if out[0]["synchronized"][t]:
             syncs += t + 1 > FREEZE
-            for a, b in zip(out[0]["history"][t][0], out[1]["history"][t][0]):
+            for a, b in zip(out[0]["history"][t], out[1]["history"][t]):
                 assert torch.equal(a, b), f"rank 1 differs from rank 0 after the sync of step {t + 1}"
     assert syncs >= 3
     for rank in range(n):
         for stop, final in out[rank]["resumed"].items():
-            for a, b in zip(final, out[rank]["history"][-1][0]):
+            for a, b in zip(final, out[rank]["history"][-1]):
                 assert torch.equal(a, b), f"rank {rank} resumed after step {stop}"
     ref = ZeroOneRescaledReference(_init(), LRS, WDS, n=n, compression_space=space, **ZERO_ONE)
     for t in range(1, STEPS + 1):
         ref.step([_grads(ref.x[r], r, t) for r in range(n)])
         for rank in range(n):
-            for layer, (a, x) in enumerate(zip(out[rank]["history"][t - 1][0], ref.x[rank])):
+            for layer, (a, x) in enumerate(zip(out[rank]["history"][t - 1], ref.x[rank])):
                 assert float((a - x).norm() / x.norm()) < 1e-5, f"rank {rank}, layer {layer}, step {t}"
-    init_table, final = _init()[2], out[0]["history"][-1][0][2]
+    init_table, final = _init()[2], out[0]["history"][-1][2]
     for row in BIRTHS:
         assert float((final[row] - init_table[row]).norm()) > 1e-3, f"row {row} never moved"
     assert torch.equal(final[PADDING], init_table[PADDING])
@@ -167,9 +154,7 @@ def _counts(rank, n):
     opt = onebitlamb.OneBitLamb(params, lr=0.01, freeze_step=FREEZE)
     seen = []
     for t in range(1, STEPS + 1):
-        for p, g in zip(params, _grads(params, rank, t)):
-            p.grad = g
-        opt.step()
+        _step(params, opt, rank, t)
         stats = opt.stats()
         seen.append((stats["elements_waiting"], stats["elements_born_after_freeze"]))
     return seen
@@ -218,33 +203,23 @@ def test_a_refused_step_takes_back_zero_one_adams_births():
     """A step refused after its births were agreed (here: a learning rate past float32's range, as
     a bad schedule gives) leaves no variance behind: the state is the one before it, and the run
     that goes on is, bit for bit, the run that never took it."""
-    def fresh():
-        params = [torch.nn.Parameter(t.clone()) for t in _init()]
-        groups = [{"params": [p], "lr": lr, "weight_decay": wd} for p, lr, wd in zip(params, LRS, WDS)]
-        return params, onebitlamb.ZeroOneAdam(groups, lr=LRS[0], **ZERO_ONE)
-
-    def step(params, opt, t):
-        for p, g in zip(params, _grads(params, 0, t)):
-            p.grad = g
-        opt.step()
-
     first_birth = min(born for born, _ in BIRTHS.values())
     runs = []
     for refuse in (False, True):
-        params, opt = fresh()
+        params, opt = _made("ZeroOneAdam", ZERO_ONE, _init())
         for t in range(1, first_birth):
-            step(params, opt, t)
+            _step(params, opt, 0, t)
         if refuse:
             before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state["flat"].items()}
             opt.param_groups[2]["lr"] = 1e30
             with pytest.raises(FloatingPointError):
-                step(params, opt, first_birth)
+                _step(params, opt, 0, first_birth)
             opt.param_groups[2]["lr"] = LRS[2]
             for key, value in opt.state["flat"].items():
                 same = torch.equal(value, before[key]) if isinstance(value, torch.Tensor) else value == before[key]
                 assert same, f"{key} changed by the refused step"
         for t in range(first_birth, STEPS + 1):
-            step(params, opt, t)
+            _step(params, opt, 0, t)
         assert opt.stats()["elements_born_after_freeze"] == DIM * len(BIRTHS)
         runs.append([p.detach().clone() for p in params])
     assert all(torch.equal(a, b) for a, b in zip(*runs))

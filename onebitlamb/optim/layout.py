@@ -81,6 +81,10 @@ class FlatLayout:
     def ones(self) -> torch.Tensor:
         return self.per_layer([1.0] * len(self.params))
 
+    def layer_of(self, indices: torch.Tensor) -> torch.Tensor:
+        """The layer each flat index lies in."""
+        return torch.searchsorted(self.offsets.to(indices.device), indices, right=True) - 1
+
     def hyper(self, param_groups: Sequence[Dict[str, Any]], key: str) -> torch.Tensor:
         """A per-group hyper-parameter expanded to one value per layer."""
         return self.per_layer([float(param_groups[gi][key]) for gi in self.groups])

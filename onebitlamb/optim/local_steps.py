@@ -128,7 +128,7 @@ class LocalSteps(Phase):
         flat["born_after_freeze"] += indices.numel()
         ctx.buffers.derived["waiting"] -= indices.numel()
         ctx.denominators_born_(indices)
-        layer = torch.searchsorted(ctx.layout.offsets.to(indices.device), indices, right=True) - 1
+        layer = ctx.layout.layer_of(indices)
         inverse = ctx.frozen_denominators()[1][indices] if ctx.compresses_update() else None
         ctx.scales_born_(indices, layer, inverse)
 

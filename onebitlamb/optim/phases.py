@@ -305,7 +305,7 @@ class OneBitMomentum(Phase):
         ctx.state["momentum_mask"][indices] = True
         derived["waiting"] -= indices.numel()
         derived["born_late"] = torch.cat([derived["born_late"], indices])
-        layer = torch.searchsorted(ctx.layout.offsets.to(indices.device), indices, right=True) - 1
+        layer = ctx.layout.layer_of(indices)
         inverse = self._provisional_inverse(ctx)[layer] if ctx.compresses_update() else None
         ctx.scales_born_(indices, layer, inverse)
 
